@@ -1,0 +1,299 @@
+//! FlashAttention-style CPU backend: tiled, online softmax, f32 log-sum-exp, rayon
+//! over (head, row block), fully masked causal blocks skipped, `A_cumul` in a
+//! second pass with `O(T)` extra memory per head.
+
+use super::{AttentionBackend, DecodeArgs, PrefillArgs, check_decode, check_prefill};
+use crate::kernels::{dot, softmax_inplace};
+use crate::storage::{CpuStorage, StorageFactory};
+use crate::{Error, Result};
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+/// Tiled CPU attention.
+#[derive(Debug, Clone, Copy)]
+pub struct TiledBackend {
+    /// Query rows per tile.
+    pub block_q: usize,
+    /// Key columns per tile.
+    pub block_k: usize,
+}
+
+impl Default for TiledBackend {
+    fn default() -> Self {
+        Self {
+            block_q: 64,
+            block_k: 64,
+        }
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with a thread-local scratch buffer of at least `n` floats (reused
+/// across calls: no allocation per token once warm).
+fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.len() < n {
+            s.resize(n, 0.0);
+        }
+        f(&mut s[..n])
+    })
+}
+
+/// `c = alpha * a(m x k) * b(k x n) + beta * c`, all with explicit strides.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn gemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    (rsa, csa): (usize, usize),
+    b: &[f32],
+    (rsb, csb): (usize, usize),
+    beta: f32,
+    c: &mut [f32],
+    rsc: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    debug_assert!(a.len() > (m - 1) * rsa + (k.max(1) - 1) * csa);
+    debug_assert!(b.len() > (k.max(1) - 1) * rsb + (n - 1) * csb);
+    debug_assert!(c.len() > (m - 1) * rsc + (n - 1));
+    // SAFETY: the strides and lengths above keep every access inside the slices.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            rsa as isize,
+            csa as isize,
+            b.as_ptr(),
+            rsb as isize,
+            csb as isize,
+            beta,
+            c.as_mut_ptr(),
+            rsc as isize,
+            1,
+        );
+    }
+}
+
+impl TiledBackend {
+    fn check_blocks(&self) -> Result<()> {
+        if self.block_q == 0 || self.block_k == 0 {
+            return Err(Error::config("backend.block", "block sizes must be positive"));
+        }
+        Ok(())
+    }
+}
+
+impl AttentionBackend for TiledBackend {
+    fn name(&self) -> &'static str {
+        "tiled"
+    }
+
+    fn prefill(&self, a: PrefillArgs<'_>) -> Result<()> {
+        self.check_blocks()?;
+        let (_, g) = check_prefill(&a)?;
+        let (d, n, t) = (a.head_dim, a.n, a.t);
+        let (br, bk) = (self.block_q, self.block_k);
+        let scale = 1.0 / (d as f32).sqrt();
+        let off = t - n; // position of query 0
+        let q = a.q;
+        let keys = a.keys;
+        let values = a.values;
+        // Per-row log-sum-exp: the only O(T) extra state (per head) of pass 1.
+        let mut lse = vec![0.0f32; a.n_q_heads * n];
+        if n == 0 {
+            return Ok(());
+        }
+
+        a.out
+            .par_chunks_mut(n * d)
+            .zip(lse.par_chunks_mut(n))
+            .enumerate()
+            .for_each(|(h, (oh, lh))| {
+                let (k, v) = (keys[h / g], values[h / g]);
+                oh.par_chunks_mut(br * d)
+                    .zip(lh.par_chunks_mut(br))
+                    .enumerate()
+                    .for_each(|(rb, (acc, lrow))| {
+                        let r0 = rb * br;
+                        let nr = lrow.len();
+                        with_scratch(nr * d + nr * bk + 2 * nr, |buf| {
+                            let (qb, rest) = buf.split_at_mut(nr * d);
+                            let (s, rest) = rest.split_at_mut(nr * bk);
+                            let (m, l) = rest.split_at_mut(nr);
+                            for (dst, src) in qb.iter_mut().zip(&q[(h * n + r0) * d..(h * n + r0 + nr) * d]) {
+                                *dst = src * scale;
+                            }
+                            m.fill(f32::NEG_INFINITY);
+                            l.fill(0.0);
+                            acc.fill(0.0);
+                            let first_pos = off + r0;
+                            let last_pos = off + r0 + nr - 1;
+                            let mut c0 = 0;
+                            while c0 <= last_pos {
+                                let nc = bk.min(t - c0);
+                                let s = &mut s[..nr * nc];
+                                gemm(nr, d, nc, qb, (d, 1), &k[c0 * d..], (1, d), 0.0, s, nc);
+                                let needs_mask = c0 + nc - 1 > first_pos;
+                                for i in 0..nr {
+                                    let row = &mut s[i * nc..(i + 1) * nc];
+                                    if needs_mask {
+                                        let vis = (first_pos + i + 1).saturating_sub(c0).min(nc);
+                                        row[vis..].fill(f32::NEG_INFINITY);
+                                    }
+                                    let bm = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                                    let mnew = m[i].max(bm);
+                                    if mnew == f32::NEG_INFINITY {
+                                        row.fill(0.0);
+                                        continue;
+                                    }
+                                    let alpha = (m[i] - mnew).exp();
+                                    let mut sum = 0.0f32;
+                                    for x in row.iter_mut() {
+                                        *x = (*x - mnew).exp();
+                                        sum += *x;
+                                    }
+                                    l[i] = l[i] * alpha + sum;
+                                    m[i] = mnew;
+                                    if alpha != 1.0 {
+                                        acc[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= alpha);
+                                    }
+                                }
+                                gemm(nr, nc, d, s, (nc, 1), &v[c0 * d..], (d, 1), 1.0, acc, d);
+                                c0 += bk;
+                            }
+                            for i in 0..nr {
+                                let inv = 1.0 / l[i];
+                                acc[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= inv);
+                                lrow[i] = m[i] + l[i].ln();
+                            }
+                        })
+                    });
+            });
+
+        // Pass 2: A_cumul[h, j] += sum_i exp(s_ij - lse_i), one task per (head, key block).
+        if let Some(cumul) = a.cumulative {
+            let lse = &lse;
+            cumul.par_chunks_mut(t).enumerate().for_each(|(h, ch)| {
+                let k = keys[h / g];
+                ch.par_chunks_mut(bk).enumerate().for_each(|(kb, col)| {
+                    let c0 = kb * bk;
+                    let nc = col.len();
+                    // First query row that sees key c0.
+                    let i_start = c0.saturating_sub(off);
+                    if i_start >= n {
+                        return;
+                    }
+                    with_scratch(br * d + br * nc, |buf| {
+                        let (qb, s) = buf.split_at_mut(br * d);
+                        let mut i0 = i_start;
+                        while i0 < n {
+                            let nr = br.min(n - i0);
+                            let qb = &mut qb[..nr * d];
+                            for (dst, src) in qb.iter_mut().zip(&q[(h * n + i0) * d..(h * n + i0 + nr) * d]) {
+                                *dst = src * scale;
+                            }
+                            let s = &mut s[..nr * nc];
+                            gemm(nr, d, nc, qb, (d, 1), &k[c0 * d..], (1, d), 0.0, s, nc);
+                            for i in 0..nr {
+                                let pos = off + i0 + i;
+                                let vis = (pos + 1).saturating_sub(c0).min(nc);
+                                let li = lse[h * n + i0 + i];
+                                let row = &s[i * nc..i * nc + vis];
+                                for (c, x) in col[..vis].iter_mut().zip(row) {
+                                    *c += (x - li).exp();
+                                }
+                            }
+                            i0 += nr;
+                        }
+                    })
+                });
+            });
+        }
+        Ok(())
+    }
+
+    fn decode(&self, a: DecodeArgs<'_>) -> Result<()> {
+        let g = check_decode(&a)?;
+        let d = a.head_dim;
+        let scale = 1.0 / (d as f32).sqrt();
+        let q = a.q;
+        let heads = a.heads;
+        let run = |s: usize, out: &mut [f32], probs: Option<&mut [Vec<f32>]>| {
+            let head = &heads[s];
+            let n = head.len();
+            let nc = head.n_clusters();
+            let stride = n + nc;
+            with_scratch(g * d + g * stride, |buf| {
+                let (qs, sc) = buf.split_at_mut(g * d);
+                for (dst, src) in qs.iter_mut().zip(&q[s * g * d..(s + 1) * g * d]) {
+                    *dst = src * scale;
+                }
+                let nqk = head.n_quant_keys();
+                if let Some(qk) = head.quant_keys {
+                    qk.scores(qs, g, sc, stride);
+                }
+                head.fp_keys.scores(qs, g, &mut sc[nqk..], stride);
+                if let Some(c) = head.clusters {
+                    for j in 0..g {
+                        let qj = &qs[j * d..(j + 1) * d];
+                        for e in 0..nc {
+                            sc[j * stride + n + e] = dot(qj, &c.keys[e * d..(e + 1) * d]) + c.bias[e];
+                        }
+                    }
+                }
+                for j in 0..g {
+                    softmax_inplace(&mut sc[j * stride..(j + 1) * stride]);
+                }
+                out.fill(0.0);
+                let nqv = head.n_quant_values();
+                if let Some(qv) = head.quant_values {
+                    qv.accumulate(sc, g, stride, out);
+                }
+                head.fp_values.accumulate(&sc[nqv..], g, stride, out);
+                if let Some(c) = head.clusters {
+                    for j in 0..g {
+                        for e in 0..nc {
+                            let p = sc[j * stride + n + e];
+                            crate::kernels::axpy(p, &c.values[e * d..(e + 1) * d], &mut out[j * d..(j + 1) * d]);
+                        }
+                    }
+                }
+                if let Some(p) = probs {
+                    for j in 0..g {
+                        p[j].clear();
+                        p[j].extend_from_slice(&sc[j * stride..j * stride + n]);
+                    }
+                }
+            })
+        };
+        match a.probs {
+            Some(p) => a
+                .out
+                .par_chunks_mut(g * d)
+                .zip(p.par_chunks_mut(g))
+                .enumerate()
+                .for_each(|(s, (o, p))| run(s, o, Some(p))),
+            None => a
+                .out
+                .par_chunks_mut(g * d)
+                .enumerate()
+                .for_each(|(s, o)| run(s, o, None)),
+        }
+        Ok(())
+    }
+
+    fn storage(&self) -> &dyn StorageFactory {
+        &CpuStorage
+    }
+}

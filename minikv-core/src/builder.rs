@@ -1,0 +1,50 @@
+//! Config + model spec -> ready cache.
+
+use crate::attention::{AttentionBackend, cpu_backend};
+use crate::config::{CacheConfig, RunConfig};
+use crate::layered::LayeredCache;
+use crate::{KvCache, ModelSpec, Result};
+use std::sync::Arc;
+
+/// Builds caches for one model shape. `Config -> init()`, as in burn.
+#[derive(Debug, Clone)]
+pub struct CacheBuilder {
+    spec: ModelSpec,
+    backend: Arc<dyn AttentionBackend>,
+}
+
+impl CacheBuilder {
+    /// A builder using the default CPU backend (`tiled`).
+    pub fn new(spec: ModelSpec) -> Self {
+        Self {
+            spec,
+            backend: Arc::new(crate::attention::TiledBackend::default()),
+        }
+    }
+
+    /// Uses `backend` for attention and storage.
+    pub fn backend(mut self, backend: Arc<dyn AttentionBackend>) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// Uses the CPU backend named `name` (`tiled`, `reference`).
+    pub fn cpu_backend(self, name: &str) -> Result<Self> {
+        Ok(self.backend(cpu_backend(name)?))
+    }
+
+    /// The model shape.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// Builds a cache from a cache config.
+    pub fn build(&self, cfg: &CacheConfig) -> Result<Box<dyn KvCache>> {
+        Ok(Box::new(LayeredCache::new(cfg.clone(), self.spec, self.backend.clone())?))
+    }
+}
+
+/// Builds the cache of a run config with its CPU backend.
+pub fn build_cache(cfg: &RunConfig, spec: ModelSpec) -> Result<Box<dyn KvCache>> {
+    CacheBuilder::new(spec).cpu_backend(&cfg.backend)?.build(&cfg.cache)
+}

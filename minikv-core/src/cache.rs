@@ -1,0 +1,109 @@
+//! The model-facing KV cache contract.
+
+use crate::{ModelSpec, Result};
+use serde::Serialize;
+use std::fmt::Debug;
+
+/// Where a cache is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Prompt chunks are appended in full precision; attention is exact.
+    Prefill,
+    /// The cache has been compressed; one token per step.
+    Decode,
+}
+
+/// What a model calls. Models never name a concrete cache, policy, quantizer or
+/// backend: a new method is a new config, not a model change.
+///
+/// Per layer and step, a model calls [`append`](KvCache::append) with the new
+/// tokens' keys and values, then [`attend`](KvCache::attend) with their queries.
+/// After the whole prompt it calls [`end_prefill`](KvCache::end_prefill).
+/// Tensors are token-major: `k`, `v` are `[n][Hkv * d]`, `q` and `out` are
+/// `[n][Hq * d]`, all post-RoPE.
+pub trait KvCache: Send + Debug {
+    /// The model shape this cache was built for.
+    fn spec(&self) -> &ModelSpec;
+    /// Current phase.
+    fn phase(&self) -> Phase;
+    /// Tokens seen so far by `layer` (the next token's position).
+    fn seq_len(&self, layer: usize) -> usize;
+    /// Adds `n` new tokens to `layer`. In decode, `n` must be 1.
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n: usize) -> Result<()>;
+    /// Attention of the last `n` appended tokens' queries over the layer.
+    fn attend(&mut self, layer: usize, q: &[f32], n: usize, out: &mut [f32]) -> Result<()>;
+    /// Compresses (selection, quantization) at the end of prefill.
+    fn end_prefill(&mut self) -> Result<()>;
+    /// Bytes actually allocated, per layer and head.
+    fn memory(&self) -> MemoryReport;
+    /// Per-layer token budgets chosen at the end of prefill (empty before).
+    fn budgets(&self) -> Vec<crate::LayerBudget>;
+    /// Empties the cache for a new sequence.
+    fn reset(&mut self);
+}
+
+/// Bytes held by one storage head.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct HeadMemory {
+    /// Tokens held (quantized + full precision).
+    pub tokens: usize,
+    /// Packed low-bit codes (K and V).
+    pub quant_codes: usize,
+    /// Quantization scales and minimums (K and V).
+    pub quant_scales: usize,
+    /// Full-precision (fp16) rows: residual, or the whole head when unquantized.
+    pub fp: usize,
+    /// Stored token positions and scores (decode-time eviction only).
+    pub indices: usize,
+    /// Residual-cluster entries.
+    pub clusters: usize,
+}
+
+impl HeadMemory {
+    /// Sum of all parts.
+    pub fn total(&self) -> usize {
+        self.quant_codes + self.quant_scales + self.fp + self.indices + self.clusters
+    }
+}
+
+/// Bytes held by one layer.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct LayerMemory {
+    /// Per storage head.
+    pub heads: Vec<HeadMemory>,
+    /// Prefill staging (full-precision prompt K/V and signals), freed by `end_prefill`.
+    pub staging: usize,
+}
+
+/// Bytes actually allocated by a cache, with the full fp16 cache for comparison.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct MemoryReport {
+    /// Per layer.
+    pub layers: Vec<LayerMemory>,
+    /// Tokens seen (sequence length).
+    pub seq_len: usize,
+    /// Bytes a full fp16 cache would hold for `seq_len` tokens.
+    pub full_fp16_bytes: usize,
+}
+
+impl MemoryReport {
+    /// Total bytes of the compressed cache (staging included).
+    pub fn total_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| l.staging + l.heads.iter().map(HeadMemory::total).sum::<usize>())
+            .sum()
+    }
+    /// Sum of one field over all heads.
+    pub fn sum(&self, f: impl Fn(&HeadMemory) -> usize) -> usize {
+        self.layers.iter().flat_map(|l| &l.heads).map(f).sum()
+    }
+    /// `total / full fp16` (1.0 = no saving; 0.14 = 86% compression).
+    pub fn ratio(&self) -> f64 {
+        if self.full_fp16_bytes == 0 {
+            return 1.0;
+        }
+        self.total_bytes() as f64 / self.full_fp16_bytes as f64
+    }
+}

@@ -1,0 +1,336 @@
+//! Serde configs: a run config holds a [`CacheConfig`], which names the
+//! components (scorer, policy, selector, quantizers) by their `type`.
+//!
+//! Unknown fields and unknown `type` names are errors; [`CacheConfig::validate`]
+//! checks ranges and combinations and names the offending field.
+
+use crate::quant::{Axis, Quantizer};
+use crate::{Error, GqaReduce, ModelSpec, Result, SelectionPolicy, Selector, TokenScorer};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// A whole run config file (`configs/*.toml`).
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// Seed of every random choice made under this config.
+    #[serde(default)]
+    pub seed: u64,
+    /// Attention backend: `tiled` (default), `reference`, or `cuda`.
+    #[serde(default = "default_backend")]
+    pub backend: String,
+    /// The KV cache.
+    #[serde(default)]
+    pub cache: CacheConfig,
+}
+
+fn default_backend() -> String {
+    "tiled".into()
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            backend: default_backend(),
+            cache: CacheConfig::default(),
+        }
+    }
+}
+
+impl Clone for RunConfig {
+    fn clone(&self) -> Self {
+        serde_json::from_value(serde_json::to_value(self).expect("config serializes"))
+            .expect("config round-trips")
+    }
+}
+
+/// How many heads the cache stores.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeadMode {
+    /// `Hkv` heads; query-head scores are reduced per GQA group (default).
+    #[default]
+    PerKv,
+    /// `Hq` heads, K/V copied per query head, as the MiniKV and SnapKV reference
+    /// code do (a reproduction preset; stores `Hq/Hkv` times more).
+    PerQuery,
+}
+
+/// What happens to the selection during decode.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecodeMode {
+    /// Selection made once at the end of prefill, then frozen; generated tokens
+    /// are appended (MiniKV, SnapKV, PyramidKV).
+    #[default]
+    Frozen,
+    /// Keep `sinks + heavy + recent` tokens by evicting during decode with the
+    /// scorer's dynamic rule (H2O, TOVA, StreamingLLM).
+    Evict,
+}
+
+/// How the full-precision residual is streamed into the quantized part (§2).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResidualMode {
+    /// MiniKV: prefill leaves `n % G` tokens full; flush all when the residual
+    /// reaches `R`, before attention.
+    #[default]
+    Minikv,
+    /// KIVI: keys leave `n % R` full and flush all `R` after attention; values keep
+    /// a sliding window of exactly `R` full tokens.
+    Kivi,
+}
+
+/// Low-bit storage of the kept tokens.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuantConfig {
+    /// Quantizer for keys (none: keys stay fp16).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<Box<dyn Quantizer>>,
+    /// Quantizer for values (none: values stay fp16).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub values: Option<Box<dyn Quantizer>>,
+    /// Full-precision residual length `R` (must be a multiple of channel-axis groups).
+    #[serde(default = "default_residual")]
+    pub residual: usize,
+    /// Residual streaming semantics.
+    #[serde(default)]
+    pub residual_mode: ResidualMode,
+}
+
+fn default_residual() -> usize {
+    128
+}
+
+/// The KV cache: which tokens are kept (selection) and how they are stored (quant).
+///
+/// Without `scorer` nothing is evicted; without `quant` K/V are stored as fp16:
+/// the default config is the full fp16 cache of the papers.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheConfig {
+    /// Heads stored: per KV head (default) or per query head.
+    #[serde(default)]
+    pub heads: HeadMode,
+    /// Reduction of query-head scores into KV-head scores.
+    #[serde(default)]
+    pub gqa_reduce: GqaReduce,
+    /// Heavy-hitter budget as a ratio of the prompt length, in `[0, 1]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heavy: Option<f64>,
+    /// Heavy-hitter budget in tokens (instead of `heavy`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heavy_tokens: Option<usize>,
+    /// Recent window as a ratio of the prompt length, in `[0, 1]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recent: Option<f64>,
+    /// Recent window in tokens (instead of `recent`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recent_tokens: Option<usize>,
+    /// Attention sinks: the first `sinks` tokens are always kept.
+    #[serde(default)]
+    pub sinks: usize,
+    /// Frozen selection or decode-time eviction.
+    #[serde(default)]
+    pub decode: DecodeMode,
+    /// Token scorer; none means no eviction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scorer: Option<Box<dyn TokenScorer>>,
+    /// Layer budget policy (default `uniform`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<Box<dyn SelectionPolicy>>,
+    /// Selector (default `top_k`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<Box<dyn Selector>>,
+    /// Quantized storage; none means fp16.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quant: Option<QuantConfig>,
+}
+
+impl Clone for CacheConfig {
+    fn clone(&self) -> Self {
+        serde_json::from_value(serde_json::to_value(self).expect("config serializes"))
+            .expect("config round-trips")
+    }
+}
+
+fn check_ratio(field: &str, v: Option<f64>, tokens: Option<usize>) -> Result<()> {
+    if let Some(r) = v {
+        if !(0.0..=1.0).contains(&r) || r.is_nan() {
+            return Err(Error::config(field, format!("must be a ratio in [0, 1], got {r}")));
+        }
+        if tokens.is_some() {
+            return Err(Error::config(
+                field,
+                format!("set either `{field}` (ratio) or `{field}_tokens`, not both"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl CacheConfig {
+    /// True when the cache neither evicts nor quantizes.
+    pub fn is_full(&self) -> bool {
+        self.scorer.is_none() && self.quant.is_none()
+    }
+
+    /// Fills in the default policy and selector where a scorer is set (needs the
+    /// `minikv-policies` crate linked; otherwise a clear error).
+    pub fn resolve(&mut self) -> Result<()> {
+        if self.scorer.is_some() {
+            if self.policy.is_none() {
+                self.policy = Some(from_type_name("cache.policy", "uniform")?);
+            }
+            if self.selector.is_none() {
+                self.selector = Some(from_type_name("cache.selector", "top_k")?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks ranges and combinations; errors name the field.
+    pub fn validate(&self, spec: Option<&ModelSpec>) -> Result<()> {
+        check_ratio("cache.heavy", self.heavy, self.heavy_tokens)?;
+        check_ratio("cache.recent", self.recent, self.recent_tokens)?;
+        let budget_set = self.heavy.is_some()
+            || self.heavy_tokens.is_some()
+            || self.recent.is_some()
+            || self.recent_tokens.is_some()
+            || self.sinks > 0;
+        match &self.scorer {
+            None => {
+                if budget_set {
+                    return Err(Error::config(
+                        "cache.scorer",
+                        "a token budget (heavy/recent/sinks) is set but no scorer: set cache.scorer",
+                    ));
+                }
+                if self.policy.is_some() || self.selector.is_some() {
+                    return Err(Error::config("cache.scorer", "policy/selector given without a scorer"));
+                }
+                if self.decode == DecodeMode::Evict {
+                    return Err(Error::config("cache.decode", "`evict` needs a scorer"));
+                }
+            }
+            Some(s) => {
+                s.validate()?;
+                if !budget_set {
+                    return Err(Error::config(
+                        "cache.heavy",
+                        "a scorer is set but no budget: set heavy/recent (ratios) or heavy_tokens/recent_tokens",
+                    ));
+                }
+                if let Some(p) = &self.policy {
+                    p.validate()?;
+                }
+                if let Some(p) = &self.selector {
+                    p.validate()?;
+                }
+                if self.decode == DecodeMode::Evict {
+                    if s.dynamic_rule().is_none() {
+                        return Err(Error::config(
+                            "cache.decode",
+                            "`evict` needs a scorer with a decode-time rule (h2o, tova, streaming)",
+                        ));
+                    }
+                    if self.quant.is_some() {
+                        return Err(Error::Unsupported(
+                            "cache.decode = \"evict\" with cache.quant: decode-time eviction needs an unquantized cache"
+                                .into(),
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some(q) = &self.quant {
+            if q.keys.is_none() && q.values.is_none() {
+                return Err(Error::config("cache.quant", "set keys and/or values quantizers"));
+            }
+            if q.residual == 0 {
+                return Err(Error::config("cache.quant.residual", "must be positive"));
+            }
+            for (name, qz) in [("keys", &q.keys), ("values", &q.values)] {
+                let Some(qz) = qz else { continue };
+                let field = format!("cache.quant.{name}");
+                if let Some(spec) = spec {
+                    qz.validate(spec.head_dim)
+                        .map_err(|e| Error::config(&field, e.to_string()))?;
+                }
+                if qz.axis() == Axis::Channel && q.residual % qz.group() != 0 {
+                    return Err(Error::config(
+                        "cache.quant.residual",
+                        format!("R = {} is not a multiple of the {name} group size {}", q.residual, qz.group()),
+                    ));
+                }
+                if name == "values" && q.residual_mode == ResidualMode::Kivi && qz.axis() == Axis::Channel {
+                    return Err(Error::Unsupported(
+                        "residual_mode = \"kivi\" slides the value window one token at a time: values must be quantized per token".into(),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Builds a component from its `type` name alone (all parameters default).
+pub fn from_type_name<T: ?Sized>(field: &str, name: &str) -> Result<Box<T>>
+where
+    Box<T>: serde::de::DeserializeOwned,
+{
+    serde_json::from_value(serde_json::json!({ "type": name })).map_err(|e| {
+        Error::config(
+            field,
+            format!("cannot build default `{name}`: {e} (is minikv-policies linked?)"),
+        )
+    })
+}
+
+impl RunConfig {
+    /// Parses TOML (`.toml`) or JSON (anything else) text.
+    pub fn parse(text: &str, json: bool) -> Result<Self> {
+        if json {
+            serde_json::from_str(text).map_err(|e| Error::Parse(e.to_string()))
+        } else {
+            toml::from_str(text).map_err(|e| Error::Parse(e.to_string().trim_end().to_string()))
+        }
+    }
+
+    /// Reads, parses, resolves defaults and validates a config file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let json = path.extension().is_some_and(|e| e == "json");
+        let mut cfg = Self::parse(&text, json).map_err(|e| match e {
+            Error::Parse(m) => Error::Parse(format!("{}: {m}", path.display())),
+            e => e,
+        })?;
+        cfg.resolve()?;
+        cfg.validate(None)?;
+        Ok(cfg)
+    }
+
+    /// Fills in defaults (see [`CacheConfig::resolve`]).
+    pub fn resolve(&mut self) -> Result<()> {
+        self.cache.resolve()
+    }
+
+    /// Validates the whole config.
+    pub fn validate(&self, spec: Option<&ModelSpec>) -> Result<()> {
+        if !["tiled", "reference", "cuda"].contains(&self.backend.as_str()) {
+            return Err(Error::config(
+                "backend",
+                format!("unknown backend `{}` (tiled, reference, cuda)", self.backend),
+            ));
+        }
+        self.cache.validate(spec)
+    }
+
+    /// The resolved config as TOML.
+    pub fn to_toml(&self) -> Result<String> {
+        toml::to_string(self).map_err(|e| Error::Parse(e.to_string()))
+    }
+}

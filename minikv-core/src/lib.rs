@@ -1,0 +1,68 @@
+//! # minikv-core
+//!
+//! Traits, errors, the config-built KV cache and the CPU attention backends of
+//! minikv. Every other crate depends on this one; this one depends on no other
+//! minikv crate and never on CUDA.
+//!
+//! * The model-facing contract: [`KvCache`] (append, attend, compress, report
+//!   memory) and [`AttentionBackend`] (prefill attention that can return the
+//!   cumulative attention `A_cumul`, decode attention over a compressed layer).
+//! * The research extension points, object-safe and deserializable by `type`
+//!   name with `typetag`: [`TokenScorer`], [`SelectionPolicy`], [`Selector`],
+//!   [`Quantizer`]. Implementations live in `minikv-policies` and `minikv-quant`.
+//! * [`RunConfig`] / [`CacheConfig`]: serde configs (TOML or JSON); a config
+//!   without compression is the full fp16 cache.
+//!
+//! ```
+//! use minikv_core::{CacheBuilder, CacheConfig, KvCache, ModelSpec, Phase};
+//!
+//! let spec = ModelSpec { n_layers: 2, n_q_heads: 4, n_kv_heads: 2, head_dim: 8, max_seq_len: 64 };
+//! let mut cache = CacheBuilder::new(spec).build(&CacheConfig::default())?; // full fp16 cache
+//! let (t, kv, qd) = (5, 2 * 8, 4 * 8);
+//! let k: Vec<f32> = (0..t * kv).map(|i| (i as f32 * 0.37).sin()).collect();
+//! let q: Vec<f32> = (0..t * qd).map(|i| (i as f32 * 0.11).cos()).collect();
+//! let mut out = vec![0.0; t * qd];
+//! for layer in 0..2 {
+//!     cache.append(layer, &k, &k, t)?;
+//!     cache.attend(layer, &q, t, &mut out)?;
+//! }
+//! cache.end_prefill()?;
+//! assert_eq!(cache.phase(), Phase::Decode);
+//! assert_eq!(cache.memory().total_bytes(), spec.full_fp16_bytes(t) + 0 * out.len()
+//!     + cache.memory().total_bytes() - spec.full_fp16_bytes(t)); // fp16 rows (+ growth slack)
+//! assert!(cache.memory().total_bytes() >= spec.full_fp16_bytes(t));
+//! # Ok::<(), minikv_core::Error>(())
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod attention;
+pub mod budget;
+pub mod builder;
+pub mod cache;
+pub mod components;
+pub mod config;
+mod error;
+pub mod kernels;
+pub mod layered;
+pub mod quant;
+pub mod scoring;
+pub mod select;
+mod spec;
+pub mod storage;
+
+pub use attention::{AttentionBackend, ClusterView, DecodeArgs, HeadView, PrefillArgs, ReferenceBackend, TiledBackend};
+pub use budget::{BudgetRequest, LayerBudget, LayerStatistic, SelectionPolicy, apportion};
+pub use builder::{CacheBuilder, build_cache};
+pub use cache::{HeadMemory, KvCache, LayerMemory, MemoryReport, Phase};
+pub use config::{CacheConfig, DecodeMode, HeadMode, QuantConfig, ResidualMode, RunConfig};
+pub use error::{Error, Result, check_finite, check_len};
+pub use quant::{Axis, QuantBytes, QuantStore, Quantizer};
+pub use scoring::{DynamicRule, GqaReduce, Needs, ScoreInputs, TokenScorer, reduce_gqa};
+pub use select::{SelectionInput, Selector, top_k_indices};
+pub use spec::ModelSpec;
+
+#[doc(hidden)]
+pub use inventory as __inventory;
+#[doc(hidden)]
+pub use serde_json as __serde_json;

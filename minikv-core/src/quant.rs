@@ -1,0 +1,77 @@
+//! Low-bit K/V storage: the [`Quantizer`] extension point and the [`QuantStore`]
+//! that holds one head's quantized keys or values.
+
+use crate::Result;
+use serde::{Deserialize, Serialize};
+use std::any::Any;
+use std::fmt::Debug;
+
+/// Which axis quantization groups run along.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Axis {
+    /// Per channel: for each channel, groups of `G` consecutive tokens (KIVI keys).
+    Channel,
+    /// Per token: for each token, groups of `G` consecutive channels (KIVI values).
+    Token,
+}
+
+/// A quantization scheme. Implementations live in `minikv-quant`.
+#[typetag::serde(tag = "type")]
+pub trait Quantizer: Send + Sync + Debug {
+    /// Bits per element.
+    fn bits(&self) -> u32;
+    /// Group size `G`.
+    fn group(&self) -> usize;
+    /// Grouping axis.
+    fn axis(&self) -> Axis;
+    /// Checks parameters against the head dimension.
+    fn validate(&self, head_dim: usize) -> Result<()>;
+    /// An empty store for one head's keys or values.
+    fn new_store(&self, head_dim: usize) -> Result<Box<dyn QuantStore>>;
+    /// Tokens are appended to a store in multiples of this (G per channel, 1 per token).
+    fn token_granularity(&self) -> usize {
+        match self.axis() {
+            Axis::Channel => self.group(),
+            Axis::Token => 1,
+        }
+    }
+}
+
+/// Bytes held by a quantized store.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct QuantBytes {
+    /// Packed codes.
+    pub codes: usize,
+    /// Scales and minimums.
+    pub scales: usize,
+}
+
+/// One head's quantized keys or values, with fused attention primitives.
+///
+/// The fused methods work straight from the packed codes and the per-group
+/// scale/min: the dequantized tensor is never materialized.
+pub trait QuantStore: Send + Sync + Debug {
+    /// Tokens held.
+    fn len(&self) -> usize;
+    /// True when empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Head dimension.
+    fn head_dim(&self) -> usize;
+    /// Appends `rows` (`[n][d]`, `n` a multiple of the quantizer's token granularity).
+    fn append(&mut self, rows: &[f32]) -> Result<()>;
+    /// `out[j * stride + t] = q_j . x_hat_t` for `g` queries `q` (`[g][d]`) and every token `t`.
+    fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize);
+    /// `out[j][c] += sum_t p[j * stride + t] * x_hat_t[c]` for `g` weight rows.
+    fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]);
+    /// Writes the dequantized rows `[len][d]` (for reference checks and tools).
+    fn dequantize(&self, out: &mut [f32]);
+    /// Bytes actually allocated.
+    fn bytes(&self) -> QuantBytes;
+    /// Releases spare capacity.
+    fn shrink(&mut self);
+    /// For backends that own their store types.
+    fn as_any(&self) -> &dyn Any;
+}

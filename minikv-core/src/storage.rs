@@ -1,0 +1,182 @@
+//! Full-precision (fp16) row storage and the storage factory through which a
+//! backend creates every store of a cache.
+
+use crate::quant::{QuantStore, Quantizer};
+use crate::{Result, kernels};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use std::any::Any;
+use std::fmt::Debug;
+
+/// Rows of one head kept in full precision (the residual, or the whole cache when
+/// nothing is quantized).
+pub trait FpStore: Send + Sync + Debug {
+    /// Rows held.
+    fn len(&self) -> usize;
+    /// True when empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Appends rows `[n][d]`.
+    fn push(&mut self, rows: &[f32]);
+    /// Overwrites row `idx`.
+    fn replace(&mut self, idx: usize, row: &[f32]);
+    /// Removes row `idx`, moving the last row into its place (O(d)).
+    fn swap_remove(&mut self, idx: usize);
+    /// Removes the first `n` rows, appending them as f32 to `out`.
+    fn drain_front(&mut self, n: usize, out: &mut Vec<f32>);
+    /// `out[j * stride + t] = q_j . x_t`.
+    fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize);
+    /// `out[j][c] += sum_t p[j * stride + t] * x_t[c]`.
+    fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]);
+    /// Rows as f32 `[len][d]`.
+    fn to_f32(&self, out: &mut [f32]);
+    /// Bytes actually allocated.
+    fn bytes(&self) -> usize;
+    /// Releases spare capacity.
+    fn shrink(&mut self);
+    /// For backends that own their store types.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// Creates the stores of a cache. A device backend returns stores that live on
+/// the device; the CPU backends use [`CpuStorage`].
+pub trait StorageFactory: Send + Sync + Debug {
+    /// An empty fp16 row store for head dimension `d`.
+    fn fp_store(&self, head_dim: usize) -> Box<dyn FpStore>;
+    /// An empty quantized store.
+    fn quant_store(&self, q: &dyn Quantizer, head_dim: usize) -> Result<Box<dyn QuantStore>> {
+        q.new_store(head_dim)
+    }
+}
+
+/// Host-memory storage.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuStorage;
+
+impl StorageFactory for CpuStorage {
+    fn fp_store(&self, head_dim: usize) -> Box<dyn FpStore> {
+        Box::new(Fp16Rows::new(head_dim))
+    }
+}
+
+/// Rows stored as IEEE fp16, grown in bounded steps so that the allocation stays
+/// close to what is used.
+#[derive(Debug, Clone)]
+pub struct Fp16Rows {
+    d: usize,
+    data: Vec<f16>,
+}
+
+/// Rows converted to f32 at a time in the fused loops.
+const CHUNK: usize = 32;
+/// Growth step in rows (allocation never exceeds use by more than this).
+const GROW_ROWS: usize = 256;
+
+impl Fp16Rows {
+    /// Empty store for head dimension `d`.
+    pub fn new(d: usize) -> Self {
+        Self { d, data: Vec::new() }
+    }
+
+    fn reserve_rows(&mut self, n: usize) {
+        let need = self.data.len() + n * self.d;
+        if need > self.data.capacity() {
+            let step = GROW_ROWS.max(self.data.len() / self.d / 8) * self.d;
+            let target = need.max(self.data.len() + step);
+            self.data.reserve_exact(target - self.data.len());
+        }
+    }
+}
+
+impl FpStore for Fp16Rows {
+    fn len(&self) -> usize {
+        self.data.len() / self.d
+    }
+    fn push(&mut self, rows: &[f32]) {
+        let n = rows.len() / self.d;
+        self.reserve_rows(n);
+        let start = self.data.len();
+        self.data.resize(start + rows.len(), f16::ZERO);
+        self.data[start..].convert_from_f32_slice(rows);
+    }
+    fn replace(&mut self, idx: usize, row: &[f32]) {
+        let d = self.d;
+        self.data[idx * d..(idx + 1) * d].convert_from_f32_slice(row);
+    }
+    fn swap_remove(&mut self, idx: usize) {
+        let d = self.d;
+        let last = self.len() - 1;
+        if idx != last {
+            self.data.copy_within(last * d..(last + 1) * d, idx * d);
+        }
+        self.data.truncate(last * d);
+    }
+    fn drain_front(&mut self, n: usize, out: &mut Vec<f32>) {
+        let k = n * self.d;
+        let start = out.len();
+        out.resize(start + k, 0.0);
+        self.data[..k].convert_to_f32_slice(&mut out[start..]);
+        self.data.drain(..k);
+    }
+    fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
+        let d = self.d;
+        let mut buf = [0.0f32; CHUNK * 256];
+        let rows_per = if d <= 256 { CHUNK } else { 1 };
+        if d > 256 {
+            let mut row = vec![0.0f32; d];
+            for t in 0..self.len() {
+                self.data[t * d..(t + 1) * d].convert_to_f32_slice(&mut row);
+                for j in 0..g {
+                    out[j * stride + t] = kernels::dot(&q[j * d..(j + 1) * d], &row);
+                }
+            }
+            return;
+        }
+        let n = self.len();
+        let mut t0 = 0;
+        while t0 < n {
+            let m = rows_per.min(n - t0);
+            let b = &mut buf[..m * d];
+            self.data[t0 * d..(t0 + m) * d].convert_to_f32_slice(b);
+            for j in 0..g {
+                let qj = &q[j * d..(j + 1) * d];
+                let o = &mut out[j * stride + t0..j * stride + t0 + m];
+                for (r, o) in o.iter_mut().enumerate() {
+                    *o = kernels::dot(qj, &b[r * d..(r + 1) * d]);
+                }
+            }
+            t0 += m;
+        }
+    }
+    fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
+        let d = self.d;
+        let n = self.len();
+        let mut row = [0.0f32; 256];
+        let mut heap;
+        let row: &mut [f32] = if d <= 256 {
+            &mut row[..d]
+        } else {
+            heap = vec![0.0f32; d];
+            &mut heap
+        };
+        for t in 0..n {
+            self.data[t * d..(t + 1) * d].convert_to_f32_slice(row);
+            for j in 0..g {
+                kernels::axpy(p[j * stride + t], row, &mut out[j * d..(j + 1) * d]);
+            }
+        }
+    }
+    fn to_f32(&self, out: &mut [f32]) {
+        self.data.convert_to_f32_slice(&mut out[..self.data.len()]);
+    }
+    fn bytes(&self) -> usize {
+        self.data.capacity() * 2
+    }
+    fn shrink(&mut self) {
+        self.data.shrink_to_fit();
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

@@ -1,0 +1,224 @@
+//! Layer budget policies (algorithms.md §5).
+
+use minikv_core::{BudgetRequest, Error, LayerBudget, LayerStatistic, Result, SelectionPolicy, apportion, register};
+use serde::{Deserialize, Serialize};
+
+fn heavy_cap(req: &BudgetRequest<'_>) -> usize {
+    req.prompt_len.saturating_sub(req.recent + req.sinks)
+}
+
+fn with_recent(heavy: Vec<usize>, req: &BudgetRequest<'_>) -> Vec<LayerBudget> {
+    heavy.into_iter().map(|h| LayerBudget { heavy: h, recent: req.recent }).collect()
+}
+
+/// Every layer keeps the mean budget.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Uniform {}
+
+#[typetag::serde(name = "uniform")]
+impl SelectionPolicy for Uniform {
+    fn layer_budgets(&self, req: &BudgetRequest<'_>) -> Result<Vec<LayerBudget>> {
+        let h = req.heavy.min(heavy_cap(req));
+        Ok(with_recent(vec![h; req.n_layers], req))
+    }
+}
+register!(Policy, "uniform", Uniform, "every layer keeps the mean heavy budget");
+
+/// MiniKV pyramid: linear from `2x - x/depth` (bottom) to `x/depth` (top); lower
+/// layers get more. Integer counts by largest remainder: the sum is exactly
+/// `L * mean` (unless capped by the prompt).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Pyramid {
+    /// Depth `delta` (MiniKV default 7).
+    #[serde(default = "d_depth")]
+    pub depth: f64,
+}
+fn d_depth() -> f64 {
+    7.0
+}
+impl Default for Pyramid {
+    fn default() -> Self {
+        Self { depth: 7.0 }
+    }
+}
+
+impl Pyramid {
+    /// Per-layer ratios for mean ratio `x` (algorithms.md §5).
+    pub fn ratios(&self, n_layers: usize, x: f64) -> Vec<f64> {
+        if n_layers == 1 {
+            return vec![x];
+        }
+        let (k0, kl) = (2.0 * x - x / self.depth, x / self.depth);
+        (0..n_layers).map(|l| k0 + (kl - k0) * l as f64 / (n_layers - 1) as f64).collect()
+    }
+}
+
+#[typetag::serde(name = "pyramid")]
+impl SelectionPolicy for Pyramid {
+    fn validate(&self) -> Result<()> {
+        if !(self.depth >= 1.0) {
+            return Err(Error::config("cache.policy.depth", format!("must be >= 1, got {}", self.depth)));
+        }
+        Ok(())
+    }
+    fn layer_budgets(&self, req: &BudgetRequest<'_>) -> Result<Vec<LayerBudget>> {
+        let w = self.ratios(req.n_layers, 1.0);
+        let h = apportion(&w, req.n_layers * req.heavy, heavy_cap(req))?;
+        Ok(with_recent(h, req))
+    }
+}
+register!(Policy, "pyramid", Pyramid, "MiniKV pyramid: heavy budget linear in depth, 2x - x/depth at layer 0 down to x/depth; total conserved");
+
+/// PyramidKV schedule: capacity `C = heavy + recent`, window `W = recent`,
+/// `min = (C-W)//beta`, `max = 2(C-W) - min` clamped to `T - W`, integer steps.
+/// Its floors make the total exceed uniform by at most `L(L-1)/2` tokens.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PyramidKv {
+    /// `beta` (PyramidKV default 20).
+    #[serde(default = "d_beta")]
+    pub beta: usize,
+}
+fn d_beta() -> usize {
+    20
+}
+impl Default for PyramidKv {
+    fn default() -> Self {
+        Self { beta: 20 }
+    }
+}
+
+#[typetag::serde(name = "pyramidkv")]
+impl SelectionPolicy for PyramidKv {
+    fn validate(&self) -> Result<()> {
+        if self.beta == 0 {
+            return Err(Error::config("cache.policy.beta", "must be positive"));
+        }
+        Ok(())
+    }
+    fn layer_budgets(&self, req: &BudgetRequest<'_>) -> Result<Vec<LayerBudget>> {
+        let (l, t, w) = (req.n_layers, req.prompt_len, req.recent);
+        let cw = req.heavy; // C - W
+        let c = cw + w;
+        if t < c {
+            return Ok(with_recent(vec![t; l], req)); // nothing evicted
+        }
+        if t < 2 * cw || l == 1 {
+            return Ok(with_recent(vec![cw; l], req));
+        }
+        let mut min = cw / self.beta;
+        let mut max = 2 * cw - min;
+        if max > t - w {
+            max = t - w;
+            min = 2 * cw - max;
+        }
+        let steps = (max - min) / (l - 1);
+        Ok(with_recent((0..l).map(|i| max - i * steps).collect(), req))
+    }
+}
+register!(Policy, "pyramidkv", PyramidKv, "PyramidKV: C = heavy + recent, W = recent, beta schedule with its integer floors and fallbacks");
+
+fn stat_budgets(req: &BudgetRequest<'_>, inverse: bool, field: &str) -> Result<Vec<LayerBudget>> {
+    let stats = req
+        .layer_stats
+        .ok_or_else(|| Error::Budget(format!("{field} needs per-layer attention statistics from a model run")))?;
+    if stats.len() != req.n_layers {
+        return Err(Error::shape(format!("{field} layer statistics"), req.n_layers, stats.len()));
+    }
+    if stats.iter().any(|v| !v.is_finite() || *v < 0.0) {
+        return Err(Error::Budget(format!("{field}: statistics must be finite and >= 0: {stats:?}")));
+    }
+    let floor = stats.iter().copied().filter(|v| *v > 0.0).fold(f32::INFINITY, f32::min);
+    let w: Vec<f64> = stats
+        .iter()
+        .map(|&v| {
+            let v = if v > 0.0 { v as f64 } else if floor.is_finite() { floor as f64 } else { 1.0 };
+            if inverse { 1.0 / v } else { v }
+        })
+        .collect();
+    let h = apportion(&w, req.n_layers * req.heavy, heavy_cap(req))?;
+    Ok(with_recent(h, req))
+}
+
+/// Var-prop (MiniKV §4.2): heavy budget proportional to a per-layer statistic.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VarProp {
+    /// The statistic (default: variance of `A_cumul`, mean over heads).
+    #[serde(default)]
+    pub statistic: LayerStatistic,
+}
+
+#[typetag::serde(name = "var_prop")]
+impl SelectionPolicy for VarProp {
+    fn layer_statistic(&self) -> Option<LayerStatistic> {
+        Some(self.statistic)
+    }
+    fn layer_budgets(&self, req: &BudgetRequest<'_>) -> Result<Vec<LayerBudget>> {
+        stat_budgets(req, false, "var_prop")
+    }
+}
+register!(Policy, "var_prop", VarProp, "heavy budget proportional to a per-layer statistic (default Var(A_cumul)); total conserved");
+
+/// Var-inv: heavy budget proportional to the inverse of the statistic.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VarInv {
+    /// The statistic (default: variance of `A_cumul`, mean over heads).
+    #[serde(default)]
+    pub statistic: LayerStatistic,
+}
+
+#[typetag::serde(name = "var_inv")]
+impl SelectionPolicy for VarInv {
+    fn layer_statistic(&self) -> Option<LayerStatistic> {
+        Some(self.statistic)
+    }
+    fn layer_budgets(&self, req: &BudgetRequest<'_>) -> Result<Vec<LayerBudget>> {
+        stat_budgets(req, true, "var_inv")
+    }
+}
+register!(Policy, "var_inv", VarInv, "heavy budget proportional to 1 / per-layer statistic; total conserved");
+
+/// An explicit heavy budget per layer, as ratios of the prompt (`heavy`) or
+/// token counts (`heavy_tokens`); the mean budget of the cache is ignored.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PerLayer {
+    /// Ratios per layer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub heavy: Vec<f64>,
+    /// Tokens per layer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub heavy_tokens: Vec<usize>,
+}
+
+#[typetag::serde(name = "per_layer")]
+impl SelectionPolicy for PerLayer {
+    fn validate(&self) -> Result<()> {
+        if self.heavy.is_empty() == self.heavy_tokens.is_empty() {
+            return Err(Error::config("cache.policy", "per_layer needs exactly one of `heavy` (ratios) or `heavy_tokens`"));
+        }
+        if let Some(r) = self.heavy.iter().find(|r| !(0.0..=1.0).contains(*r)) {
+            return Err(Error::config("cache.policy.heavy", format!("ratios must be in [0, 1], got {r}")));
+        }
+        Ok(())
+    }
+    fn layer_budgets(&self, req: &BudgetRequest<'_>) -> Result<Vec<LayerBudget>> {
+        self.validate()?;
+        let n = self.heavy.len().max(self.heavy_tokens.len());
+        if n != req.n_layers {
+            return Err(Error::config("cache.policy", format!("per_layer lists {n} layers, the model has {}", req.n_layers)));
+        }
+        let cap = heavy_cap(req);
+        let h = if self.heavy.is_empty() {
+            self.heavy_tokens.iter().map(|&x| x.min(cap)).collect()
+        } else {
+            self.heavy.iter().map(|r| ((r * req.prompt_len as f64).floor() as usize).min(cap)).collect()
+        };
+        Ok(with_recent(h, req))
+    }
+}
+register!(Policy, "per_layer", PerLayer, "explicit per-layer heavy budgets (ratios or tokens)");

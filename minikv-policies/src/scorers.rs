@@ -1,0 +1,255 @@
+//! Token scorers (algorithms.md §3).
+
+use minikv_core::{DynamicRule, Error, Needs, Result, ScoreInputs, TokenScorer, kernels, register};
+use serde::{Deserialize, Serialize};
+
+/// MiniKV / H2O cumulative attention `A_cumul`: column sums of the causal softmax
+/// over all prompt rows. Prefill-only (frozen selection, MiniKV).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CumulativeAttention {
+    /// Divide each column by the number of rows that see it (kvpress variant).
+    #[serde(default)]
+    pub normalize: bool,
+}
+
+fn cumul_scores(normalize: bool, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
+    let c = inp
+        .cumulative
+        .ok_or_else(|| Error::Unsupported("cumulative attention was not collected".into()))?;
+    out.copy_from_slice(c);
+    if normalize {
+        let t = inp.t;
+        for row in out.chunks_mut(t) {
+            for (j, x) in row.iter_mut().enumerate() {
+                *x /= (t - j) as f32;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[typetag::serde(name = "cumulative_attention")]
+impl TokenScorer for CumulativeAttention {
+    fn needs(&self) -> Needs {
+        Needs { cumulative_attention: true, query_window: 0 }
+    }
+    fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
+        cumul_scores(self.normalize, inp, out)
+    }
+}
+register!(Scorer, "cumulative_attention", CumulativeAttention, "MiniKV/H2O A_cumul: column sums of the causal softmax over all prompt rows (normalize: divide by rows that see the column)");
+
+/// H2O: `A_cumul` at the end of prefill, then scores keep accumulating during
+/// decode and the lowest-scored token outside the recent window is evicted.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct H2o {
+    /// Divide each column by the number of rows that see it.
+    #[serde(default)]
+    pub normalize: bool,
+}
+
+#[typetag::serde(name = "h2o")]
+impl TokenScorer for H2o {
+    fn needs(&self) -> Needs {
+        Needs { cumulative_attention: true, query_window: 0 }
+    }
+    fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
+        cumul_scores(self.normalize, inp, out)
+    }
+    fn dynamic_rule(&self) -> Option<DynamicRule> {
+        Some(DynamicRule::Accumulate)
+    }
+}
+register!(Scorer, "h2o", H2o, "H2O: A_cumul, accumulated during decode (use with decode = \"evict\")");
+
+/// SnapKV pooling.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pooling {
+    /// Average pooling, zero padding counted.
+    Avg,
+    /// Max pooling, `-inf` padding.
+    #[default]
+    Max,
+}
+
+/// SnapKV: attention of the last `window` prompt queries, pooled.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapKv {
+    /// Observation window `W` (last prompt queries).
+    #[serde(default = "d_window")]
+    pub window: usize,
+    /// Pooling kernel `k` (odd); 1 disables pooling.
+    #[serde(default = "d_kernel")]
+    pub kernel: usize,
+    /// Pooling type.
+    #[serde(default)]
+    pub pooling: Pooling,
+}
+fn d_window() -> usize {
+    32
+}
+fn d_kernel() -> usize {
+    7
+}
+impl Default for SnapKv {
+    /// MiniKV's SnapKV settings: W = 32, k = 7, max pooling.
+    fn default() -> Self {
+        Self { window: 32, kernel: 7, pooling: Pooling::Max }
+    }
+}
+
+/// Softmax rows of `q_window · K^T / sqrt(d)` for one query head, causal inside
+/// the window; calls `f(row_index, probs)` per row.
+fn window_softmax(inp: &ScoreInputs<'_>, h: usize, mut f: impl FnMut(usize, &[f32])) -> Result<()> {
+    let (t, w, d) = (inp.t, inp.window, inp.spec.head_dim);
+    let wq = inp
+        .window_queries
+        .ok_or_else(|| Error::Unsupported("window queries were not collected".into()))?;
+    let k = inp.keys[inp.spec.kv_head_of(h)];
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut s = vec![0.0f32; t];
+    for i in 0..w {
+        let pos = t - w + i;
+        let qi = &wq[(h * w + i) * d..(h * w + i + 1) * d];
+        for j in 0..=pos {
+            s[j] = kernels::dot(qi, &k[j * d..(j + 1) * d]) * scale;
+        }
+        kernels::softmax_inplace(&mut s[..=pos]);
+        f(i, &s[..=pos]);
+    }
+    Ok(())
+}
+
+/// 1-D pooling with `same` padding.
+pub fn pool1d(x: &[f32], kernel: usize, pooling: Pooling) -> Vec<f32> {
+    if kernel <= 1 {
+        return x.to_vec();
+    }
+    let r = kernel / 2;
+    let n = x.len();
+    (0..n)
+        .map(|i| {
+            let lo = i.saturating_sub(r);
+            let hi = (i + r).min(n - 1);
+            let win = &x[lo..=hi];
+            match pooling {
+                Pooling::Max => win.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+                Pooling::Avg => win.iter().sum::<f32>() / kernel as f32,
+            }
+        })
+        .collect()
+}
+
+#[typetag::serde(name = "snapkv")]
+impl TokenScorer for SnapKv {
+    fn needs(&self) -> Needs {
+        Needs { cumulative_attention: false, query_window: self.window }
+    }
+    fn validate(&self) -> Result<()> {
+        if self.window == 0 {
+            return Err(Error::config("cache.scorer.window", "must be positive"));
+        }
+        if self.kernel == 0 || self.kernel % 2 == 0 {
+            return Err(Error::config("cache.scorer.kernel", format!("must be odd, got {}", self.kernel)));
+        }
+        Ok(())
+    }
+    fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
+        let (t, w) = (inp.t, inp.window);
+        let prefix = t - w;
+        for h in 0..inp.spec.n_q_heads {
+            let mut acc = vec![0.0f32; prefix];
+            window_softmax(inp, h, |_, p| {
+                acc.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+            })?;
+            let pooled = pool1d(&acc, self.kernel, self.pooling);
+            let row = &mut out[h * t..(h + 1) * t];
+            row[..prefix].copy_from_slice(&pooled);
+            let top = pooled.iter().copied().fold(0.0f32, f32::max) + 1.0;
+            row[prefix..].fill(top);
+        }
+        Ok(())
+    }
+}
+register!(Scorer, "snapkv", SnapKv, "SnapKV: attention of the last `window` prompt queries, pooled (kernel, avg|max); the window itself scores highest");
+
+/// TOVA: attention of the latest query, averaged over the heads of the layer.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tova {}
+
+#[typetag::serde(name = "tova")]
+impl TokenScorer for Tova {
+    fn needs(&self) -> Needs {
+        Needs { cumulative_attention: false, query_window: 1 }
+    }
+    fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
+        let t = inp.t;
+        let hq = inp.spec.n_q_heads;
+        let mut mean = vec![0.0f32; t];
+        for h in 0..hq {
+            window_softmax(inp, h, |_, p| {
+                mean.iter_mut().zip(p).for_each(|(a, b)| *a += b / hq as f32);
+            })?;
+        }
+        for row in out.chunks_mut(t) {
+            row.copy_from_slice(&mean);
+        }
+        Ok(())
+    }
+    fn dynamic_rule(&self) -> Option<DynamicRule> {
+        Some(DynamicRule::LastQuery)
+    }
+}
+register!(Scorer, "tova", Tova, "TOVA: attention of the latest query, mean over the layer's heads; re-scored every decode step");
+
+/// Key norm (Knorm): score = `-||k_j||` (low-norm keys attract attention).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyNorm {}
+
+#[typetag::serde(name = "key_norm")]
+impl TokenScorer for KeyNorm {
+    fn needs(&self) -> Needs {
+        Needs::default()
+    }
+    fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
+        let (t, d) = (inp.t, inp.spec.head_dim);
+        for h in 0..inp.spec.n_q_heads {
+            let k = inp.keys[inp.spec.kv_head_of(h)];
+            for j in 0..t {
+                let kj = &k[j * d..(j + 1) * d];
+                out[h * t + j] = -kernels::dot(kj, kj).sqrt();
+            }
+        }
+        Ok(())
+    }
+}
+register!(Scorer, "key_norm", KeyNorm, "Knorm: score = -||k||");
+
+/// Recency: newer tokens score higher. With `heavy = 0`, `sinks = 4` and
+/// `decode = "evict"` this is StreamingLLM.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recency {}
+
+#[typetag::serde(name = "recency")]
+impl TokenScorer for Recency {
+    fn needs(&self) -> Needs {
+        Needs::default()
+    }
+    fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
+        for row in out.chunks_mut(inp.t) {
+            row.iter_mut().enumerate().for_each(|(j, x)| *x = j as f32);
+        }
+        Ok(())
+    }
+    fn dynamic_rule(&self) -> Option<DynamicRule> {
+        Some(DynamicRule::Recency)
+    }
+}
+register!(Scorer, "recency", Recency, "position (newer = higher); StreamingLLM with sinks + recent window and decode = \"evict\"");
