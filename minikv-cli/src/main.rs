@@ -1,1 +1,224 @@
-fn main() {}
+//! `minikv`: the command line of minikv.
+
+use clap::{Args, Parser, Subcommand};
+use minikv_core::{Error, Result};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+// typetag registers impls only in binaries that reference their crate.
+use minikv_policies as _;
+use minikv_quant as _;
+
+mod bench;
+mod commands;
+mod provenance;
+
+#[derive(Parser)]
+#[command(name = "minikv", version, about = "KV-cache compression for LLM inference (MiniKV, KIVI, H2O, SnapKV, ...)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// List every registered component (scorers, policies, selectors, quantizers) with its parameters.
+    Components {
+        /// JSON output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Config files.
+    Config {
+        #[command(subcommand)]
+        cmd: ConfigCmd,
+    },
+    /// Model facts: shape, weight types and bytes, tokenizer.
+    Info(ModelArg),
+    /// Generate text from a prompt through a (compressed) cache.
+    Generate(GenerateArgs),
+    /// Prompt token ids and the top-K logits at the last position.
+    Logits(LogitsArgs),
+    /// Perplexity of a text's first N tokens through a (compressed) cache.
+    Perplexity(PplArgs),
+    /// Quantize rows of a JSON file and show codes, packing, scales, error.
+    Quantize(QuantizeArgs),
+    /// Per-layer (and per-head) token budgets a config gives.
+    Budgets(BudgetsArgs),
+    /// Micro-benchmarks.
+    Bench {
+        #[command(subcommand)]
+        cmd: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigCmd {
+    /// Validate a config and print it resolved, defaults filled in.
+    Check {
+        /// TOML or JSON config.
+        file: PathBuf,
+        /// Print JSON instead of TOML.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Decode attention per token: full fp16 cache vs fused 2-bit and 4-bit caches.
+    Attention(bench::AttentionArgs),
+}
+
+/// The model to load.
+#[derive(Args, Clone)]
+pub struct ModelArg {
+    /// GGUF file or Hugging Face directory (default: the fetched SmolLM2-135M-Instruct).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Prompt text.
+    #[arg(long)]
+    pub prompt: String,
+    /// Cache config (TOML/JSON); default: full fp16 cache.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Maximum new tokens.
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// Wrap the prompt in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus mass.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Seed (default: the config's seed).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// JSON output (no streaming).
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct LogitsArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Prompt text.
+    #[arg(long)]
+    pub prompt: String,
+    /// How many top logits.
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
+    /// Cache config (prefill attention is exact; the config matters for memory).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// JSON output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct PplArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Text file, or a directory of .txt files (concatenated in name order).
+    #[arg(long)]
+    pub text: PathBuf,
+    /// Number of tokens to evaluate.
+    #[arg(long, default_value_t = 512)]
+    pub tokens: usize,
+    /// Tokens prefilled before compression (default: half); the rest are
+    /// teacher-forced one per decode step through the compressed cache.
+    #[arg(long)]
+    pub prefill: Option<usize>,
+    /// Cache config; default: full fp16 cache.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// JSON output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct QuantizeArgs {
+    /// Bits: 2, 4 or 8.
+    #[arg(long)]
+    pub bits: u32,
+    /// Group size.
+    #[arg(long)]
+    pub group: usize,
+    /// `token`: each row is quantized along itself; `channel`: the rows are
+    /// tokens and groups run down each column (rows of the output are channels).
+    #[arg(long, value_parser = ["token", "channel"])]
+    pub axis: String,
+    /// JSON file: an array of rows of numbers.
+    #[arg(long)]
+    pub input: PathBuf,
+    /// Storage of scale/min: f16 (reference) or f32.
+    #[arg(long, default_value = "f16", value_parser = ["f16", "f32"])]
+    pub scale_dtype: String,
+    /// JSON output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct BudgetsArgs {
+    /// Cache config.
+    pub config: PathBuf,
+    /// Number of layers.
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Prompt length T.
+    #[arg(long)]
+    pub tokens: usize,
+    /// KV heads (for per-head output).
+    #[arg(long, default_value_t = 1)]
+    pub kv_heads: usize,
+    /// Model for policies that need attention statistics (with --text).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Text whose first T tokens are prefilled (with --model).
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// JSON output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Components { json } => commands::components(json),
+        Cmd::Config { cmd: ConfigCmd::Check { file, json } } => commands::config_check(&file, json),
+        Cmd::Info(m) => commands::info(&m),
+        Cmd::Generate(a) => commands::generate(&a),
+        Cmd::Logits(a) => commands::logits(&a),
+        Cmd::Perplexity(a) => commands::perplexity(&a),
+        Cmd::Quantize(a) => commands::quantize(&a),
+        Cmd::Budgets(a) => commands::budgets(&a),
+        Cmd::Bench { cmd: BenchCmd::Attention(a) } => bench::attention(&a),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            if let Error::Io { .. } = e {
+                return ExitCode::from(3);
+            }
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,1 +1,91 @@
-//! placeholder
+//! # minikv-models
+//!
+//! Llama-family models (SmolLM2-135M-Instruct by default) on CPU: a validating
+//! memory-mapped GGUF reader (F32, F16, BF16, Q8_0, Q4_0, Q4_1), a safetensors
+//! loader for Hugging Face checkpoints, the byte-level BPE tokenizer built in
+//! memory with the `tokenizers` crate, and the forward pass.
+//!
+//! Models depend on `minikv-core` alone: attention goes through
+//! [`minikv_core::KvCache`], so every cache, policy, quantizer and backend works
+//! with every model without a model change.
+//!
+//! ```no_run
+//! use minikv_core::{CacheBuilder, CacheConfig};
+//! use minikv_models::{LanguageModel, load, generate, SamplingConfig};
+//!
+//! let (model, tok) = load(std::path::Path::new("assets/SmolLM2-135M-Instruct.Q4_1.gguf"))?;
+//! let mut cache = CacheBuilder::new(model.spec()).build(&CacheConfig::default())?;
+//! let ids = tok.encode("The capital of France is")?;
+//! let g = generate(model.as_ref(), &tok, cache.as_mut(), &ids, 8, SamplingConfig::default(), |s| print!("{s}"))?;
+//! assert!(g.text.starts_with(" Paris"));
+//! # Ok::<(), minikv_core::Error>(())
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod blocks;
+mod generate;
+pub mod gguf;
+pub mod llama;
+pub mod matrix;
+mod safetensors;
+mod sampling;
+mod tokenizer;
+
+pub use generate::{Generation, Perplexity, StopReason, generate, nll_of, perplexity};
+pub use llama::{Llama, LlamaConfig, RopeLayout};
+pub use safetensors::{export_hf, load_hf};
+pub use sampling::{Sampler, SamplingConfig, argmax};
+pub use tokenizer::Tokenizer;
+
+use minikv_core::{KvCache, ModelSpec, Result};
+use std::path::Path;
+
+/// Which logits a forward pass returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// None (prefill without prediction).
+    None,
+    /// The last position only (`[vocab]`).
+    Last,
+    /// Every position (`[n][vocab]`).
+    All,
+}
+
+/// Reusable activation buffers (no allocation per token once warm).
+#[derive(Debug, Default)]
+pub struct Workspace {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    o: Vec<f32>,
+    g: Vec<f32>,
+    u: Vec<f32>,
+}
+
+/// A causal language model that attends only through a [`KvCache`].
+pub trait LanguageModel: Send + Sync {
+    /// The attention shape (what a cache needs).
+    fn spec(&self) -> ModelSpec;
+    /// Vocabulary size.
+    fn vocab_size(&self) -> usize;
+    /// Runs `tokens` at the cache's next positions; returns the requested logits.
+    fn forward(&self, tokens: &[u32], cache: &mut dyn KvCache, ws: &mut Workspace, logits: Logits) -> Result<Vec<f32>>;
+}
+
+/// Loads a model: a `.gguf` file, or a directory with `config.json`,
+/// `*.safetensors` and `tokenizer.json`.
+pub fn load(path: &Path) -> Result<(Box<Llama>, Tokenizer)> {
+    if path.is_dir() {
+        let m = load_hf(path)?;
+        let t = Tokenizer::from_file(&path.join("tokenizer.json"))?;
+        return Ok((Box::new(m), t));
+    }
+    let g = gguf::Gguf::open(path)?;
+    let m = Llama::from_gguf(&g)?;
+    let t = Tokenizer::from_gguf(&g)?;
+    Ok((Box::new(m), t))
+}

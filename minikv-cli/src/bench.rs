@@ -1,0 +1,142 @@
+//! `minikv bench attention`: decode attention per token, full fp16 vs fused low-bit.
+
+use clap::Args;
+use minikv_core::attention::{AttentionBackend, DecodeArgs, HeadView, TiledBackend};
+use minikv_core::storage::{Fp16Rows, FpStore};
+use minikv_core::{Axis, Error, QuantStore, Quantizer, Result};
+use minikv_quant::{MinMax, ScaleDtype};
+use serde_json::json;
+use std::time::Instant;
+
+#[derive(Args)]
+pub struct AttentionArgs {
+    /// Cached tokens T.
+    #[arg(long)]
+    pub tokens: usize,
+    /// Head dimension.
+    #[arg(long, default_value_t = 64)]
+    pub head_dim: usize,
+    /// Query heads.
+    #[arg(long, default_value_t = 9)]
+    pub q_heads: usize,
+    /// KV heads.
+    #[arg(long, default_value_t = 3)]
+    pub kv_heads: usize,
+    /// Minimum measuring time per variant (seconds).
+    #[arg(long, default_value_t = 1.0)]
+    pub seconds: f64,
+    /// JSON output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct Heads {
+    qk: Vec<Option<Box<dyn QuantStore>>>,
+    qv: Vec<Option<Box<dyn QuantStore>>>,
+    fk: Vec<Fp16Rows>,
+    fv: Vec<Fp16Rows>,
+}
+
+impl Heads {
+    fn bytes(&self) -> usize {
+        let q: usize = self.qk.iter().chain(&self.qv).flatten().map(|s| {
+            let b = s.bytes();
+            b.codes + b.scales
+        }).sum();
+        q + self.fk.iter().chain(&self.fv).map(|s| s.bytes()).sum::<usize>()
+    }
+    fn views(&self) -> Vec<HeadView<'_>> {
+        (0..self.fk.len())
+            .map(|s| HeadView { quant_keys: self.qk[s].as_deref(), quant_values: self.qv[s].as_deref(), fp_keys: &self.fk[s], fp_values: &self.fv[s], clusters: None })
+            .collect()
+    }
+}
+
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    (0..n).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) as f32 / u32::MAX as f32) * 2.0 - 1.0).collect()
+}
+
+fn build(a: &AttentionArgs, bits: Option<u32>) -> Result<Heads> {
+    let (t, d) = (a.tokens, a.head_dim);
+    let mut h = Heads { qk: vec![], qv: vec![], fk: vec![], fv: vec![] };
+    for s in 0..a.kv_heads {
+        let k = data(t * d, 17 + s as u32);
+        let v = data(t * d, 91 + s as u32);
+        let mut fk = Fp16Rows::new(d);
+        let mut fv = Fp16Rows::new(d);
+        match bits {
+            None => {
+                fk.push(&k);
+                fv.push(&v);
+                h.qk.push(None);
+                h.qv.push(None);
+            }
+            Some(b) => {
+                let g = 16;
+                let nq = t - t % g;
+                let mut qk = MinMax { bits: b, group: g, axis: Axis::Channel, scale_dtype: ScaleDtype::F16 }.new_store(d)?;
+                let mut qv = MinMax { bits: b, group: g, axis: Axis::Token, scale_dtype: ScaleDtype::F16 }.new_store(d)?;
+                qk.append(&k[..nq * d])?;
+                qv.append(&v[..nq * d])?;
+                qk.shrink();
+                qv.shrink();
+                fk.push(&k[nq * d..]);
+                fv.push(&v[nq * d..]);
+                h.qk.push(Some(qk));
+                h.qv.push(Some(qv));
+            }
+        }
+        fk.shrink();
+        fv.shrink();
+        h.fk.push(fk);
+        h.fv.push(fv);
+    }
+    Ok(h)
+}
+
+fn time(a: &AttentionArgs, h: &Heads) -> Result<f64> {
+    let be = TiledBackend::default();
+    let q = data(a.q_heads * a.head_dim, 5);
+    let mut out = vec![0.0f32; q.len()];
+    let views = h.views();
+    let mut step = || be.decode(DecodeArgs { q: &q, heads: &views, head_dim: a.head_dim, out: &mut out, probs: None });
+    for _ in 0..3 {
+        step()?;
+    }
+    let mut samples = Vec::new();
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < a.seconds || samples.len() < 5 {
+        let t = Instant::now();
+        step()?;
+        samples.push(t.elapsed().as_secs_f64());
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok(samples[samples.len() / 2])
+}
+
+pub fn attention(a: &AttentionArgs) -> Result<()> {
+    if a.tokens == 0 || a.kv_heads == 0 || a.q_heads % a.kv_heads != 0 {
+        return Err(Error::Input("need tokens > 0 and kv-heads dividing q-heads".into()));
+    }
+    let full = build(a, None)?;
+    let tf = time(a, &full)?;
+    let mut rows = vec![json!({"cache": "fp16", "seconds_per_token": tf, "bytes_read_per_token": full.bytes(), "speedup_vs_fp16": 1.0})];
+    for b in [2u32, 4] {
+        let h = build(a, Some(b))?;
+        let tq = time(a, &h)?;
+        rows.push(json!({"cache": format!("fused {b}-bit (G=16, keys per channel, values per token)"), "seconds_per_token": tq, "bytes_read_per_token": h.bytes(), "speedup_vs_fp16": tf / tq, "bytes_ratio_vs_fp16": full.bytes() as f64 / h.bytes() as f64}));
+    }
+    let v = json!({"tokens": a.tokens, "head_dim": a.head_dim, "q_heads": a.q_heads, "kv_heads": a.kv_heads, "threads": rayon_threads(), "results": rows});
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+    } else {
+        for r in v["results"].as_array().expect("array") {
+            println!("{:<60} {:>10.1} us/token  {:>10} bytes  x{:.2}", r["cache"].as_str().unwrap_or(""), r["seconds_per_token"].as_f64().unwrap_or(0.0) * 1e6, r["bytes_read_per_token"], r["speedup_vs_fp16"].as_f64().unwrap_or(0.0));
+        }
+    }
+    Ok(())
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}

@@ -1,0 +1,95 @@
+//! What produced a result: config, seed, model checksum, git revision.
+
+use minikv_core::{Error, Result};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// Attached to every JSON result.
+#[derive(Debug, Clone, Serialize)]
+pub struct Provenance {
+    /// minikv version.
+    pub minikv: &'static str,
+    /// `git describe`-style revision of the source tree (`-dirty` if modified).
+    pub git_rev: String,
+    /// Model path, if a model was used.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// sha256 of the model file (or of `model.safetensors`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_sha256: Option<String>,
+    /// Seed.
+    pub seed: u64,
+    /// Resolved config.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config: Option<serde_json::Value>,
+}
+
+pub fn git_rev() -> String {
+    let dir = env!("CARGO_MANIFEST_DIR");
+    let run = |args: &[&str]| {
+        std::process::Command::new("git").arg("-C").arg(dir).args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    match run(&["rev-parse", "--short=12", "HEAD"]) {
+        Some(r) => {
+            let dirty = run(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+            if dirty { format!("{r}-dirty") } else { r }
+        }
+        None => "unknown".into(),
+    }
+}
+
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let file = if path.is_dir() { path.join("model.safetensors") } else { path.to_path_buf() };
+    let mut f = std::fs::File::open(&file).map_err(|e| Error::io(&file, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| Error::io(&file, e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+pub fn provenance(model: Option<&Path>, seed: u64, config: Option<serde_json::Value>) -> Result<Provenance> {
+    Ok(Provenance {
+        minikv: env!("CARGO_PKG_VERSION"),
+        git_rev: git_rev(),
+        model: model.map(|p| p.display().to_string()),
+        model_sha256: model.map(sha256_file).transpose()?,
+        seed,
+        config,
+    })
+}
+
+/// The default model: `$MINIKV_MODEL`, else the fetched SmolLM2 in `$MINIKV_ASSETS`,
+/// `./assets` or the source tree's `assets/`.
+pub fn default_model() -> Result<PathBuf> {
+    if let Ok(p) = std::env::var("MINIKV_MODEL") {
+        return Ok(PathBuf::from(p));
+    }
+    let name = "SmolLM2-135M-Instruct.Q4_1.gguf";
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    if let Ok(a) = std::env::var("MINIKV_ASSETS") {
+        dirs.push(PathBuf::from(a));
+    }
+    dirs.push(PathBuf::from("assets"));
+    dirs.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets"));
+    dirs.iter()
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+        .ok_or_else(|| Error::Input(format!("no --model given and {name} not found in {dirs:?}: run scripts/fetch-assets.sh")))
+}
+
+/// The assets folder (for texts).
+pub fn assets_dir() -> PathBuf {
+    if let Ok(a) = std::env::var("MINIKV_ASSETS") {
+        return PathBuf::from(a);
+    }
+    let local = PathBuf::from("assets");
+    if local.is_dir() { local } else { Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets") }
+}

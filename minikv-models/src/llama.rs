@@ -1,0 +1,357 @@
+//! Llama-family decoder (SmolLM2): RMSNorm, RoPE, grouped-query attention through
+//! the [`KvCache`] trait only, SwiGLU, tied or separate output head.
+
+use crate::blocks::GgmlType;
+use crate::gguf::Gguf;
+use crate::matrix::QMatrix;
+use crate::{LanguageModel, Logits, Workspace};
+use minikv_core::{Error, KvCache, ModelSpec, Result};
+use serde::Serialize;
+
+/// How RoPE pairs dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeLayout {
+    /// `(0,1), (2,3), ...`: GGUF files (Q/K weights permuted by llama.cpp's converter).
+    Adjacent,
+    /// `(i, i + d/2)`: Hugging Face checkpoints.
+    Halves,
+}
+
+/// Hyper-parameters.
+#[derive(Debug, Clone, Serialize)]
+pub struct LlamaConfig {
+    /// Layers.
+    pub n_layers: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// FFN inner size.
+    pub ffn: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// KV heads.
+    pub n_kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// RoPE base.
+    pub rope_base: f64,
+    /// RMSNorm epsilon.
+    pub rms_eps: f32,
+    /// Context length.
+    pub max_seq_len: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+    /// RoPE pairing.
+    pub rope: RopeLayout,
+}
+
+impl LlamaConfig {
+    /// Checks the numbers before any tensor is read.
+    pub fn validate(&self) -> Result<()> {
+        for (k, v) in [("n_layers", self.n_layers), ("hidden", self.hidden), ("ffn", self.ffn), ("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads), ("head_dim", self.head_dim), ("max_seq_len", self.max_seq_len), ("vocab", self.vocab)] {
+            if v == 0 || v > 1 << 24 {
+                return Err(Error::Format(format!("model config `{k}` = {v} is out of range")));
+            }
+        }
+        if self.n_heads % self.n_kv_heads != 0 || self.head_dim % 2 != 0 {
+            return Err(Error::Format(format!("model config: {} heads / {} KV heads / head dim {} is not a valid GQA layout", self.n_heads, self.n_kv_heads, self.head_dim)));
+        }
+        if !(self.rope_base > 1.0) || !(self.rms_eps > 0.0) {
+            return Err(Error::Format("model config: rope base must be > 1 and rms eps > 0".into()));
+        }
+        Ok(())
+    }
+}
+
+/// One transformer block.
+#[derive(Debug, Clone)]
+pub struct Block {
+    /// Pre-attention RMSNorm weight.
+    pub attn_norm: Vec<f32>,
+    /// Q projection `[Hq d][hidden]`.
+    pub wq: QMatrix,
+    /// K projection `[Hkv d][hidden]`.
+    pub wk: QMatrix,
+    /// V projection.
+    pub wv: QMatrix,
+    /// Output projection `[hidden][Hq d]`.
+    pub wo: QMatrix,
+    /// Pre-FFN RMSNorm weight.
+    pub ffn_norm: Vec<f32>,
+    /// Gate `[ffn][hidden]`.
+    pub w_gate: QMatrix,
+    /// Up `[ffn][hidden]`.
+    pub w_up: QMatrix,
+    /// Down `[hidden][ffn]`.
+    pub w_down: QMatrix,
+}
+
+/// A Llama model.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    /// Hyper-parameters.
+    pub cfg: LlamaConfig,
+    /// Token embeddings `[vocab][hidden]`.
+    pub embed: QMatrix,
+    /// Blocks.
+    pub blocks: Vec<Block>,
+    /// Final norm.
+    pub norm: Vec<f32>,
+    /// Output head; `None` = tied to `embed`.
+    pub lm_head: Option<QMatrix>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+fn vector(g: &Gguf, name: &str, n: usize) -> Result<Vec<f32>> {
+    let t = g.tensor(name)?;
+    if t.n_elements() != n {
+        return Err(Error::Format(format!("tensor `{name}` has {} elements, expected {n}", t.n_elements())));
+    }
+    let mut v = vec![0.0; n];
+    crate::blocks::dequantize_row(t.dtype, g.blob(t).bytes(), &mut v);
+    Ok(v)
+}
+
+fn matrix(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<QMatrix> {
+    let t = g.tensor(name)?;
+    if t.dims.len() != 2 || t.dims[0] != cols || t.dims[1] != rows {
+        return Err(Error::Format(format!("tensor `{name}` has shape {:?}, expected [{cols}, {rows}]", t.dims)));
+    }
+    QMatrix::new(name, t.dtype, rows, cols, g.blob(t))
+}
+
+impl Llama {
+    /// Loads a `llama`-architecture GGUF.
+    pub fn from_gguf(g: &Gguf) -> Result<Self> {
+        let arch = g.get_str("general.architecture")?;
+        if arch != "llama" {
+            return Err(Error::Format(format!("unsupported architecture `{arch}` (supported: llama)")));
+        }
+        let k = |s: &str| format!("llama.{s}");
+        let hidden = g.get_usize(&k("embedding_length"))?;
+        let n_heads = g.get_usize(&k("attention.head_count"))?;
+        let embd = g.tensor("token_embd.weight")?;
+        let cfg = LlamaConfig {
+            n_layers: g.get_usize(&k("block_count"))?,
+            hidden,
+            ffn: g.get_usize(&k("feed_forward_length"))?,
+            n_heads,
+            n_kv_heads: g.get_usize(&k("attention.head_count_kv")).unwrap_or(n_heads),
+            head_dim: if n_heads > 0 { hidden / n_heads } else { 0 },
+            rope_base: g.get_f64(&k("rope.freq_base")).unwrap_or(10000.0),
+            rms_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon"))? as f32,
+            max_seq_len: g.get_usize(&k("context_length"))?,
+            vocab: *embd.dims.get(1).ok_or_else(|| Error::Format("token_embd.weight is not 2-D".into()))?,
+            rope: RopeLayout::Adjacent,
+        };
+        cfg.validate()?;
+        if let Ok(rd) = g.get_usize(&k("rope.dimension_count")) {
+            if rd != cfg.head_dim {
+                return Err(Error::Format(format!("partial RoPE (rope.dimension_count = {rd}, head dim {}) is not supported", cfg.head_dim)));
+            }
+        }
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let mut blocks = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let b = |s: &str| format!("blk.{i}.{s}.weight");
+            blocks.push(Block {
+                attn_norm: vector(g, &b("attn_norm"), h)?,
+                wq: matrix(g, &b("attn_q"), cfg.n_heads * hd, h)?,
+                wk: matrix(g, &b("attn_k"), cfg.n_kv_heads * hd, h)?,
+                wv: matrix(g, &b("attn_v"), cfg.n_kv_heads * hd, h)?,
+                wo: matrix(g, &b("attn_output"), h, cfg.n_heads * hd)?,
+                ffn_norm: vector(g, &b("ffn_norm"), h)?,
+                w_gate: matrix(g, &b("ffn_gate"), cfg.ffn, h)?,
+                w_up: matrix(g, &b("ffn_up"), cfg.ffn, h)?,
+                w_down: matrix(g, &b("ffn_down"), h, cfg.ffn)?,
+            });
+        }
+        let embed = matrix(g, "token_embd.weight", cfg.vocab, h)?;
+        let norm = vector(g, "output_norm.weight", h)?;
+        let lm_head = match g.tensors.contains_key("output.weight") {
+            true => Some(matrix(g, "output.weight", cfg.vocab, h)?),
+            false => None,
+        };
+        Ok(Self::assemble(cfg, embed, blocks, norm, lm_head))
+    }
+
+    /// Builds a model from parts (precomputes the RoPE tables).
+    pub fn assemble(cfg: LlamaConfig, embed: QMatrix, blocks: Vec<Block>, norm: Vec<f32>, lm_head: Option<QMatrix>) -> Self {
+        let half = cfg.head_dim / 2;
+        let n = cfg.max_seq_len;
+        let mut cos = vec![0.0f32; n * half];
+        let mut sin = vec![0.0f32; n * half];
+        for p in 0..n {
+            for i in 0..half {
+                let theta = cfg.rope_base.powf(-2.0 * i as f64 / cfg.head_dim as f64);
+                let a = p as f64 * theta;
+                cos[p * half + i] = a.cos() as f32;
+                sin[p * half + i] = a.sin() as f32;
+            }
+        }
+        Self { cfg, embed, blocks, norm, lm_head, cos, sin }
+    }
+
+    /// Bytes of all weights as stored.
+    pub fn weight_bytes(&self) -> usize {
+        let b = &self.blocks;
+        self.embed.bytes().len()
+            + self.lm_head.as_ref().map_or(0, |m| m.bytes().len())
+            + b.iter().map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.w_gate, &b.w_up, &b.w_down].iter().map(|m| m.bytes().len()).sum::<usize>() + 8 * b.attn_norm.len()).sum::<usize>()
+    }
+
+    /// Weight storage types, for reports (e.g. `Q4_1 x210, Q8_0 x1`).
+    pub fn weight_types(&self) -> String {
+        let mut m = std::collections::BTreeMap::<String, usize>::new();
+        for b in &self.blocks {
+            for w in [&b.wq, &b.wk, &b.wv, &b.wo, &b.w_gate, &b.w_up, &b.w_down] {
+                *m.entry(format!("{:?}", w.dtype)).or_default() += 1;
+            }
+        }
+        *m.entry(format!("{:?}", self.embed.dtype)).or_default() += 1;
+        m.iter().map(|(k, v)| format!("{k} x{v}")).collect::<Vec<_>>().join(", ")
+    }
+
+    fn rope(&self, x: &mut [f32], n_heads: usize, pos0: usize) {
+        let d = self.cfg.head_dim;
+        let half = d / 2;
+        let row = n_heads * d;
+        for (i, xr) in x.chunks_exact_mut(row).enumerate() {
+            let p = pos0 + i;
+            let (c, s) = (&self.cos[p * half..(p + 1) * half], &self.sin[p * half..(p + 1) * half]);
+            for hd in xr.chunks_exact_mut(d) {
+                match self.cfg.rope {
+                    RopeLayout::Adjacent => {
+                        for j in 0..half {
+                            let (a, b) = (hd[2 * j], hd[2 * j + 1]);
+                            hd[2 * j] = a * c[j] - b * s[j];
+                            hd[2 * j + 1] = a * s[j] + b * c[j];
+                        }
+                    }
+                    RopeLayout::Halves => {
+                        let (lo, hi) = hd.split_at_mut(half);
+                        for j in 0..half {
+                            let (a, b) = (lo[j], hi[j]);
+                            lo[j] = a * c[j] - b * s[j];
+                            hi[j] = a * s[j] + b * c[j];
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn chunk(&self, tokens: &[u32], pos0: usize, cache: &mut dyn KvCache, ws: &mut Workspace, want: Logits, out: &mut Vec<f32>) -> Result<()> {
+        let c = &self.cfg;
+        let n = tokens.len();
+        let (h, hd) = (c.hidden, c.head_dim);
+        let (qd, kd) = (c.n_heads * hd, c.n_kv_heads * hd);
+        ws.x.resize(n * h, 0.0);
+        ws.h.resize(n * h, 0.0);
+        ws.q.resize(n * qd, 0.0);
+        ws.k.resize(n * kd, 0.0);
+        ws.v.resize(n * kd, 0.0);
+        ws.att.resize(n * qd, 0.0);
+        ws.o.resize(n * h, 0.0);
+        ws.g.resize(n * c.ffn, 0.0);
+        ws.u.resize(n * c.ffn, 0.0);
+        for (i, &t) in tokens.iter().enumerate() {
+            self.embed.dequantize_row(t as usize, &mut ws.x[i * h..(i + 1) * h]);
+        }
+        for (l, b) in self.blocks.iter().enumerate() {
+            rms_norm(&ws.x, &b.attn_norm, c.rms_eps, &mut ws.h);
+            b.wq.matmul(&ws.h, n, &mut ws.q);
+            b.wk.matmul(&ws.h, n, &mut ws.k);
+            b.wv.matmul(&ws.h, n, &mut ws.v);
+            self.rope(&mut ws.q, c.n_heads, pos0);
+            self.rope(&mut ws.k, c.n_kv_heads, pos0);
+            cache.append(l, &ws.k, &ws.v, n)?;
+            cache.attend(l, &ws.q, n, &mut ws.att)?;
+            b.wo.matmul(&ws.att, n, &mut ws.o);
+            ws.x.iter_mut().zip(&ws.o).for_each(|(x, o)| *x += o);
+            rms_norm(&ws.x, &b.ffn_norm, c.rms_eps, &mut ws.h);
+            b.w_gate.matmul(&ws.h, n, &mut ws.g);
+            b.w_up.matmul(&ws.h, n, &mut ws.u);
+            for (g, u) in ws.g.iter_mut().zip(&ws.u) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+            b.w_down.matmul(&ws.g, n, &mut ws.o);
+            ws.x.iter_mut().zip(&ws.o).for_each(|(x, o)| *x += o);
+        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let rows = match want {
+            Logits::None => return Ok(()),
+            Logits::Last => n - 1..n,
+            Logits::All => 0..n,
+        };
+        let m = rows.len();
+        rms_norm(&ws.x[rows.start * h..rows.end * h], &self.norm, c.rms_eps, &mut ws.h[..m * h]);
+        let start = out.len();
+        out.resize(start + m * c.vocab, 0.0);
+        head.matmul(&ws.h[..m * h], m, &mut out[start..]);
+        Ok(())
+    }
+}
+
+/// Prefill chunk length (bounds activation memory; the cache sees several chunks).
+pub const PREFILL_CHUNK: usize = 512;
+
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let h = w.len();
+    for (xr, or) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+        let ms = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for ((o, v), g) in or.iter_mut().zip(xr).zip(w) {
+            *o = v * inv * g;
+        }
+    }
+}
+
+impl LanguageModel for Llama {
+    fn spec(&self) -> ModelSpec {
+        ModelSpec {
+            n_layers: self.cfg.n_layers,
+            n_q_heads: self.cfg.n_heads,
+            n_kv_heads: self.cfg.n_kv_heads,
+            head_dim: self.cfg.head_dim,
+            max_seq_len: self.cfg.max_seq_len,
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    fn forward(&self, tokens: &[u32], cache: &mut dyn KvCache, ws: &mut Workspace, logits: Logits) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(Error::Input("forward: no tokens".into()));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+            return Err(Error::Input(format!("token id {t} is outside the vocabulary of {}", self.cfg.vocab)));
+        }
+        if cache.spec() != &self.spec() {
+            return Err(Error::shape("cache spec vs model", format!("{:?}", self.spec()), format!("{:?}", cache.spec())));
+        }
+        let pos0 = cache.seq_len(0);
+        if pos0 + tokens.len() > self.cfg.max_seq_len {
+            return Err(Error::ContextOverflow { len: pos0 + tokens.len(), max: self.cfg.max_seq_len });
+        }
+        let mut out = Vec::new();
+        let chunks: Vec<&[u32]> = tokens.chunks(PREFILL_CHUNK).collect();
+        let last = chunks.len() - 1;
+        let mut pos = pos0;
+        for (i, ch) in chunks.into_iter().enumerate() {
+            let want = match logits {
+                Logits::Last if i != last => Logits::None,
+                w => w,
+            };
+            self.chunk(ch, pos, cache, ws, want, &mut out)?;
+            pos += ch.len();
+        }
+        Ok(out)
+    }
+}
+
+/// Element types of the supported weights, for error messages.
+pub const SUPPORTED_TYPES: [GgmlType; 6] = [GgmlType::F32, GgmlType::F16, GgmlType::Bf16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1];

@@ -1,0 +1,129 @@
+//! Weight matrices kept in their file format (quantized blocks stay compact:
+//! decode reads ~4.5 bits per weight instead of 32).
+
+use crate::blocks::{GgmlType, block_sums, dequantize_row, dot_row};
+use crate::gguf::Blob;
+use minikv_core::{Error, Result};
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+/// A `rows x cols` weight matrix (`y = W x`), row-major in blocks.
+#[derive(Debug, Clone)]
+pub struct QMatrix {
+    /// Element type.
+    pub dtype: GgmlType,
+    /// Output features.
+    pub rows: usize,
+    /// Input features.
+    pub cols: usize,
+    data: Blob,
+}
+
+thread_local! {
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Output rows dequantized per prefill tile.
+const TILE_ROWS: usize = 64;
+
+struct SendPtr(*mut f32);
+// SAFETY: used only to write disjoint column blocks of one output matrix from
+// rayon tasks (see `matmul`).
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl QMatrix {
+    /// Wraps bytes; checks their size.
+    pub fn new(name: &str, dtype: GgmlType, rows: usize, cols: usize, data: Blob) -> Result<Self> {
+        if cols % dtype.block_size() != 0 {
+            return Err(Error::Format(format!("{name}: {cols} columns are not a multiple of the {dtype:?} block")));
+        }
+        let want = rows * dtype.row_bytes(cols);
+        if data.bytes().len() != want {
+            return Err(Error::Format(format!("{name}: expected {want} bytes for {rows}x{cols} {dtype:?}, got {}", data.bytes().len())));
+        }
+        Ok(Self { dtype, rows, cols, data })
+    }
+
+    /// An f32 matrix from values.
+    pub fn from_f32(rows: usize, cols: usize, v: &[f32]) -> Self {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        Self { dtype: GgmlType::F32, rows, cols, data: Blob::owned(bytes) }
+    }
+
+    /// Bytes of the weights.
+    pub fn bytes(&self) -> &[u8] {
+        self.data.bytes()
+    }
+
+    fn row(&self, r: usize) -> &[u8] {
+        let rb = self.dtype.row_bytes(self.cols);
+        &self.bytes()[r * rb..(r + 1) * rb]
+    }
+
+    /// Dequantizes row `r` into `out`.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        dequantize_row(self.dtype, self.row(r), out);
+    }
+
+    /// `y = W x` (decode), parallel over rows.
+    pub fn matvec(&self, x: &[f32], y: &mut [f32]) {
+        let mut xs = Vec::new();
+        if self.dtype == GgmlType::Q4_1 {
+            block_sums(x, &mut xs);
+        }
+        y.par_chunks_mut(64).enumerate().for_each(|(i, yc)| {
+            for (j, o) in yc.iter_mut().enumerate() {
+                *o = dot_row(self.dtype, self.row(i * 64 + j), x, &xs);
+            }
+        });
+    }
+
+    /// `Y = X W^T` for `n` rows of `X` (`[n][cols]` -> `[n][rows]`).
+    pub fn matmul(&self, x: &[f32], n: usize, y: &mut [f32]) {
+        debug_assert_eq!(x.len(), n * self.cols);
+        debug_assert_eq!(y.len(), n * self.rows);
+        if n <= 2 {
+            for (xi, yi) in x.chunks_exact(self.cols).zip(y.chunks_exact_mut(self.rows)) {
+                self.matvec(xi, yi);
+            }
+            return;
+        }
+        let (rows, cols) = (self.rows, self.cols);
+        let yp = SendPtr(y.as_mut_ptr());
+        let yp = &yp;
+        (0..rows.div_ceil(TILE_ROWS)).into_par_iter().for_each(|tile| {
+            let r0 = tile * TILE_ROWS;
+            let nr = TILE_ROWS.min(rows - r0);
+            TILE.with(|t| {
+                let mut t = t.borrow_mut();
+                if t.len() < nr * cols {
+                    t.resize(nr * cols, 0.0);
+                }
+                for r in 0..nr {
+                    self.dequantize_row(r0 + r, &mut t[r * cols..(r + 1) * cols]);
+                }
+                // SAFETY: C = y[:, r0..r0+nr] (row stride `rows`) is written by this
+                // task only; A = x (n x cols), B = tile^T (cols x nr) are in bounds.
+                unsafe {
+                    matrixmultiply::sgemm(
+                        n,
+                        cols,
+                        nr,
+                        1.0,
+                        x.as_ptr(),
+                        cols as isize,
+                        1,
+                        t.as_ptr(),
+                        1,
+                        cols as isize,
+                        0.0,
+                        yp.0.add(r0),
+                        rows as isize,
+                        1,
+                    );
+                }
+            });
+        });
+    }
+}

@@ -1,0 +1,179 @@
+//! Tokenizer: GPT-2 byte-level BPE built in memory from GGUF metadata with the
+//! `tokenizers` crate (or loaded from a `tokenizer.json`), plus the chat template.
+
+use crate::gguf::{Gguf, Value};
+use minikv_core::{Error, Result};
+use std::path::Path;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, PreTokenizerWrapper};
+
+/// A tokenizer with its special tokens and chat format.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Prepend BOS when encoding (`tokenizer.ggml.add_bos_token`).
+    pub add_bos: bool,
+    /// Beginning-of-sequence id.
+    pub bos: Option<u32>,
+    /// End-of-sequence / end-of-turn ids (generation stops on them).
+    pub stop: Vec<u32>,
+    /// Chat template (ChatML) system prompt, if the template has a default one.
+    chat: Option<ChatFormat>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer").field("vocab", &self.vocab_size()).field("add_bos", &self.add_bos).finish()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct ChatFormat {
+    default_system: Option<String>,
+}
+
+fn parse_chat_template(t: &str) -> Result<ChatFormat> {
+    if !t.contains("<|im_start|>") {
+        return Err(Error::Format("chat template is not ChatML (<|im_start|>); only ChatML is supported".into()));
+    }
+    let marker = "<|im_start|>system\\n";
+    let default_system = t.find(marker).and_then(|i| {
+        let rest = &t[i + marker.len()..];
+        rest.find("<|im_end|>").map(|j| rest[..j].to_string())
+    });
+    Ok(ChatFormat { default_system })
+}
+
+fn tok_err(e: impl std::fmt::Display) -> Error {
+    Error::Format(format!("tokenizer: {e}"))
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer from `tokenizer.ggml.*` metadata (gpt2 model only).
+    pub fn from_gguf(g: &Gguf) -> Result<Self> {
+        let model = g.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(Error::Format(format!("tokenizer.ggml.model = `{model}`: only gpt2 (byte-level BPE) is supported")));
+        }
+        let strings = |key: &str| -> Result<Vec<String>> {
+            match g.get(key)? {
+                Value::Array(a) => a.iter().map(|v| v.as_str().map(str::to_owned).ok_or_else(|| Error::Format(format!("`{key}` holds a non-string")))).collect(),
+                _ => Err(Error::Format(format!("`{key}` is not an array"))),
+            }
+        };
+        let tokens = strings("tokenizer.ggml.tokens")?;
+        let merges_raw = strings("tokenizer.ggml.merges")?;
+        let types: Vec<i64> = match g.metadata.get("tokenizer.ggml.token_type") {
+            Some(Value::Array(a)) => a.iter().map(|v| match v {
+                Value::I64(x) => *x,
+                Value::U64(x) => *x as i64,
+                _ => 1,
+            }).collect(),
+            _ => vec![1; tokens.len()],
+        };
+        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let merges = merges_raw
+            .iter()
+            .map(|m| m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())).ok_or_else(|| Error::Format(format!("bad merge `{m}`"))))
+            .collect::<Result<Vec<_>>>()?;
+        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let pre = g.metadata.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+        let byte_level = ByteLevel::new(false, true, true);
+        let pt: PreTokenizerWrapper = match pre {
+            // SmolLM / StarCoder-style: every digit on its own, then the GPT-2 regex.
+            "smollm" | "starcoder" | "default" | "gpt2" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
+            other => return Err(Error::Format(format!("tokenizer.ggml.pre = `{other}` is not supported (smollm, starcoder, gpt2)"))),
+        };
+        inner.with_pre_tokenizer(Some(pt));
+        inner.with_decoder(Some(ByteLevel::default()));
+        let specials: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(_, t)| **t == 3 || **t == 4)
+            .map(|(s, _)| AddedToken::from(s.clone(), true))
+            .collect();
+        inner.add_special_tokens(specials).map_err(tok_err)?;
+        let bos = g.metadata.get("tokenizer.ggml.bos_token_id").and_then(|v| v.as_u64()).map(|v| v as u32);
+        let mut stop: Vec<u32> = g.metadata.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64()).map(|v| v as u32).into_iter().collect();
+        if let Some(&id) = vocab_lookup(&tokens, "<|im_end|>").as_ref() {
+            if !stop.contains(&id) {
+                stop.push(id);
+            }
+        }
+        if let Some(&id) = vocab_lookup(&tokens, "<|endoftext|>").as_ref() {
+            if !stop.contains(&id) {
+                stop.push(id);
+            }
+        }
+        let add_bos = matches!(g.metadata.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(true)));
+        let chat = match g.metadata.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
+            Some(t) => Some(parse_chat_template(t)?),
+            None => None,
+        };
+        Ok(Self { inner, add_bos, bos, stop, chat })
+    }
+
+    /// Loads a Hugging Face `tokenizer.json` (with `tokenizer_config.json` beside it, if any).
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
+        let id = |s: &str| inner.token_to_id(s);
+        let stop: Vec<u32> = ["<|im_end|>", "<|endoftext|>", "</s>"].iter().filter_map(|s| id(s)).collect();
+        let cfg = path.with_file_name("tokenizer_config.json");
+        let mut chat = None;
+        let mut add_bos = false;
+        if let Ok(text) = std::fs::read_to_string(&cfg) {
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Format(format!("{}: {e}", cfg.display())))?;
+            if let Some(t) = v.get("chat_template").and_then(|t| t.as_str()) {
+                chat = Some(parse_chat_template(&t.replace('\n', "\\n"))?);
+            }
+            add_bos = v.get("add_bos_token").and_then(|b| b.as_bool()).unwrap_or(false);
+        }
+        Ok(Self { bos: id("<|im_start|>").or(id("<s>")), inner, add_bos, stop, chat })
+    }
+
+    /// Saves as `tokenizer.json`.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        self.inner.save(path, false).map_err(tok_err)
+    }
+
+    /// Vocabulary size (with special tokens).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Text -> ids (special tokens in the text are parsed as such).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(tok_err)?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if self.add_bos {
+            ids.extend(self.bos);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Ids -> text.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(tok_err)
+    }
+
+    /// The instruct prompt for one user message (ChatML, with the template's
+    /// default system prompt), ending with the assistant turn's header.
+    pub fn chat_prompt(&self, user: &str) -> Result<String> {
+        let chat = self.chat.as_ref().ok_or_else(|| Error::Format("the model has no chat template".into()))?;
+        let mut s = String::new();
+        if let Some(sys) = &chat.default_system {
+            s.push_str(&format!("<|im_start|>system\n{}<|im_end|>\n", sys.replace("\\n", "\n")));
+        }
+        s.push_str(&format!("<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"));
+        Ok(s)
+    }
+}
+
+fn vocab_lookup(tokens: &[String], s: &str) -> Option<u32> {
+    tokens.iter().position(|t| t == s).map(|i| i as u32)
+}
