@@ -211,7 +211,13 @@ fn run(cli: Cli) -> Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(cli) {
+    // Run on a pool worker: the model's many short parallel loops then start
+    // on the worker's own deque instead of being handed over from `main`.
+    let res = match rayon::ThreadPoolBuilder::new().build() {
+        Ok(pool) => pool.install(|| run(cli)),
+        Err(_) => run(cli),
+    };
+    match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

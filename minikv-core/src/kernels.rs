@@ -1,5 +1,19 @@
 //! Small numeric kernels written so that the compiler vectorizes them.
 
+/// `a * b + c`, fused where the target has FMA (a plain multiply-add otherwise,
+/// never a slow libm call).
+#[inline(always)]
+pub fn fmadd(a: f32, b: f32, c: f32) -> f32 {
+    #[cfg(target_feature = "fma")]
+    {
+        a.mul_add(b, c)
+    }
+    #[cfg(not(target_feature = "fma"))]
+    {
+        a * b + c
+    }
+}
+
 /// Dot product with 8 independent accumulators (vectorizes to SIMD FMAs).
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -11,7 +25,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for i in 0..8 {
-            acc[i] += x[i] * y[i];
+            acc[i] = fmadd(x[i], y[i], acc[i]);
         }
     }
     let mut s = (acc[0] + acc[4]) + (acc[1] + acc[5]) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
@@ -25,7 +39,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[inline]
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
+        *y = fmadd(a, *x, *y);
     }
 }
 

@@ -70,8 +70,9 @@ pub struct Fp16Rows {
 
 /// Rows converted to f32 at a time in the fused loops.
 const CHUNK: usize = 32;
-/// Growth step in rows (allocation never exceeds use by more than this).
-const GROW_ROWS: usize = 256;
+/// Minimum growth step in rows; beyond it the step is 1/8 of the length, so the
+/// allocation never exceeds use by more than max(32 rows, 12.5%).
+const GROW_ROWS: usize = 32;
 
 impl Fp16Rows {
     /// Empty store for head dimension `d`.

@@ -64,6 +64,7 @@ pub struct Workspace {
     o: Vec<f32>,
     g: Vec<f32>,
     u: Vec<f32>,
+    f: Vec<f32>,
 }
 
 /// A causal language model that attends only through a [`KvCache`].

@@ -86,6 +86,15 @@ pub struct Block {
     pub w_down: QMatrix,
 }
 
+/// Row-stacked projections used by the forward pass.
+#[derive(Debug, Clone)]
+struct Fused {
+    /// `[wq; wk; wv]` when the three share a type (else `None`).
+    qkv: Option<QMatrix>,
+    /// `[w_gate; w_up]` when they share a type.
+    gate_up: Option<QMatrix>,
+}
+
 /// A Llama model.
 #[derive(Debug, Clone)]
 pub struct Llama {
@@ -101,6 +110,7 @@ pub struct Llama {
     pub lm_head: Option<QMatrix>,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    fused: Vec<Fused>,
 }
 
 fn vector(g: &Gguf, name: &str, n: usize) -> Result<Vec<f32>> {
@@ -190,7 +200,14 @@ impl Llama {
                 sin[p * half + i] = a.sin() as f32;
             }
         }
-        Self { cfg, embed, blocks, norm, lm_head, cos, sin }
+        let fused = blocks
+            .iter()
+            .map(|b| Fused {
+                qkv: QMatrix::concat_rows(&[&b.wq, &b.wk, &b.wv]).ok(),
+                gate_up: QMatrix::concat_rows(&[&b.w_gate, &b.w_up]).ok(),
+            })
+            .collect();
+        Self { cfg, embed, blocks, norm, lm_head, cos, sin, fused }
     }
 
     /// Bytes of all weights as stored.
@@ -261,9 +278,25 @@ impl Llama {
         }
         for (l, b) in self.blocks.iter().enumerate() {
             rms_norm(&ws.x, &b.attn_norm, c.rms_eps, &mut ws.h);
-            b.wq.matmul(&ws.h, n, &mut ws.q);
-            b.wk.matmul(&ws.h, n, &mut ws.k);
-            b.wv.matmul(&ws.h, n, &mut ws.v);
+            let f = &self.fused[l];
+            match &f.qkv {
+                Some(w) => {
+                    let r = qd + 2 * kd;
+                    ws.f.resize(n * r, 0.0);
+                    w.matmul(&ws.h, n, &mut ws.f);
+                    for i in 0..n {
+                        let row = &ws.f[i * r..(i + 1) * r];
+                        ws.q[i * qd..(i + 1) * qd].copy_from_slice(&row[..qd]);
+                        ws.k[i * kd..(i + 1) * kd].copy_from_slice(&row[qd..qd + kd]);
+                        ws.v[i * kd..(i + 1) * kd].copy_from_slice(&row[qd + kd..]);
+                    }
+                }
+                None => {
+                    b.wq.matmul(&ws.h, n, &mut ws.q);
+                    b.wk.matmul(&ws.h, n, &mut ws.k);
+                    b.wv.matmul(&ws.h, n, &mut ws.v);
+                }
+            }
             self.rope(&mut ws.q, c.n_heads, pos0);
             self.rope(&mut ws.k, c.n_kv_heads, pos0);
             cache.append(l, &ws.k, &ws.v, n)?;
@@ -271,8 +304,22 @@ impl Llama {
             b.wo.matmul(&ws.att, n, &mut ws.o);
             ws.x.iter_mut().zip(&ws.o).for_each(|(x, o)| *x += o);
             rms_norm(&ws.x, &b.ffn_norm, c.rms_eps, &mut ws.h);
-            b.w_gate.matmul(&ws.h, n, &mut ws.g);
-            b.w_up.matmul(&ws.h, n, &mut ws.u);
+            match &f.gate_up {
+                Some(w) => {
+                    let r = 2 * c.ffn;
+                    ws.f.resize(n * r, 0.0);
+                    w.matmul(&ws.h, n, &mut ws.f);
+                    for i in 0..n {
+                        let row = &ws.f[i * r..(i + 1) * r];
+                        ws.g[i * c.ffn..(i + 1) * c.ffn].copy_from_slice(&row[..c.ffn]);
+                        ws.u[i * c.ffn..(i + 1) * c.ffn].copy_from_slice(&row[c.ffn..]);
+                    }
+                }
+                None => {
+                    b.w_gate.matmul(&ws.h, n, &mut ws.g);
+                    b.w_up.matmul(&ws.h, n, &mut ws.u);
+                }
+            }
             for (g, u) in ws.g.iter_mut().zip(&ws.u) {
                 *g = *g / (1.0 + (-*g).exp()) * u;
             }

@@ -1,7 +1,7 @@
 //! Weight matrices kept in their file format (quantized blocks stay compact:
 //! decode reads ~4.5 bits per weight instead of 32).
 
-use crate::blocks::{GgmlType, block_sums, dequantize_row, dot_row};
+use crate::blocks::{ActQ, GgmlType, block_sums, dequantize_row, dot_row, dot_row_q, int_kernels_available};
 use crate::gguf::Blob;
 use minikv_core::{Error, Result};
 use rayon::prelude::*;
@@ -20,6 +20,7 @@ pub struct QMatrix {
 }
 
 thread_local! {
+    static ACT: RefCell<ActQ> = RefCell::new(ActQ::default());
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -45,6 +46,20 @@ impl QMatrix {
         Ok(Self { dtype, rows, cols, data })
     }
 
+    /// Stacks matrices with the same type and columns (one parallel region
+    /// instead of several in decode).
+    pub fn concat_rows(ms: &[&QMatrix]) -> Result<Self> {
+        let first = ms.first().ok_or_else(|| Error::Format("concat of no matrices".into()))?;
+        if ms.iter().any(|m| m.dtype != first.dtype || m.cols != first.cols) {
+            return Err(Error::Format("concat of matrices with different types or widths".into()));
+        }
+        let mut bytes = Vec::with_capacity(ms.iter().map(|m| m.bytes().len()).sum());
+        for m in ms {
+            bytes.extend_from_slice(m.bytes());
+        }
+        Ok(Self { dtype: first.dtype, rows: ms.iter().map(|m| m.rows).sum(), cols: first.cols, data: Blob::owned(bytes) })
+    }
+
     /// An f32 matrix from values.
     pub fn from_f32(rows: usize, cols: usize, v: &[f32]) -> Self {
         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -61,20 +76,47 @@ impl QMatrix {
         &self.bytes()[r * rb..(r + 1) * rb]
     }
 
+    /// Rows per decode task: two tasks per thread (few, large tasks: decode
+    /// matvecs are microseconds long, so scheduling must stay cheap).
+    fn chunk_rows(&self) -> usize {
+        self.rows.div_ceil(2 * rayon::current_num_threads()).max(16)
+    }
+
     /// Dequantizes row `r` into `out`.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         dequantize_row(self.dtype, self.row(r), out);
     }
 
-    /// `y = W x` (decode), parallel over rows.
+    /// `y = W x` (decode), parallel over rows. Quantized weights use the int16
+    /// activation kernels where the CPU has them.
     pub fn matvec(&self, x: &[f32], y: &mut [f32]) {
+        if matches!(self.dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) && int_kernels_available() {
+            ACT.with(|a| {
+                let mut a = a.borrow_mut();
+                a.quantize(x);
+                let a = &*a;
+                let c = self.chunk_rows();
+                y.par_chunks_mut(c).enumerate().for_each(|(i, yc)| {
+                    for (j, o) in yc.iter_mut().enumerate() {
+                        *o = dot_row_q(self.dtype, self.row(i * c + j), a).expect("integer kernel for this type");
+                    }
+                });
+            });
+            return;
+        }
+        self.matvec_f32(x, y);
+    }
+
+    /// `y = W x` with f32 activations (exact path).
+    pub fn matvec_f32(&self, x: &[f32], y: &mut [f32]) {
         let mut xs = Vec::new();
         if self.dtype == GgmlType::Q4_1 {
             block_sums(x, &mut xs);
         }
-        y.par_chunks_mut(64).enumerate().for_each(|(i, yc)| {
+        let c = self.chunk_rows();
+        y.par_chunks_mut(c).enumerate().for_each(|(i, yc)| {
             for (j, o) in yc.iter_mut().enumerate() {
-                *o = dot_row(self.dtype, self.row(i * 64 + j), x, &xs);
+                *o = dot_row(self.dtype, self.row(i * c + j), x, &xs);
             }
         });
     }
