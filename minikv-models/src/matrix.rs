@@ -1,7 +1,7 @@
 //! Weight matrices kept in their file format (quantized blocks stay compact:
 //! decode reads ~4.5 bits per weight instead of 32).
 
-use crate::blocks::{ActQ, GgmlType, block_sums, dequantize_row, dot_row, dot_row_q, int_kernels_available};
+use crate::blocks::{GgmlType, block_sums, dequantize_row, dot_row};
 use crate::gguf::Blob;
 use minikv_core::{Error, Result};
 use rayon::prelude::*;
@@ -20,7 +20,6 @@ pub struct QMatrix {
 }
 
 thread_local! {
-    static ACT: RefCell<ActQ> = RefCell::new(ActQ::default());
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -87,28 +86,9 @@ impl QMatrix {
         dequantize_row(self.dtype, self.row(r), out);
     }
 
-    /// `y = W x` (decode), parallel over rows. Quantized weights use the int16
-    /// activation kernels where the CPU has them.
+    /// `y = W x` (decode), parallel over rows, f32 activations against the
+    /// weights' own blocks (exact up to f32 rounding).
     pub fn matvec(&self, x: &[f32], y: &mut [f32]) {
-        if matches!(self.dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) && int_kernels_available() {
-            ACT.with(|a| {
-                let mut a = a.borrow_mut();
-                a.quantize(x);
-                let a = &*a;
-                let c = self.chunk_rows();
-                y.par_chunks_mut(c).enumerate().for_each(|(i, yc)| {
-                    for (j, o) in yc.iter_mut().enumerate() {
-                        *o = dot_row_q(self.dtype, self.row(i * c + j), a).expect("integer kernel for this type");
-                    }
-                });
-            });
-            return;
-        }
-        self.matvec_f32(x, y);
-    }
-
-    /// `y = W x` with f32 activations (exact path).
-    pub fn matvec_f32(&self, x: &[f32], y: &mut [f32]) {
         let mut xs = Vec::new();
         if self.dtype == GgmlType::Q4_1 {
             block_sums(x, &mut xs);

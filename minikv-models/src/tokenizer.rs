@@ -39,10 +39,11 @@ fn parse_chat_template(t: &str) -> Result<ChatFormat> {
     if !t.contains("<|im_start|>") {
         return Err(Error::Format("chat template is not ChatML (<|im_start|>); only ChatML is supported".into()));
     }
-    let marker = "<|im_start|>system\\n";
-    let default_system = t.find(marker).and_then(|i| {
+    // The newline after the role is a real newline or an escaped `\n` in the Jinja source.
+    let default_system = ["<|im_start|>system\n", "<|im_start|>system\\n"].iter().find_map(|marker| {
+        let i = t.find(marker)?;
         let rest = &t[i + marker.len()..];
-        rest.find("<|im_end|>").map(|j| rest[..j].to_string())
+        rest.find("<|im_end|>").map(|j| rest[..j].replace("\\n", "\n"))
     });
     Ok(ChatFormat { default_system })
 }
@@ -167,7 +168,7 @@ impl Tokenizer {
         let chat = self.chat.as_ref().ok_or_else(|| Error::Format("the model has no chat template".into()))?;
         let mut s = String::new();
         if let Some(sys) = &chat.default_system {
-            s.push_str(&format!("<|im_start|>system\n{}<|im_end|>\n", sys.replace("\\n", "\n")));
+            s.push_str(&format!("<|im_start|>system\n{sys}<|im_end|>\n"));
         }
         s.push_str(&format!("<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"));
         Ok(s)
