@@ -85,63 +85,46 @@ pub trait SelectionPolicy: Send + Sync + Debug {
 }
 
 /// Splits `total` into integers proportional to `weights`, each at most `cap`,
-/// by largest remainder (ties to the lower index); the sum is exactly
-/// `min(total, cap * n)`. Weights must be finite and non-negative.
+/// by Webster's highest-averages method (Sainte-Laguë): seats go one at a time
+/// to the largest `w_i / (s_i + 1/2)`, ties to the lower index. The sum is
+/// exactly `min(total, cap * n)`, each share is within one of its quota, and the
+/// method is house-monotone: a larger total never gives a layer fewer tokens.
+/// All-zero weights split evenly; otherwise a layer of weight 0 gets nothing
+/// (and the sum may then fall short when the others are capped). Weights must be finite and non-negative.
 pub fn apportion(weights: &[f64], total: usize, cap: usize) -> Result<Vec<usize>> {
+    use std::cmp::Ordering;
+    use std::collections::BinaryHeap;
     let n = weights.len();
     if n == 0 {
         return Ok(Vec::new());
     }
     if weights.iter().any(|w| !w.is_finite() || *w < 0.0) {
-        return Err(Error::Budget(format!(
-            "weights must be finite and non-negative: {weights:?}"
-        )));
+        return Err(Error::Budget(format!("weights must be finite and non-negative: {weights:?}")));
     }
+    let w: Vec<f64> = if weights.iter().all(|&x| x == 0.0) { vec![1.0; n] } else { weights.to_vec() };
     let total = total.min(cap.saturating_mul(n));
+    #[derive(PartialEq)]
+    struct Seat(f64, usize);
+    impl Eq for Seat {}
+    impl PartialOrd for Seat {
+        fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+            Some(self.cmp(o))
+        }
+    }
+    impl Ord for Seat {
+        fn cmp(&self, o: &Self) -> Ordering {
+            self.0.total_cmp(&o.0).then(o.1.cmp(&self.1))
+        }
+    }
     let mut out = vec![0usize; n];
-    let mut fixed = vec![false; n];
-    let mut remaining = total;
-    // Water-filling: layers whose share exceeds the cap are fixed at the cap.
-    loop {
-        let wsum: f64 = (0..n).filter(|&i| !fixed[i]).map(|i| weights[i]).sum();
-        let free: Vec<usize> = (0..n).filter(|&i| !fixed[i]).collect();
-        if free.is_empty() {
-            break;
-        }
-        let share = |i: usize| {
-            if wsum > 0.0 {
-                remaining as f64 * weights[i] / wsum
-            } else {
-                remaining as f64 / free.len() as f64
-            }
-        };
-        let over: Vec<usize> = free.iter().copied().filter(|&i| share(i) > cap as f64).collect();
-        if over.is_empty() {
-            let mut assigned = 0usize;
-            let mut rema: Vec<(f64, usize)> = Vec::with_capacity(free.len());
-            for &i in &free {
-                let s = share(i);
-                out[i] = s.floor() as usize;
-                assigned += out[i];
-                rema.push((s - s.floor(), i));
-            }
-            let mut left = remaining - assigned;
-            rema.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-            for &(_, i) in &rema {
-                if left == 0 {
-                    break;
-                }
-                if out[i] < cap {
-                    out[i] += 1;
-                    left -= 1;
-                }
-            }
-            break;
-        }
-        for i in over {
-            fixed[i] = true;
-            out[i] = cap;
-            remaining -= cap;
+    let mut given = 0usize;
+    let mut heap: BinaryHeap<Seat> = (0..n).filter(|&i| out[i] < cap && w[i] > 0.0).map(|i| Seat(w[i] / (out[i] as f64 + 0.5), i)).collect();
+    while given < total {
+        let Some(Seat(_, i)) = heap.pop() else { break };
+        out[i] += 1;
+        given += 1;
+        if out[i] < cap {
+            heap.push(Seat(w[i] / (out[i] as f64 + 0.5), i));
         }
     }
     Ok(out)

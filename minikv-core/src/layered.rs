@@ -380,6 +380,8 @@ impl LayeredCache {
             for st in [h.qk.as_mut(), h.qv.as_mut()].into_iter().flatten() {
                 st.shrink();
             }
+            h.fk.shrink();
+            h.fv.shrink();
         }
         let l = &mut self.layers[layer];
         l.k = vec![Vec::new(); self.spec.n_kv_heads];

@@ -1,0 +1,211 @@
+//! Worked examples of algorithms.md §3-§5 and invariants of budgets and selectors.
+
+use minikv_core::attention::{AttentionBackend, PrefillArgs, TiledBackend};
+use minikv_core::{BudgetRequest, CacheBuilder, KvCache, LayerBudget, ModelSpec, RunConfig, SelectionInput, SelectionPolicy, Selector};
+use minikv_policies::{AdaKv, PerLayer, Pyramid, PyramidKv, TopK, Uniform, VarInv, VarProp};
+use proptest::prelude::*;
+
+fn req(n_layers: usize, t: usize, heavy: usize, recent: usize, stats: Option<&[f32]>) -> BudgetRequest<'_> {
+    BudgetRequest { n_layers, prompt_len: t, heavy, recent, sinks: 0, layer_stats: stats }
+}
+
+fn heavy(b: &[LayerBudget]) -> Vec<usize> {
+    b.iter().map(|l| l.heavy).collect()
+}
+
+/// §4: A_cumul of the worked example and the kept set [0, 1, 3, 9, 10, 11].
+#[test]
+fn minikv_worked_example_keeps_the_documented_set() {
+    let (t, d) = (12, 4);
+    let q: Vec<f32> = (0..t).flat_map(|i| (0..d).map(move |c| 2.0 * (1.0 + 0.7 * i as f32 + 1.3 * c as f32).sin())).collect();
+    let k: Vec<f32> = (0..t).flat_map(|j| (0..d).map(move |c| 2.0 * (0.3 + 1.1 * j as f32 + 0.9 * c as f32).cos())).collect();
+    let mut out = vec![0.0; t * d];
+    let mut cu = vec![0.0; t];
+    TiledBackend::default()
+        .prefill(PrefillArgs { n_q_heads: 1, head_dim: d, q: &q, n: t, keys: &[&k], values: &[&k], t, out: &mut out, cumulative: Some(&mut cu) })
+        .unwrap();
+    let mut kept = Vec::new();
+    let budget = LayerBudget { heavy: 3, recent: 3 }; // floor(12 * 0.25) each
+    TopK::default().select(&SelectionInput { scores: &cu, n_heads: 1, t, budget, sinks: 0 }, &mut kept).unwrap();
+    assert_eq!(kept, vec![vec![0, 1, 3, 9, 10, 11]]);
+
+    // The same through a whole cache built from config: 6 tokens stay.
+    let spec = ModelSpec { n_layers: 1, n_q_heads: 1, n_kv_heads: 1, head_dim: d, max_seq_len: 64 };
+    let cfg = RunConfig::parse("[cache]\nheavy = 0.25\nrecent = 0.25\nscorer = { type = \"cumulative_attention\" }", false).unwrap();
+    let mut cache = CacheBuilder::new(spec).build(&cfg.cache).unwrap();
+    cache.append(0, &k, &k, t).unwrap();
+    cache.attend(0, &q, t, &mut out).unwrap();
+    cache.end_prefill().unwrap();
+    assert_eq!(cache.memory().layers[0].heads[0].tokens, 6);
+}
+
+/// §5: MiniKV pyramid ratios for L = 32 and L = 4.
+#[test]
+fn pyramid_ratios() {
+    let r = Pyramid::default().ratios(32, 0.25);
+    for (i, want) in [(0, 0.4642857), (1, 0.4504608), (31, 0.0357143)] {
+        assert!((r[i] - want).abs() < 1e-6, "layer {i}: {}", r[i]);
+    }
+    let r = Pyramid::default().ratios(4, 0.25);
+    for (a, b) in r.iter().zip([0.4643, 0.3214, 0.1786, 0.0357]) {
+        assert!((a - b).abs() < 1e-4);
+    }
+    assert!((r.iter().sum::<f64>() / 4.0 - 0.25).abs() < 1e-12);
+    // Counts: total conserved exactly, lower layers get more.
+    let b = heavy(&Pyramid::default().layer_budgets(&req(32, 4096, 1024, 1024, None)).unwrap());
+    assert_eq!(b.iter().sum::<usize>(), 32 * 1024);
+    assert!(b.windows(2).all(|w| w[0] >= w[1]) && b[0] > b[31]);
+}
+
+/// §5: PyramidKV's integer schedule and its fallbacks.
+#[test]
+fn pyramidkv_capacities() {
+    let p = PyramidKv::default();
+    // C = 512, W = 8, L = 32, T = 4000: 983, 953, ..., 53; sum 16576 vs 16128.
+    let b = heavy(&p.layer_budgets(&req(32, 4000, 504, 8, None)).unwrap());
+    assert_eq!((b[0], b[1], b[31]), (983, 953, 53));
+    assert_eq!(b.iter().sum::<usize>(), 16576);
+    // T < C: nothing evicted.
+    assert!(heavy(&p.layer_budgets(&req(32, 500, 504, 8, None)).unwrap()).iter().all(|&h| h == 500));
+    // C <= T < 2(C - W): uniform C - W.
+    assert!(heavy(&p.layer_budgets(&req(32, 1000, 504, 8, None)).unwrap()).iter().all(|&h| h == 504));
+    // max clamped to T - W (C = 512, W = 64, T = 900): max = 836, min = 896 - 836 = 60.
+    let b = heavy(&p.layer_budgets(&req(32, 900, 448, 64, None)).unwrap());
+    assert_eq!((b[0], b[1]), (836, 836 - (836 - 60) / 31));
+}
+
+#[test]
+fn var_policies_follow_the_statistic() {
+    let stats = [1.0f32, 2.0, 4.0, 8.0];
+    let p = heavy(&VarProp::default().layer_budgets(&req(4, 1000, 150, 0, Some(&stats))).unwrap());
+    let i = heavy(&VarInv::default().layer_budgets(&req(4, 1000, 150, 0, Some(&stats))).unwrap());
+    assert_eq!(p.iter().sum::<usize>(), 600);
+    assert_eq!(i.iter().sum::<usize>(), 600);
+    assert_eq!(p, vec![40, 80, 160, 320]);
+    assert_eq!(i, vec![320, 160, 80, 40]);
+    let e = VarProp::default().layer_budgets(&req(4, 1000, 150, 0, None)).unwrap_err();
+    assert!(e.to_string().contains("statistics"), "{e}");
+}
+
+#[test]
+fn per_layer_list_is_checked_against_the_model() {
+    let p = PerLayer { heavy: vec![0.5, 0.25], heavy_tokens: vec![] };
+    assert_eq!(heavy(&p.layer_budgets(&req(2, 100, 0, 10, None)).unwrap()), vec![50, 25]);
+    let e = p.layer_budgets(&req(3, 100, 0, 10, None)).unwrap_err();
+    assert!(e.to_string().contains("lists 2 layers, the model has 3"), "{e}");
+}
+
+fn policies() -> Vec<Box<dyn SelectionPolicy>> {
+    vec![Box::new(Uniform::default()), Box::new(Pyramid::default()), Box::new(Pyramid { depth: 2.0 }), Box::new(VarProp::default()), Box::new(VarInv::default())]
+}
+
+proptest! {
+    /// Budgets conserve the total (exactly, unless capped by the prompt), never
+    /// exceed the prompt, and grow monotonically with the total.
+    #[test]
+    fn budgets_conserve_cap_and_are_monotone(
+        l in 1usize..40, t in 1usize..5000, hr in 0.0f64..1.0, rr in 0.0f64..0.5,
+        stats in prop::collection::vec(0.0f32..100.0, 40),
+    ) {
+        let (h, r) = ((t as f64 * hr) as usize, (t as f64 * rr) as usize);
+        for p in policies() {
+            let b = p.layer_budgets(&req(l, t, h, r, Some(&stats[..l]))).unwrap();
+            let cap = t - r;
+            let sum: usize = b.iter().map(|x| x.heavy).sum();
+            prop_assert!(b.iter().all(|x| x.heavy <= cap && x.recent == r));
+            prop_assert_eq!(sum, (l * h).min(l * cap), "{:?}", p);
+            let b2 = p.layer_budgets(&req(l, t, (h + 7).min(t), r, Some(&stats[..l]))).unwrap();
+            prop_assert!(b.iter().zip(&b2).all(|(a, c)| a.heavy <= c.heavy), "not monotone: {:?}", p);
+        }
+        // PyramidKV: documented floors make the total exceed L * (C - W) by < L(L-1)/2 + L.
+        let b = PyramidKv::default().layer_budgets(&req(l, t, h, r, None)).unwrap();
+        let sum: usize = b.iter().map(|x| x.heavy).sum();
+        prop_assert!(sum <= l * t && sum + l >= (l * h).min(l * t.saturating_sub(r)));
+        prop_assert!(sum <= l * h.max(t) + l * l);
+    }
+
+    /// Kept sets are sorted, unique, include sinks and the recent window, and have
+    /// the budgeted size; Ada-KV spends the same layer total over ragged heads.
+    #[test]
+    fn selections_keep_protected_tokens(
+        t in 1usize..300, hr in 0.0f64..1.0, rr in 0.0f64..0.5, sinks in 0usize..6, heads in 1usize..5,
+        seed in prop::collection::vec(0.0f32..1.0, 1200),
+    ) {
+        let scores: Vec<f32> = (0..heads * t).map(|i| seed[i % seed.len()] + (i % 7) as f32).collect();
+        let budget = LayerBudget { heavy: (t as f64 * hr) as usize, recent: (t as f64 * rr) as usize };
+        let input = SelectionInput { scores: &scores, n_heads: heads, t, budget, sinks };
+        let keep_all = sinks + budget.heavy + budget.recent >= t;
+        for sel in [Box::new(TopK::default()) as Box<dyn Selector>, Box::new(AdaKv::default())] {
+            let mut out = Vec::new();
+            sel.select(&input, &mut out).unwrap();
+            prop_assert_eq!(out.len(), heads);
+            let mut total = 0;
+            for k in &out {
+                prop_assert!(k.windows(2).all(|w| w[0] < w[1]));
+                prop_assert!(k.last().is_none_or(|&p| (p as usize) < t));
+                for p in (0..sinks.min(t)).chain(t - budget.recent..t) {
+                    prop_assert!(k.contains(&(p as u32)), "missing protected {}", p);
+                }
+                total += k.len();
+            }
+            let want = if keep_all { heads * t } else { heads * (sinks + budget.heavy + budget.recent) };
+            prop_assert_eq!(total, want);
+        }
+    }
+}
+
+fn tiny(spec: ModelSpec, toml: &str) -> Box<dyn KvCache> {
+    let cfg = RunConfig::parse(toml, false).unwrap();
+    CacheBuilder::new(spec).build(&cfg.cache).unwrap()
+}
+
+fn noise(n: usize, s: u32) -> Vec<f32> {
+    (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(s.wrapping_mul(97))) % 1000) as f32 / 250.0 - 2.0).collect()
+}
+
+/// H2O holds exactly sinks + heavy + recent tokens after every decode step.
+#[test]
+fn h2o_holds_its_budget_while_decoding() {
+    let spec = ModelSpec { n_layers: 2, n_q_heads: 4, n_kv_heads: 2, head_dim: 8, max_seq_len: 256 };
+    for scorer in ["h2o", "tova", "recency"] {
+        let mut c = tiny(spec, &format!("[cache]\nsinks = 1\nheavy_tokens = 4\nrecent_tokens = 3\ndecode = \"evict\"\nscorer = {{ type = \"{scorer}\" }}"));
+        let (t, kv, qd) = (20, 16, 32);
+        let mut out = vec![0.0; t * qd];
+        for l in 0..2 {
+            c.append(l, &noise(t * kv, 1), &noise(t * kv, 2), t).unwrap();
+            c.attend(l, &noise(t * qd, 3), t, &mut out).unwrap();
+        }
+        c.end_prefill().unwrap();
+        for step in 0..15 {
+            for l in 0..2 {
+                c.append(l, &noise(kv, 10 + step), &noise(kv, 20 + step), 1).unwrap();
+                c.attend(l, &noise(qd, 30 + step), 1, &mut out[..qd]).unwrap();
+            }
+            for layer in &c.memory().layers {
+                for h in &layer.heads {
+                    assert_eq!(h.tokens, 8, "{scorer} after step {step}");
+                }
+            }
+        }
+    }
+}
+
+/// Ada-KV stores ragged per-head lengths: memory really differs per head.
+#[test]
+fn ada_kv_heads_are_ragged_and_memory_shrinks() {
+    let spec = ModelSpec { n_layers: 1, n_q_heads: 4, n_kv_heads: 4, head_dim: 8, max_seq_len: 256 };
+    let mut c = tiny(spec, "[cache]\nheavy_tokens = 10\nrecent_tokens = 2\nscorer = { type = \"cumulative_attention\" }\nselector = { type = \"ada_kv\", alpha = 0.2 }");
+    let t = 64;
+    // Head 0 attends sharply (large keys), the others diffusely.
+    let k: Vec<f32> = noise(t * 32, 5).iter().enumerate().map(|(i, x)| if (i / 8) % 4 == 0 { x * 6.0 } else { x * 0.1 }).collect();
+    let mut out = vec![0.0; t * 32];
+    c.append(0, &k, &noise(t * 32, 6), t).unwrap();
+    c.attend(0, &noise(t * 32, 7), t, &mut out).unwrap();
+    c.end_prefill().unwrap();
+    let m = c.memory();
+    let toks: Vec<usize> = m.layers[0].heads.iter().map(|h| h.tokens).collect();
+    assert_eq!(toks.iter().sum::<usize>(), 4 * 12, "{toks:?}");
+    assert!(toks.iter().any(|&x| x != 12), "heads should be ragged: {toks:?}");
+    let bytes: Vec<usize> = m.layers[0].heads.iter().map(|h| h.fp).collect();
+    assert!(bytes.iter().min() < bytes.iter().max(), "{bytes:?}");
+}
