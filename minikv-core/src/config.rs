@@ -256,10 +256,9 @@ impl CacheConfig {
             for (name, qz) in [("keys", &q.keys), ("values", &q.values)] {
                 let Some(qz) = qz else { continue };
                 let field = format!("cache.quant.{name}");
-                if let Some(spec) = spec {
-                    qz.validate(spec.head_dim)
-                        .map_err(|e| Error::config(&field, e.to_string()))?;
-                }
+                // Head dim 0 = not known yet: only the head-dim-independent checks run.
+                qz.validate(spec.map_or(0, |s| s.head_dim))
+                    .map_err(|e| Error::config(&field, e.to_string()))?;
                 if qz.axis() == Axis::Channel && q.residual % qz.group() != 0 {
                     return Err(Error::config(
                         "cache.quant.residual",

@@ -25,7 +25,8 @@ pub trait Quantizer: Send + Sync + Debug {
     fn group(&self) -> usize;
     /// Grouping axis.
     fn axis(&self) -> Axis;
-    /// Checks parameters against the head dimension.
+    /// Checks parameters against the head dimension (`0` = not known yet: check
+    /// only what does not depend on it).
     fn validate(&self, head_dim: usize) -> Result<()>;
     /// An empty store for one head's keys or values.
     fn new_store(&self, head_dim: usize) -> Result<Box<dyn QuantStore>>;

@@ -1,0 +1,130 @@
+//! Configs: presets resolve (snapshots), bad configs name the field, every
+//! registered `type` deserializes, budget tables of every preset (snapshot).
+
+use minikv_core::{BudgetRequest, RunConfig, components};
+use minikv_policies as _;
+use minikv_quant as _;
+use std::path::{Path, PathBuf};
+
+fn presets() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "toml")).collect();
+    v.sort();
+    v
+}
+
+fn name(p: &Path) -> String {
+    p.file_stem().unwrap().to_string_lossy().into_owned()
+}
+
+#[test]
+fn presets_resolve_and_round_trip() {
+    for p in presets() {
+        let cfg = RunConfig::load(&p).unwrap();
+        // TOML and JSON round trips give the same resolved config.
+        let toml_back = RunConfig::parse(&cfg.to_toml().unwrap(), false).unwrap();
+        let json_back = RunConfig::parse(&serde_json::to_string(&cfg).unwrap(), true).unwrap();
+        let v = serde_json::to_value(&cfg).unwrap();
+        assert_eq!(v, serde_json::to_value(&toml_back).unwrap());
+        assert_eq!(v, serde_json::to_value(&json_back).unwrap());
+        insta::assert_toml_snapshot!(format!("preset_{}", name(&p)), cfg);
+    }
+}
+
+fn err(toml: &str) -> String {
+    match RunConfig::parse(toml, false).and_then(|mut c| {
+        c.resolve()?;
+        c.validate(None)
+    }) {
+        Ok(()) => panic!("config should be rejected:\n{toml}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn bad_configs_name_the_problem() {
+    let cases = [
+        ("[cache]\nheavvy = 0.2", "heavvy"),
+        ("[cache]\nscorer = { type = \"snapkvv\" }\nheavy = 0.1", "snapkvv"),
+        ("[cache]\nscorer = { type = \"snapkv\", windw = 3 }\nheavy = 0.1", "windw"),
+        ("[cache]\nheavy = -0.1\nscorer = { type = \"h2o\" }", "cache.heavy"),
+        ("[cache]\nrecent = 1.5\nscorer = { type = \"h2o\" }", "cache.recent"),
+        ("[cache]\nheavy = 0.2\nheavy_tokens = 5\nscorer = { type = \"h2o\" }", "not both"),
+        ("[cache]\nheavy = 0.2", "cache.scorer"),
+        ("[cache]\nscorer = { type = \"h2o\" }", "cache.heavy"),
+        ("[cache]\nheavy = 0.1\nscorer = { type = \"cumulative_attention\" }\ndecode = \"evict\"", "cache.decode"),
+        ("[cache]\nheavy = 0.1\nscorer = { type = \"h2o\" }\ndecode = \"evict\"\n[cache.quant]\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }", "unsupported combination"),
+        ("[cache.quant]\nresidual = 100\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }", "cache.quant.residual"),
+        ("[cache.quant]\nkeys = { type = \"minmax\", bits = 3, group = 16, axis = \"channel\" }", "bits"),
+        ("[cache]\nheavy = 0.1\nscorer = { type = \"snapkv\", kernel = 4 }", "cache.scorer.kernel"),
+        ("[cache]\nheavy = 0.1\nscorer = { type = \"h2o\" }\nselector = { type = \"ada_kv\", alpha = 2.0 }", "cache.selector.alpha"),
+        ("backend = \"tpu\"", "backend"),
+        ("seed = \"x\"", "seed"),
+    ];
+    for (toml, want) in cases {
+        let e = err(toml);
+        assert!(e.contains(want), "{toml:?}: error {e:?} should mention {want:?}");
+    }
+    // With a model spec, quantizer parameters are checked against the head dim.
+    let spec = minikv_core::ModelSpec { n_layers: 1, n_q_heads: 9, n_kv_heads: 3, head_dim: 64, max_seq_len: 100 };
+    let c = RunConfig::parse("[cache.quant]\nresidual = 48\nvalues = { type = \"minmax\", bits = 2, group = 48, axis = \"token\" }", false).unwrap();
+    let e = c.validate(Some(&spec)).unwrap_err().to_string();
+    assert!(e.contains("cache.quant.values") && e.contains("divide"), "{e}");
+}
+
+/// Every registered `type` deserializes from its default and round-trips.
+#[test]
+fn every_registered_type_deserializes() {
+    let all = components::all();
+    let names: Vec<&str> = all.iter().map(|c| c.name).collect();
+    for want in ["cumulative_attention", "h2o", "snapkv", "tova", "key_norm", "recency", "uniform", "pyramid", "pyramidkv", "var_prop", "var_inv", "per_layer", "top_k", "ada_kv", "minmax"] {
+        assert!(names.contains(&want), "{want} not registered: {names:?}");
+    }
+    for c in all {
+        let v = (c.default)();
+        assert_eq!(v["type"], c.name);
+        let field = c.point.config_key().split(' ').next().unwrap().trim_start_matches("cache.");
+        let toml = match c.point {
+            components::ExtensionPoint::Quantizer => format!("[cache.quant]\nresidual = 512\nkeys = {v}"),
+            components::ExtensionPoint::Scorer => format!("[cache]\nheavy = 0.1\n{field} = {v}"),
+            _ => format!("[cache]\nheavy = 0.1\nscorer = {{ type = \"h2o\" }}\n{field} = {v}"),
+        };
+        let toml = toml.replace("\":", "\" =").replace("{\"", "{ \"").replace(",\"", ", \"");
+        let cfg = RunConfig::parse(&toml, false).unwrap_or_else(|e| panic!("{}: {e}\n{toml}", c.name));
+        let back = serde_json::to_value(&cfg).unwrap();
+        let got = match c.point {
+            components::ExtensionPoint::Quantizer => &back["cache"]["quant"]["keys"],
+            _ => &back["cache"][field],
+        };
+        assert_eq!(got, &v, "{}", c.name);
+    }
+}
+
+/// Budget table of every preset for a 30-layer model and a 2048-token prompt.
+/// Statistic-driven policies get a fixed synthetic statistic (layer l: 1 + l / 10).
+#[test]
+fn budget_tables_of_presets() {
+    let stats: Vec<f32> = (0..30).map(|l| 1.0 + l as f32 / 10.0).collect();
+    let mut table = serde_json::Map::new();
+    for p in presets() {
+        let cfg = RunConfig::load(&p).unwrap();
+        let c = &cfg.cache;
+        let Some(policy) = &c.policy else {
+            table.insert(name(&p), "keeps every token".into());
+            continue;
+        };
+        let t = 2048;
+        let req = BudgetRequest {
+            n_layers: 30,
+            prompt_len: t,
+            heavy: c.heavy_tokens.unwrap_or((t as f64 * c.heavy.unwrap_or(0.0)) as usize),
+            recent: c.recent_tokens.unwrap_or((t as f64 * c.recent.unwrap_or(0.0)) as usize),
+            sinks: c.sinks,
+            layer_stats: Some(&stats),
+        };
+        let b = policy.layer_budgets(&req).unwrap();
+        let heavy: Vec<usize> = b.iter().map(|x| x.heavy).collect();
+        table.insert(name(&p), serde_json::json!({"recent": b[0].recent, "sinks": c.sinks, "heavy": heavy, "heavy_total": heavy.iter().sum::<usize>()}));
+    }
+    insta::assert_json_snapshot!("budget_tables_30_layers_2048_tokens", table);
+}
