@@ -39,26 +39,53 @@ struct Heads {
 
 impl Heads {
     fn bytes(&self) -> usize {
-        let q: usize = self.qk.iter().chain(&self.qv).flatten().map(|s| {
-            let b = s.bytes();
-            b.codes + b.scales
-        }).sum();
-        q + self.fk.iter().chain(&self.fv).map(|s| s.bytes()).sum::<usize>()
+        let q: usize = self
+            .qk
+            .iter()
+            .chain(&self.qv)
+            .flatten()
+            .map(|s| {
+                let b = s.bytes();
+                b.codes + b.scales
+            })
+            .sum();
+        q + self
+            .fk
+            .iter()
+            .chain(&self.fv)
+            .map(|s| s.bytes())
+            .sum::<usize>()
     }
     fn views(&self) -> Vec<HeadView<'_>> {
         (0..self.fk.len())
-            .map(|s| HeadView { quant_keys: self.qk[s].as_deref(), quant_values: self.qv[s].as_deref(), fp_keys: &self.fk[s], fp_values: &self.fv[s], clusters: None })
+            .map(|s| HeadView {
+                quant_keys: self.qk[s].as_deref(),
+                quant_values: self.qv[s].as_deref(),
+                fp_keys: &self.fk[s],
+                fp_values: &self.fv[s],
+                clusters: None,
+            })
             .collect()
     }
 }
 
 fn data(n: usize, seed: u32) -> Vec<f32> {
-    (0..n).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) as f32 / u32::MAX as f32) * 2.0 - 1.0).collect()
+    (0..n)
+        .map(|i| {
+            ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) as f32 / u32::MAX as f32) * 2.0
+                - 1.0
+        })
+        .collect()
 }
 
 fn build(a: &AttentionArgs, bits: Option<u32>) -> Result<Heads> {
     let (t, d) = (a.tokens, a.head_dim);
-    let mut h = Heads { qk: vec![], qv: vec![], fk: vec![], fv: vec![] };
+    let mut h = Heads {
+        qk: vec![],
+        qv: vec![],
+        fk: vec![],
+        fv: vec![],
+    };
     for s in 0..a.kv_heads {
         let k = data(t * d, 17 + s as u32);
         let v = data(t * d, 91 + s as u32);
@@ -74,8 +101,20 @@ fn build(a: &AttentionArgs, bits: Option<u32>) -> Result<Heads> {
             Some(b) => {
                 let g = 16;
                 let nq = t - t % g;
-                let mut qk = MinMax { bits: b, group: g, axis: Axis::Channel, scale_dtype: ScaleDtype::F16 }.new_store(d)?;
-                let mut qv = MinMax { bits: b, group: g, axis: Axis::Token, scale_dtype: ScaleDtype::F16 }.new_store(d)?;
+                let mut qk = MinMax {
+                    bits: b,
+                    group: g,
+                    axis: Axis::Channel,
+                    scale_dtype: ScaleDtype::F16,
+                }
+                .new_store(d)?;
+                let mut qv = MinMax {
+                    bits: b,
+                    group: g,
+                    axis: Axis::Token,
+                    scale_dtype: ScaleDtype::F16,
+                }
+                .new_store(d)?;
                 qk.append(&k[..nq * d])?;
                 qv.append(&v[..nq * d])?;
                 qk.shrink();
@@ -99,7 +138,15 @@ fn time(a: &AttentionArgs, h: &Heads) -> Result<f64> {
     let q = data(a.q_heads * a.head_dim, 5);
     let mut out = vec![0.0f32; q.len()];
     let views = h.views();
-    let mut step = || be.decode(DecodeArgs { q: &q, heads: &views, head_dim: a.head_dim, out: &mut out, probs: None });
+    let mut step = || {
+        be.decode(DecodeArgs {
+            q: &q,
+            heads: &views,
+            head_dim: a.head_dim,
+            out: &mut out,
+            probs: None,
+        })
+    };
     for _ in 0..3 {
         step()?;
     }
@@ -115,12 +162,16 @@ fn time(a: &AttentionArgs, h: &Heads) -> Result<f64> {
 }
 
 pub fn attention(a: &AttentionArgs) -> Result<()> {
-    if a.tokens == 0 || a.kv_heads == 0 || a.q_heads % a.kv_heads != 0 {
-        return Err(Error::Input("need tokens > 0 and kv-heads dividing q-heads".into()));
+    if a.tokens == 0 || a.kv_heads == 0 || !a.q_heads.is_multiple_of(a.kv_heads) {
+        return Err(Error::Input(
+            "need tokens > 0 and kv-heads dividing q-heads".into(),
+        ));
     }
     let full = build(a, None)?;
     let tf = time(a, &full)?;
-    let mut rows = vec![json!({"cache": "fp16", "seconds_per_token": tf, "bytes_read_per_token": full.bytes(), "speedup_vs_fp16": 1.0})];
+    let mut rows = vec![
+        json!({"cache": "fp16", "seconds_per_token": tf, "bytes_read_per_token": full.bytes(), "speedup_vs_fp16": 1.0}),
+    ];
     for b in [2u32, 4] {
         let h = build(a, Some(b))?;
         let tq = time(a, &h)?;
@@ -131,12 +182,20 @@ pub fn attention(a: &AttentionArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     } else {
         for r in v["results"].as_array().expect("array") {
-            println!("{:<60} {:>10.1} us/token  {:>10} bytes  x{:.2}", r["cache"].as_str().unwrap_or(""), r["seconds_per_token"].as_f64().unwrap_or(0.0) * 1e6, r["bytes_read_per_token"], r["speedup_vs_fp16"].as_f64().unwrap_or(0.0));
+            println!(
+                "{:<60} {:>10.1} us/token  {:>10} bytes  x{:.2}",
+                r["cache"].as_str().unwrap_or(""),
+                r["seconds_per_token"].as_f64().unwrap_or(0.0) * 1e6,
+                r["bytes_read_per_token"],
+                r["speedup_vs_fp16"].as_f64().unwrap_or(0.0)
+            );
         }
     }
     Ok(())
 }
 
 fn rayon_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }

@@ -3,7 +3,9 @@
 use crate::provenance::{assets_dir, default_model, provenance};
 use crate::{BudgetsArgs, GenerateArgs, LogitsArgs, ModelArg, PplArgs, QuantizeArgs};
 use indicatif::{ProgressBar, ProgressStyle};
-use minikv_core::{BudgetRequest, CacheBuilder, Error, KvCache, MemoryReport, Result, RunConfig, components};
+use minikv_core::{
+    BudgetRequest, CacheBuilder, Error, KvCache, MemoryReport, Result, RunConfig, components,
+};
 use minikv_models::{LanguageModel, Llama, Logits, SamplingConfig, Tokenizer, Workspace};
 use serde_json::json;
 use std::io::Write;
@@ -30,7 +32,13 @@ pub fn components(json_out: bool) -> Result<()> {
             last = Some(c.point);
         }
         let d = (c.default)();
-        let params: Vec<String> = d.as_object().into_iter().flatten().filter(|(k, _)| *k != "type").map(|(k, v)| format!("{k} = {v}")).collect();
+        let params: Vec<String> = d
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(k, _)| *k != "type")
+            .map(|(k, v)| format!("{k} = {v}"))
+            .collect();
         println!("  {:<22} {}", c.name, c.summary);
         if !params.is_empty() {
             println!("  {:<22} defaults: {}", "", params.join(", "));
@@ -72,7 +80,13 @@ pub fn load_model(m: &ModelArg) -> Result<Loaded> {
 }
 
 pub fn build_cache(model: &dyn LanguageModel, cfg: &RunConfig) -> Result<Box<dyn KvCache>> {
-    CacheBuilder::new(model.spec()).cpu_backend(&cfg.backend)?.build(&cfg.cache)
+    let b = CacheBuilder::new(model.spec());
+    let b = if cfg.backend == "cuda" {
+        b.backend(minikv_kernels::cuda_backend()?)
+    } else {
+        b.cpu_backend(&cfg.backend)?
+    };
+    b.build(&cfg.cache)
 }
 
 pub fn memory_json(m: &MemoryReport) -> serde_json::Value {
@@ -108,16 +122,32 @@ pub fn generate(a: &GenerateArgs) -> Result<()> {
     let cfg = load_config(a.config.as_deref())?;
     let l = load_model(&a.model)?;
     let mut cache = build_cache(l.model.as_ref(), &cfg)?;
-    let text = if a.chat { l.tok.chat_prompt(&a.prompt)? } else { a.prompt.clone() };
+    let text = if a.chat {
+        l.tok.chat_prompt(&a.prompt)?
+    } else {
+        a.prompt.clone()
+    };
     let ids = l.tok.encode(&text)?;
-    let sampling = SamplingConfig { temperature: a.temperature, top_p: a.top_p, seed: a.seed.unwrap_or(cfg.seed) };
+    let sampling = SamplingConfig {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        seed: a.seed.unwrap_or(cfg.seed),
+    };
     let stream = !a.json;
-    let g = minikv_models::generate(l.model.as_ref(), &l.tok, cache.as_mut(), &ids, a.max_tokens, sampling, |s| {
-        if stream {
-            print!("{s}");
-            let _ = std::io::stdout().flush();
-        }
-    })?;
+    let g = minikv_models::generate(
+        l.model.as_ref(),
+        &l.tok,
+        cache.as_mut(),
+        &ids,
+        a.max_tokens,
+        sampling,
+        |s| {
+            if stream {
+                print!("{s}");
+                let _ = std::io::stdout().flush();
+            }
+        },
+    )?;
     let mem = cache.memory();
     let n = g.tokens.len();
     if a.json {
@@ -142,7 +172,11 @@ pub fn generate(a: &GenerateArgs) -> Result<()> {
             g.prompt_tokens as f64 / g.prefill_s,
             n,
             g.decode_s,
-            if n > 1 { (n - 1) as f64 / g.decode_s } else { 0.0 },
+            if n > 1 {
+                (n - 1) as f64 / g.decode_s
+            } else {
+                0.0
+            },
             mem.total_bytes(),
             100.0 * mem.ratio(),
             g.stop
@@ -161,14 +195,25 @@ pub fn logits(a: &LogitsArgs) -> Result<()> {
     }
     let max = l.model.spec().max_seq_len;
     if ids.len() > max {
-        return Err(Error::ContextOverflow { len: ids.len(), max });
+        return Err(Error::ContextOverflow {
+            len: ids.len(),
+            max,
+        });
     }
-    let lg = l.model.forward(&ids, cache.as_mut(), &mut Workspace::default(), Logits::Last)?;
+    let lg = l.model.forward(
+        &ids,
+        cache.as_mut(),
+        &mut Workspace::default(),
+        Logits::Last,
+    )?;
     let mut idx: Vec<usize> = (0..lg.len()).collect();
     idx.sort_by(|&x, &y| lg[y].total_cmp(&lg[x]).then(x.cmp(&y)));
     let top: Vec<(u32, f32)> = idx.iter().take(a.top).map(|&i| (i as u32, lg[i])).collect();
     if a.json {
-        println!("{}", serde_json::to_string(&json!({"ids": ids, "top": top})).expect("json"));
+        println!(
+            "{}",
+            serde_json::to_string(&json!({"ids": ids, "top": top})).expect("json")
+        );
     } else {
         println!("ids: {ids:?}");
         for (id, v) in top {
@@ -181,7 +226,11 @@ pub fn logits(a: &LogitsArgs) -> Result<()> {
 /// Reads a text file, or the `.txt` files of a directory in name order.
 pub fn read_text(p: &Path) -> Result<String> {
     if p.is_dir() {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(p).map_err(|e| Error::io(p, e))?.filter_map(|e| e.ok().map(|e| e.path())).filter(|f| f.extension().is_some_and(|x| x == "txt")).collect();
+        let mut files: Vec<PathBuf> = std::fs::read_dir(p)
+            .map_err(|e| Error::io(p, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|f| f.extension().is_some_and(|x| x == "txt"))
+            .collect();
         files.sort();
         let mut s = String::new();
         for f in files {
@@ -200,7 +249,11 @@ pub fn read_text(p: &Path) -> Result<String> {
 pub fn first_tokens(tok: &Tokenizer, text: &str, n: usize, what: &Path) -> Result<Vec<u32>> {
     let ids = tok.encode(text)?;
     if ids.len() < n {
-        return Err(Error::Input(format!("{} has {} tokens, fewer than the {n} requested", what.display(), ids.len())));
+        return Err(Error::Input(format!(
+            "{} has {} tokens, fewer than the {n} requested",
+            what.display(),
+            ids.len()
+        )));
     }
     Ok(ids[..n].to_vec())
 }
@@ -217,10 +270,15 @@ pub fn perplexity(a: &PplArgs) -> Result<()> {
     let prefill = a.prefill.unwrap_or((a.tokens / 2).max(1));
     let mut cache = build_cache(l.model.as_ref(), &cfg)?;
     let pb = ProgressBar::new((a.tokens - 1).saturating_sub(prefill) as u64);
-    pb.set_style(ProgressStyle::with_template("{msg} {bar:30} {pos}/{len} tokens, eta {eta}").expect("template"));
+    pb.set_style(
+        ProgressStyle::with_template("{msg} {bar:30} {pos}/{len} tokens, eta {eta}")
+            .expect("template"),
+    );
     pb.set_message("decode");
     let t0 = std::time::Instant::now();
-    let r = minikv_models::perplexity(l.model.as_ref(), cache.as_mut(), &ids, prefill, |i| pb.set_position((i - prefill) as u64))?;
+    let r = minikv_models::perplexity(l.model.as_ref(), cache.as_mut(), &ids, prefill, |i| {
+        pb.set_position((i - prefill) as u64)
+    })?;
     pb.finish_and_clear();
     let secs = t0.elapsed().as_secs_f64();
     let mem = cache.memory();
@@ -229,14 +287,26 @@ pub fn perplexity(a: &PplArgs) -> Result<()> {
         v["wall_s"] = json!(secs);
         v["memory"] = memory_json(&mem);
         v["text"] = json!(a.text.display().to_string());
-        v["provenance"] = serde_json::to_value(provenance(Some(&l.path), cfg.seed, Some(serde_json::to_value(&cfg).expect("json")))?).expect("json");
+        v["provenance"] = serde_json::to_value(provenance(
+            Some(&l.path),
+            cfg.seed,
+            Some(serde_json::to_value(&cfg).expect("json")),
+        )?)
+        .expect("json");
         print_json(&v);
     } else {
-        println!("tokens {} (prefill {}), nll {:.4}, ppl {:.3}", r.tokens, r.prefill_tokens, r.nll, r.ppl);
+        println!(
+            "tokens {} (prefill {}), nll {:.4}, ppl {:.3}",
+            r.tokens, r.prefill_tokens, r.nll, r.ppl
+        );
         if let (Some(n), Some(p)) = (r.decode_nll, r.decode_ppl) {
             println!("after compression: nll {n:.4}, ppl {p:.3}");
         }
-        println!("KV {} bytes = {:.1}% of fp16; {secs:.1}s", mem.total_bytes(), 100.0 * mem.ratio());
+        println!(
+            "KV {} bytes = {:.1}% of fp16; {secs:.1}s",
+            mem.total_bytes(),
+            100.0 * mem.ratio()
+        );
     }
     Ok(())
 }
@@ -244,24 +314,50 @@ pub fn perplexity(a: &PplArgs) -> Result<()> {
 pub fn quantize(a: &QuantizeArgs) -> Result<()> {
     use minikv_quant::{ScaleDtype, quantize_row};
     let text = std::fs::read_to_string(&a.input).map_err(|e| Error::io(&a.input, e))?;
-    let rows: Vec<Vec<f32>> = serde_json::from_str(&text).map_err(|e| Error::Input(format!("{}: expected a JSON array of rows of numbers: {e}", a.input.display())))?;
-    if rows.is_empty() || rows.iter().any(|r| r.len() != rows[0].len() || r.is_empty()) {
-        return Err(Error::Input(format!("{}: rows must be non-empty and of equal length", a.input.display())));
+    let rows: Vec<Vec<f32>> = serde_json::from_str(&text).map_err(|e| {
+        Error::Input(format!(
+            "{}: expected a JSON array of rows of numbers: {e}",
+            a.input.display()
+        ))
+    })?;
+    if rows.is_empty()
+        || rows
+            .iter()
+            .any(|r| r.len() != rows[0].len() || r.is_empty())
+    {
+        return Err(Error::Input(format!(
+            "{}: rows must be non-empty and of equal length",
+            a.input.display()
+        )));
     }
-    let dtype = if a.scale_dtype == "f32" { ScaleDtype::F32 } else { ScaleDtype::F16 };
+    let dtype = if a.scale_dtype == "f32" {
+        ScaleDtype::F32
+    } else {
+        ScaleDtype::F16
+    };
     // Channel axis: quantize K^T, i.e. each column of the input is one row here.
     let (rows, rows_are) = if a.axis == "channel" {
-        let t: Vec<Vec<f32>> = (0..rows[0].len()).map(|c| rows.iter().map(|r| r[c]).collect()).collect();
+        let t: Vec<Vec<f32>> = (0..rows[0].len())
+            .map(|c| rows.iter().map(|r| r[c]).collect())
+            .collect();
         (t, "channels")
     } else {
         (rows, "tokens")
     };
-    let out: Vec<_> = rows.iter().map(|r| quantize_row(r, a.bits, a.group, dtype)).collect::<Result<_>>()?;
+    let out: Vec<_> = rows
+        .iter()
+        .map(|r| quantize_row(r, a.bits, a.group, dtype))
+        .collect::<Result<_>>()?;
     if a.json {
-        print_json(&json!({"bits": a.bits, "group": a.group, "axis": a.axis, "scale_dtype": a.scale_dtype, "rows_are": rows_are, "rows": out}));
+        print_json(
+            &json!({"bits": a.bits, "group": a.group, "axis": a.axis, "scale_dtype": a.scale_dtype, "rows_are": rows_are, "rows": out}),
+        );
     } else {
         for (i, r) in out.iter().enumerate() {
-            println!("row {i}: codes {:?} packed {:?} scale {:?} min {:?} max_abs_error {}", r.codes, r.packed, r.scale, r.min, r.max_abs_error);
+            println!(
+                "row {i}: codes {:?} packed {:?} scale {:?} min {:?} max_abs_error {}",
+                r.codes, r.packed, r.scale, r.min, r.max_abs_error
+            );
         }
     }
     Ok(())
@@ -271,20 +367,38 @@ pub fn budgets(a: &BudgetsArgs) -> Result<()> {
     let cfg = load_config(Some(&a.config))?;
     let c = &cfg.cache;
     let t = a.tokens;
-    let (layers, heads_json): (Vec<minikv_core::LayerBudget>, Option<Vec<Vec<usize>>>) = match (&a.model, &a.text) {
+    let (layers, heads_json): (Vec<minikv_core::LayerBudget>, Option<Vec<Vec<usize>>>) = match (
+        &a.model, &a.text,
+    ) {
         (Some(mp), Some(tp)) => {
-            let l = load_model(&crate::ModelArg { model: Some(mp.clone()) })?;
+            let l = load_model(&crate::ModelArg {
+                model: Some(mp.clone()),
+            })?;
             let ids = first_tokens(&l.tok, &read_text(tp)?, t, tp)?;
             let mut cache = build_cache(l.model.as_ref(), &cfg)?;
-            l.model.forward(&ids, cache.as_mut(), &mut Workspace::default(), Logits::None)?;
+            l.model.forward(
+                &ids,
+                cache.as_mut(),
+                &mut Workspace::default(),
+                Logits::None,
+            )?;
             cache.end_prefill()?;
-            let heads = cache.memory().layers.iter().map(|l| l.heads.iter().map(|h| h.tokens).collect()).collect();
+            let heads = cache
+                .memory()
+                .layers
+                .iter()
+                .map(|l| l.heads.iter().map(|h| h.tokens).collect())
+                .collect();
             (cache.budgets(), Some(heads))
         }
         (None, None) => {
-            let n_layers = a.layers.ok_or_else(|| Error::Input("--layers is required without --model".into()))?;
+            let n_layers = a
+                .layers
+                .ok_or_else(|| Error::Input("--layers is required without --model".into()))?;
             let Some(policy) = &c.policy else {
-                return Err(Error::Input("this config has no scorer/policy: it keeps every token".into()));
+                return Err(Error::Input(
+                    "this config has no scorer/policy: it keeps every token".into(),
+                ));
             };
             if policy.layer_statistic().is_some() {
                 return Err(Error::Input("this policy sets budgets from attention statistics of a model run: pass --model and --text".into()));
@@ -292,15 +406,23 @@ pub fn budgets(a: &BudgetsArgs) -> Result<()> {
             let req = BudgetRequest {
                 n_layers,
                 prompt_len: t,
-                heavy: c.heavy_tokens.unwrap_or_else(|| (t as f64 * c.heavy.unwrap_or(0.0)).floor() as usize),
-                recent: c.recent_tokens.unwrap_or_else(|| (t as f64 * c.recent.unwrap_or(0.0)).floor() as usize),
+                heavy: c
+                    .heavy_tokens
+                    .unwrap_or_else(|| (t as f64 * c.heavy.unwrap_or(0.0)).floor() as usize),
+                recent: c
+                    .recent_tokens
+                    .unwrap_or_else(|| (t as f64 * c.recent.unwrap_or(0.0)).floor() as usize),
                 sinks: c.sinks,
                 layer_stats: None,
             };
             let b = policy.layer_budgets(&req)?;
             let sel = serde_json::to_value(c.selector.as_ref().expect("resolved")).expect("json");
             let uniform_heads = sel["type"] == "top_k";
-            let heads = uniform_heads.then(|| b.iter().map(|l| vec![(c.sinks + l.heavy + l.recent).min(t); a.kv_heads]).collect());
+            let heads = uniform_heads.then(|| {
+                b.iter()
+                    .map(|l| vec![(c.sinks + l.heavy + l.recent).min(t); a.kv_heads])
+                    .collect()
+            });
             (b, heads)
         }
         _ => return Err(Error::Input("--model and --text go together".into())),
@@ -312,7 +434,10 @@ pub fn budgets(a: &BudgetsArgs) -> Result<()> {
         .collect();
     let total: usize = match &heads_json {
         Some(h) => h.iter().map(|l| l.iter().sum::<usize>()).sum(),
-        None => layers.iter().map(|l| (c.sinks + l.heavy + l.recent).min(t) * a.kv_heads).sum(),
+        None => layers
+            .iter()
+            .map(|l| (c.sinks + l.heavy + l.recent).min(t) * a.kv_heads)
+            .sum(),
     };
     let v = json!({"tokens": t, "layers": rows, "total": total, "note": if heads_json.is_none() { "per-head counts depend on scores: pass --model and --text" } else { "heads: tokens kept per head" }});
     if a.json {

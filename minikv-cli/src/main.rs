@@ -14,7 +14,11 @@ mod commands;
 mod provenance;
 
 #[derive(Parser)]
-#[command(name = "minikv", version, about = "KV-cache compression for LLM inference (MiniKV, KIVI, H2O, SnapKV, ...)")]
+#[command(
+    name = "minikv",
+    version,
+    about = "KV-cache compression for LLM inference (MiniKV, KIVI, H2O, SnapKV, ...)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -198,14 +202,18 @@ pub struct BudgetsArgs {
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Components { json } => commands::components(json),
-        Cmd::Config { cmd: ConfigCmd::Check { file, json } } => commands::config_check(&file, json),
+        Cmd::Config {
+            cmd: ConfigCmd::Check { file, json },
+        } => commands::config_check(&file, json),
         Cmd::Info(m) => commands::info(&m),
         Cmd::Generate(a) => commands::generate(&a),
         Cmd::Logits(a) => commands::logits(&a),
         Cmd::Perplexity(a) => commands::perplexity(&a),
         Cmd::Quantize(a) => commands::quantize(&a),
         Cmd::Budgets(a) => commands::budgets(&a),
-        Cmd::Bench { cmd: BenchCmd::Attention(a) } => bench::attention(&a),
+        Cmd::Bench {
+            cmd: BenchCmd::Attention(a),
+        } => bench::attention(&a),
     }
 }
 

@@ -29,11 +29,19 @@ pub struct Provenance {
 pub fn git_rev() -> String {
     let dir = env!("CARGO_MANIFEST_DIR");
     let run = |args: &[&str]| {
-        std::process::Command::new("git").arg("-C").arg(dir).args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(dir)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     match run(&["rev-parse", "--short=12", "HEAD"]) {
         Some(r) => {
-            let dirty = run(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+            let dirty = run(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty());
             if dirty { format!("{r}-dirty") } else { r }
         }
         None => "unknown".into(),
@@ -41,7 +49,11 @@ pub fn git_rev() -> String {
 }
 
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let file = if path.is_dir() { path.join("model.safetensors") } else { path.to_path_buf() };
+    let file = if path.is_dir() {
+        path.join("model.safetensors")
+    } else {
+        path.to_path_buf()
+    };
     let mut f = std::fs::File::open(&file).map_err(|e| Error::io(&file, e))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -55,7 +67,11 @@ pub fn sha256_file(path: &Path) -> Result<String> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-pub fn provenance(model: Option<&Path>, seed: u64, config: Option<serde_json::Value>) -> Result<Provenance> {
+pub fn provenance(
+    model: Option<&Path>,
+    seed: u64,
+    config: Option<serde_json::Value>,
+) -> Result<Provenance> {
     Ok(Provenance {
         minikv: env!("CARGO_PKG_VERSION"),
         git_rev: git_rev(),
@@ -82,7 +98,11 @@ pub fn default_model() -> Result<PathBuf> {
     dirs.iter()
         .map(|d| d.join(name))
         .find(|p| p.is_file())
-        .ok_or_else(|| Error::Input(format!("no --model given and {name} not found in {dirs:?}: run scripts/fetch-assets.sh")))
+        .ok_or_else(|| {
+            Error::Input(format!(
+                "no --model given and {name} not found in {dirs:?}: run scripts/fetch-assets.sh"
+            ))
+        })
 }
 
 /// The assets folder (for texts).
@@ -91,5 +111,9 @@ pub fn assets_dir() -> PathBuf {
         return PathBuf::from(a);
     }
     let local = PathBuf::from("assets");
-    if local.is_dir() { local } else { Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets") }
+    if local.is_dir() {
+        local
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets")
+    }
 }

@@ -8,8 +8,16 @@ fn root() -> PathBuf {
 }
 
 fn minikv(args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_minikv")).args(args).current_dir(root()).output().unwrap();
-    (o.status.success(), String::from_utf8_lossy(&o.stdout).into(), String::from_utf8_lossy(&o.stderr).into())
+    let o = Command::new(env!("CARGO_BIN_EXE_minikv"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .unwrap();
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).into(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
 }
 
 fn ok_json(args: &[&str]) -> serde_json::Value {
@@ -21,22 +29,41 @@ fn ok_json(args: &[&str]) -> serde_json::Value {
 #[test]
 fn components_lists_every_extension_point() {
     let v = ok_json(&["components", "--json"]);
-    let points: std::collections::BTreeSet<&str> = v.as_array().unwrap().iter().map(|c| c["point"].as_str().unwrap()).collect();
-    assert_eq!(points.into_iter().collect::<Vec<_>>(), ["policy", "quantizer", "scorer", "selector"]);
-    let snap = v.as_array().unwrap().iter().find(|c| c["name"] == "snapkv").unwrap();
+    let points: std::collections::BTreeSet<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["point"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        points.into_iter().collect::<Vec<_>>(),
+        ["policy", "quantizer", "scorer", "selector"]
+    );
+    let snap = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "snapkv")
+        .unwrap();
     assert_eq!(snap["default"]["window"], 32);
 }
 
 #[test]
 fn config_check_prints_resolved_or_names_the_field() {
     let (ok, out, _) = minikv(&["config", "check", "configs/minikv.toml"]);
-    assert!(ok && out.contains("type = \"top_k\"") && out.contains("scale_dtype = \"f16\""), "{out}");
+    assert!(
+        ok && out.contains("type = \"top_k\"") && out.contains("scale_dtype = \"f16\""),
+        "{out}"
+    );
     let dir = std::env::temp_dir().join(format!("minikv-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let bad = dir.join("bad.toml");
     std::fs::write(&bad, "[cache]\nheavy = 1.5\nscorer = { type = \"h2o\" }\n").unwrap();
     let (ok, _, err) = minikv(&["config", "check", bad.to_str().unwrap()]);
-    assert!(!ok && err.contains("cache.heavy") && err.contains("1.5"), "{err}");
+    assert!(
+        !ok && err.contains("cache.heavy") && err.contains("1.5"),
+        "{err}"
+    );
 }
 
 /// algorithms.md §1 golden rows through the CLI.
@@ -46,27 +73,98 @@ fn quantize_reproduces_the_golden_rows() {
     std::fs::create_dir_all(&dir).unwrap();
     let f = dir.join("rows.json");
     std::fs::write(&f, "[[0,0.5,1,1.5,2,2.5,3,0.25,0.75,1.25,1.75,2.25,2.75,3,0,1],[-1.2,0.7,0.05,-0.33,1.9,-0.8,0.42,1.1,-1.05,0,0.66,-0.2,1.5,0.9,-0.6,0.3]]").unwrap();
-    let v = ok_json(&["quantize", "--bits", "2", "--group", "16", "--axis", "token", "--input", f.to_str().unwrap(), "--json"]);
+    let v = ok_json(&[
+        "quantize",
+        "--bits",
+        "2",
+        "--group",
+        "16",
+        "--axis",
+        "token",
+        "--input",
+        f.to_str().unwrap(),
+        "--json",
+    ]);
     assert_eq!(v["rows"][0]["packed"][0], "0x4fa53a90");
     assert_eq!(v["rows"][1]["packed"][0], "0x5b64a358");
-    let v = ok_json(&["quantize", "--bits", "4", "--group", "16", "--axis", "token", "--input", f.to_str().unwrap(), "--json"]);
-    assert_eq!(v["rows"][0]["packed"], serde_json::json!(["0x1fca8520", "0x50feb964"]));
-    let (ok, _, err) = minikv(&["quantize", "--bits", "2", "--group", "5", "--axis", "token", "--input", f.to_str().unwrap()]);
+    let v = ok_json(&[
+        "quantize",
+        "--bits",
+        "4",
+        "--group",
+        "16",
+        "--axis",
+        "token",
+        "--input",
+        f.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(
+        v["rows"][0]["packed"],
+        serde_json::json!(["0x1fca8520", "0x50feb964"])
+    );
+    let (ok, _, err) = minikv(&[
+        "quantize",
+        "--bits",
+        "2",
+        "--group",
+        "5",
+        "--axis",
+        "token",
+        "--input",
+        f.to_str().unwrap(),
+    ]);
     assert!(!ok && err.contains("group size 5"), "{err}");
 }
 
 #[test]
 fn budgets_reports_layers_heads_and_total() {
-    let v = ok_json(&["budgets", "configs/minikv-pyramid.toml", "--layers", "4", "--tokens", "1000", "--kv-heads", "3", "--json"]);
+    let v = ok_json(&[
+        "budgets",
+        "configs/minikv-pyramid.toml",
+        "--layers",
+        "4",
+        "--tokens",
+        "1000",
+        "--kv-heads",
+        "3",
+        "--json",
+    ]);
     let l = v["layers"].as_array().unwrap();
     assert_eq!(l.len(), 4);
-    assert_eq!(l.iter().map(|x| x["heavy"].as_u64().unwrap()).sum::<u64>(), 1000);
+    assert_eq!(
+        l.iter().map(|x| x["heavy"].as_u64().unwrap()).sum::<u64>(),
+        1000
+    );
     assert_eq!(l[0]["heads"].as_array().unwrap().len(), 3);
-    let (ok, _, err) = minikv(&["budgets", "configs/minikv-var-prop.toml", "--layers", "4", "--tokens", "100", "--json"]);
+    let (ok, _, err) = minikv(&[
+        "budgets",
+        "configs/minikv-var-prop.toml",
+        "--layers",
+        "4",
+        "--tokens",
+        "100",
+        "--json",
+    ]);
     assert!(!ok && err.contains("--model and --text"), "{err}");
     // With a model run, statistic-driven budgets and ragged Ada-KV heads come out.
-    let v = ok_json(&["budgets", "configs/minikv-var-inv.toml", "--tokens", "128", "--model", "assets/SmolLM2-135M-Instruct.Q4_1.gguf", "--text", "assets/paul_graham/addiction.txt", "--json"]);
-    let heavy: Vec<u64> = v["layers"].as_array().unwrap().iter().map(|x| x["heavy"].as_u64().unwrap()).collect();
+    let v = ok_json(&[
+        "budgets",
+        "configs/minikv-var-inv.toml",
+        "--tokens",
+        "128",
+        "--model",
+        "assets/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "--text",
+        "assets/paul_graham/addiction.txt",
+        "--json",
+    ]);
+    let heavy: Vec<u64> = v["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["heavy"].as_u64().unwrap())
+        .collect();
     assert_eq!(heavy.len(), 30);
     assert_eq!(heavy.iter().sum::<u64>(), 30 * 32);
     assert!(heavy.iter().min() < heavy.iter().max());
@@ -74,7 +172,14 @@ fn budgets_reports_layers_heads_and_total() {
 
 #[test]
 fn logits_json_has_ids_and_top() {
-    let v = ok_json(&["logits", "--prompt", "The capital of France is", "--top", "3", "--json"]);
+    let v = ok_json(&[
+        "logits",
+        "--prompt",
+        "The capital of France is",
+        "--top",
+        "3",
+        "--json",
+    ]);
     assert_eq!(v["ids"], serde_json::json!([504, 3575, 282, 4649, 314]));
     assert_eq!(v["top"][0][0], 7042); // " Paris"
 }
@@ -92,16 +197,45 @@ fn bad_model_and_long_prompt_are_clear_errors() {
 /// results carry provenance.
 #[test]
 fn every_preset_generates_and_scores() {
-    let mut presets: Vec<PathBuf> = std::fs::read_dir(root().join("configs")).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut presets: Vec<PathBuf> = std::fs::read_dir(root().join("configs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     presets.sort();
     for p in presets {
         let c = p.to_str().unwrap();
-        let g = ok_json(&["generate", "--config", c, "--prompt", "The capital of France is", "--max-tokens", "4", "--json"]);
+        let g = ok_json(&[
+            "generate",
+            "--config",
+            c,
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "4",
+            "--json",
+        ]);
         assert!(!g["tokens"].as_array().unwrap().is_empty(), "{c}");
-        assert_eq!(g["provenance"]["model_sha256"], "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53");
-        let r = ok_json(&["perplexity", "--config", c, "--text", "assets/paul_graham/addiction.txt", "--tokens", "80", "--prefill", "64", "--json"]);
+        assert_eq!(
+            g["provenance"]["model_sha256"],
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+        );
+        let r = ok_json(&[
+            "perplexity",
+            "--config",
+            c,
+            "--text",
+            "assets/paul_graham/addiction.txt",
+            "--tokens",
+            "80",
+            "--prefill",
+            "64",
+            "--json",
+        ]);
         let ppl = r["ppl"].as_f64().unwrap();
-        assert!(ppl.is_finite() && ppl > 1.0 && ppl < 200.0, "{c}: ppl {ppl}");
+        assert!(
+            ppl.is_finite() && ppl > 1.0 && ppl < 200.0,
+            "{c}: ppl {ppl}"
+        );
         assert!(r["memory"]["kv_bytes"].as_u64().unwrap() > 0);
     }
 }

@@ -8,7 +8,11 @@ use std::path::{Path, PathBuf};
 
 fn presets() -> Vec<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "toml")).collect();
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
     v.sort();
     v
 }
@@ -45,31 +49,76 @@ fn err(toml: &str) -> String {
 fn bad_configs_name_the_problem() {
     let cases = [
         ("[cache]\nheavvy = 0.2", "heavvy"),
-        ("[cache]\nscorer = { type = \"snapkvv\" }\nheavy = 0.1", "snapkvv"),
-        ("[cache]\nscorer = { type = \"snapkv\", windw = 3 }\nheavy = 0.1", "windw"),
-        ("[cache]\nheavy = -0.1\nscorer = { type = \"h2o\" }", "cache.heavy"),
-        ("[cache]\nrecent = 1.5\nscorer = { type = \"h2o\" }", "cache.recent"),
-        ("[cache]\nheavy = 0.2\nheavy_tokens = 5\nscorer = { type = \"h2o\" }", "not both"),
+        (
+            "[cache]\nscorer = { type = \"snapkvv\" }\nheavy = 0.1",
+            "snapkvv",
+        ),
+        (
+            "[cache]\nscorer = { type = \"snapkv\", windw = 3 }\nheavy = 0.1",
+            "windw",
+        ),
+        (
+            "[cache]\nheavy = -0.1\nscorer = { type = \"h2o\" }",
+            "cache.heavy",
+        ),
+        (
+            "[cache]\nrecent = 1.5\nscorer = { type = \"h2o\" }",
+            "cache.recent",
+        ),
+        (
+            "[cache]\nheavy = 0.2\nheavy_tokens = 5\nscorer = { type = \"h2o\" }",
+            "not both",
+        ),
         ("[cache]\nheavy = 0.2", "cache.scorer"),
         ("[cache]\nscorer = { type = \"h2o\" }", "cache.heavy"),
-        ("[cache]\nheavy = 0.1\nscorer = { type = \"cumulative_attention\" }\ndecode = \"evict\"", "cache.decode"),
-        ("[cache]\nheavy = 0.1\nscorer = { type = \"h2o\" }\ndecode = \"evict\"\n[cache.quant]\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }", "unsupported combination"),
-        ("[cache.quant]\nresidual = 100\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }", "cache.quant.residual"),
-        ("[cache.quant]\nkeys = { type = \"minmax\", bits = 3, group = 16, axis = \"channel\" }", "bits"),
-        ("[cache]\nheavy = 0.1\nscorer = { type = \"snapkv\", kernel = 4 }", "cache.scorer.kernel"),
-        ("[cache]\nheavy = 0.1\nscorer = { type = \"h2o\" }\nselector = { type = \"ada_kv\", alpha = 2.0 }", "cache.selector.alpha"),
+        (
+            "[cache]\nheavy = 0.1\nscorer = { type = \"cumulative_attention\" }\ndecode = \"evict\"",
+            "cache.decode",
+        ),
+        (
+            "[cache]\nheavy = 0.1\nscorer = { type = \"h2o\" }\ndecode = \"evict\"\n[cache.quant]\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }",
+            "unsupported combination",
+        ),
+        (
+            "[cache.quant]\nresidual = 100\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }",
+            "cache.quant.residual",
+        ),
+        (
+            "[cache.quant]\nkeys = { type = \"minmax\", bits = 3, group = 16, axis = \"channel\" }",
+            "bits",
+        ),
+        (
+            "[cache]\nheavy = 0.1\nscorer = { type = \"snapkv\", kernel = 4 }",
+            "cache.scorer.kernel",
+        ),
+        (
+            "[cache]\nheavy = 0.1\nscorer = { type = \"h2o\" }\nselector = { type = \"ada_kv\", alpha = 2.0 }",
+            "cache.selector.alpha",
+        ),
         ("backend = \"tpu\"", "backend"),
         ("seed = \"x\"", "seed"),
     ];
     for (toml, want) in cases {
         let e = err(toml);
-        assert!(e.contains(want), "{toml:?}: error {e:?} should mention {want:?}");
+        assert!(
+            e.contains(want),
+            "{toml:?}: error {e:?} should mention {want:?}"
+        );
     }
     // With a model spec, quantizer parameters are checked against the head dim.
-    let spec = minikv_core::ModelSpec { n_layers: 1, n_q_heads: 9, n_kv_heads: 3, head_dim: 64, max_seq_len: 100 };
+    let spec = minikv_core::ModelSpec {
+        n_layers: 1,
+        n_q_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 64,
+        max_seq_len: 100,
+    };
     let c = RunConfig::parse("[cache.quant]\nresidual = 48\nvalues = { type = \"minmax\", bits = 2, group = 48, axis = \"token\" }", false).unwrap();
     let e = c.validate(Some(&spec)).unwrap_err().to_string();
-    assert!(e.contains("cache.quant.values") && e.contains("divide"), "{e}");
+    assert!(
+        e.contains("cache.quant.values") && e.contains("divide"),
+        "{e}"
+    );
 }
 
 /// Every registered `type` deserializes from its default and round-trips.
@@ -77,20 +126,48 @@ fn bad_configs_name_the_problem() {
 fn every_registered_type_deserializes() {
     let all = components::all();
     let names: Vec<&str> = all.iter().map(|c| c.name).collect();
-    for want in ["cumulative_attention", "h2o", "snapkv", "tova", "key_norm", "recency", "uniform", "pyramid", "pyramidkv", "var_prop", "var_inv", "per_layer", "top_k", "ada_kv", "minmax"] {
+    for want in [
+        "cumulative_attention",
+        "h2o",
+        "snapkv",
+        "tova",
+        "key_norm",
+        "recency",
+        "uniform",
+        "pyramid",
+        "pyramidkv",
+        "var_prop",
+        "var_inv",
+        "per_layer",
+        "top_k",
+        "ada_kv",
+        "minmax",
+    ] {
         assert!(names.contains(&want), "{want} not registered: {names:?}");
     }
     for c in all {
         let v = (c.default)();
         assert_eq!(v["type"], c.name);
-        let field = c.point.config_key().split(' ').next().unwrap().trim_start_matches("cache.");
+        let field = c
+            .point
+            .config_key()
+            .split(' ')
+            .next()
+            .unwrap()
+            .trim_start_matches("cache.");
         let toml = match c.point {
-            components::ExtensionPoint::Quantizer => format!("[cache.quant]\nresidual = 512\nkeys = {v}"),
+            components::ExtensionPoint::Quantizer => {
+                format!("[cache.quant]\nresidual = 512\nkeys = {v}")
+            }
             components::ExtensionPoint::Scorer => format!("[cache]\nheavy = 0.1\n{field} = {v}"),
             _ => format!("[cache]\nheavy = 0.1\nscorer = {{ type = \"h2o\" }}\n{field} = {v}"),
         };
-        let toml = toml.replace("\":", "\" =").replace("{\"", "{ \"").replace(",\"", ", \"");
-        let cfg = RunConfig::parse(&toml, false).unwrap_or_else(|e| panic!("{}: {e}\n{toml}", c.name));
+        let toml = toml
+            .replace("\":", "\" =")
+            .replace("{\"", "{ \"")
+            .replace(",\"", ", \"");
+        let cfg =
+            RunConfig::parse(&toml, false).unwrap_or_else(|e| panic!("{}: {e}\n{toml}", c.name));
         let back = serde_json::to_value(&cfg).unwrap();
         let got = match c.point {
             components::ExtensionPoint::Quantizer => &back["cache"]["quant"]["keys"],
@@ -117,8 +194,12 @@ fn budget_tables_of_presets() {
         let req = BudgetRequest {
             n_layers: 30,
             prompt_len: t,
-            heavy: c.heavy_tokens.unwrap_or((t as f64 * c.heavy.unwrap_or(0.0)) as usize),
-            recent: c.recent_tokens.unwrap_or((t as f64 * c.recent.unwrap_or(0.0)) as usize),
+            heavy: c
+                .heavy_tokens
+                .unwrap_or((t as f64 * c.heavy.unwrap_or(0.0)) as usize),
+            recent: c
+                .recent_tokens
+                .unwrap_or((t as f64 * c.recent.unwrap_or(0.0)) as usize),
             sinks: c.sinks,
             layer_stats: Some(&stats),
         };

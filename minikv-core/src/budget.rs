@@ -99,9 +99,15 @@ pub fn apportion(weights: &[f64], total: usize, cap: usize) -> Result<Vec<usize>
         return Ok(Vec::new());
     }
     if weights.iter().any(|w| !w.is_finite() || *w < 0.0) {
-        return Err(Error::Budget(format!("weights must be finite and non-negative: {weights:?}")));
+        return Err(Error::Budget(format!(
+            "weights must be finite and non-negative: {weights:?}"
+        )));
     }
-    let w: Vec<f64> = if weights.iter().all(|&x| x == 0.0) { vec![1.0; n] } else { weights.to_vec() };
+    let w: Vec<f64> = if weights.iter().all(|&x| x == 0.0) {
+        vec![1.0; n]
+    } else {
+        weights.to_vec()
+    };
     let total = total.min(cap.saturating_mul(n));
     #[derive(PartialEq)]
     struct Seat(f64, usize);
@@ -118,7 +124,10 @@ pub fn apportion(weights: &[f64], total: usize, cap: usize) -> Result<Vec<usize>
     }
     let mut out = vec![0usize; n];
     let mut given = 0usize;
-    let mut heap: BinaryHeap<Seat> = (0..n).filter(|&i| out[i] < cap && w[i] > 0.0).map(|i| Seat(w[i] / (out[i] as f64 + 0.5), i)).collect();
+    let mut heap: BinaryHeap<Seat> = (0..n)
+        .filter(|&i| out[i] < cap && w[i] > 0.0)
+        .map(|i| Seat(w[i] / (out[i] as f64 + 0.5), i))
+        .collect();
     while given < total {
         let Some(Seat(_, i)) = heap.pop() else { break };
         out[i] += 1;

@@ -40,11 +40,17 @@ impl CacheBuilder {
 
     /// Builds a cache from a cache config.
     pub fn build(&self, cfg: &CacheConfig) -> Result<Box<dyn KvCache>> {
-        Ok(Box::new(LayeredCache::new(cfg.clone(), self.spec, self.backend.clone())?))
+        Ok(Box::new(LayeredCache::new(
+            cfg.clone(),
+            self.spec,
+            self.backend.clone(),
+        )?))
     }
 }
 
 /// Builds the cache of a run config with its CPU backend.
 pub fn build_cache(cfg: &RunConfig, spec: ModelSpec) -> Result<Box<dyn KvCache>> {
-    CacheBuilder::new(spec).cpu_backend(&cfg.backend)?.build(&cfg.cache)
+    CacheBuilder::new(spec)
+        .cpu_backend(&cfg.backend)?
+        .build(&cfg.cache)
 }

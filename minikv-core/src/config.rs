@@ -160,7 +160,10 @@ impl Clone for CacheConfig {
 fn check_ratio(field: &str, v: Option<f64>, tokens: Option<usize>) -> Result<()> {
     if let Some(r) = v {
         if !(0.0..=1.0).contains(&r) || r.is_nan() {
-            return Err(Error::config(field, format!("must be a ratio in [0, 1], got {r}")));
+            return Err(Error::config(
+                field,
+                format!("must be a ratio in [0, 1], got {r}"),
+            ));
         }
         if tokens.is_some() {
             return Err(Error::config(
@@ -210,7 +213,10 @@ impl CacheConfig {
                     ));
                 }
                 if self.policy.is_some() || self.selector.is_some() {
-                    return Err(Error::config("cache.scorer", "policy/selector given without a scorer"));
+                    return Err(Error::config(
+                        "cache.scorer",
+                        "policy/selector given without a scorer",
+                    ));
                 }
                 if self.decode == DecodeMode::Evict {
                     return Err(Error::config("cache.decode", "`evict` needs a scorer"));
@@ -248,7 +254,10 @@ impl CacheConfig {
         }
         if let Some(q) = &self.quant {
             if q.keys.is_none() && q.values.is_none() {
-                return Err(Error::config("cache.quant", "set keys and/or values quantizers"));
+                return Err(Error::config(
+                    "cache.quant",
+                    "set keys and/or values quantizers",
+                ));
             }
             if q.residual == 0 {
                 return Err(Error::config("cache.quant.residual", "must be positive"));
@@ -262,10 +271,17 @@ impl CacheConfig {
                 if qz.axis() == Axis::Channel && q.residual % qz.group() != 0 {
                     return Err(Error::config(
                         "cache.quant.residual",
-                        format!("R = {} is not a multiple of the {name} group size {}", q.residual, qz.group()),
+                        format!(
+                            "R = {} is not a multiple of the {name} group size {}",
+                            q.residual,
+                            qz.group()
+                        ),
                     ));
                 }
-                if name == "values" && q.residual_mode == ResidualMode::Kivi && qz.axis() == Axis::Channel {
+                if name == "values"
+                    && q.residual_mode == ResidualMode::Kivi
+                    && qz.axis() == Axis::Channel
+                {
                     return Err(Error::Unsupported(
                         "residual_mode = \"kivi\" slides the value window one token at a time: values must be quantized per token".into(),
                     ));
@@ -322,7 +338,10 @@ impl RunConfig {
         if !["tiled", "reference", "cuda"].contains(&self.backend.as_str()) {
             return Err(Error::config(
                 "backend",
-                format!("unknown backend `{}` (tiled, reference, cuda)", self.backend),
+                format!(
+                    "unknown backend `{}` (tiled, reference, cuda)",
+                    self.backend
+                ),
             ));
         }
         self.cache.validate(spec)

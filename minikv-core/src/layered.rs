@@ -9,7 +9,9 @@ use crate::quant::QuantStore;
 use crate::scoring::{DynamicRule, GqaReduce, Needs, ScoreInputs, reduce_gqa};
 use crate::select::SelectionInput;
 use crate::storage::FpStore;
-use crate::{BudgetRequest, Error, LayerBudget, LayerStatistic, ModelSpec, Result, check_finite, check_len};
+use crate::{
+    BudgetRequest, Error, LayerBudget, LayerStatistic, ModelSpec, Result, check_finite, check_len,
+};
 use std::sync::Arc;
 
 /// One storage head.
@@ -60,7 +62,11 @@ pub struct LayeredCache {
 
 impl LayeredCache {
     /// Builds an empty cache. `cfg` is resolved and validated here.
-    pub fn new(mut cfg: CacheConfig, spec: ModelSpec, backend: Arc<dyn AttentionBackend>) -> Result<Self> {
+    pub fn new(
+        mut cfg: CacheConfig,
+        spec: ModelSpec,
+        backend: Arc<dyn AttentionBackend>,
+    ) -> Result<Self> {
         spec.validate()?;
         cfg.resolve()?;
         cfg.validate(Some(&spec))?;
@@ -99,8 +105,14 @@ impl LayeredCache {
         let d = self.spec.head_dim;
         let (qk, qv) = match &self.cfg.quant {
             Some(q) => (
-                q.keys.as_deref().map(|z| st.quant_store(z, d)).transpose()?,
-                q.values.as_deref().map(|z| st.quant_store(z, d)).transpose()?,
+                q.keys
+                    .as_deref()
+                    .map(|z| st.quant_store(z, d))
+                    .transpose()?,
+                q.values
+                    .as_deref()
+                    .map(|z| st.quant_store(z, d))
+                    .transpose()?,
             ),
             None => (None, None),
         };
@@ -119,7 +131,9 @@ impl LayeredCache {
     fn reset_layers(&mut self) -> Result<()> {
         let mut layers = Vec::with_capacity(self.spec.n_layers);
         for _ in 0..self.spec.n_layers {
-            let heads = (0..self.n_store).map(|_| self.new_head()).collect::<Result<Vec<_>>>()?;
+            let heads = (0..self.n_store)
+                .map(|_| self.new_head())
+                .collect::<Result<Vec<_>>>()?;
             layers.push(Layer {
                 k: vec![Vec::new(); self.spec.n_kv_heads],
                 v: vec![Vec::new(); self.spec.n_kv_heads],
@@ -142,12 +156,18 @@ impl LayeredCache {
         self.cfg
             .quant
             .as_ref()
-            .map_or((usize::MAX, ResidualMode::Minikv), |q| (q.residual, q.residual_mode))
+            .map_or((usize::MAX, ResidualMode::Minikv), |q| {
+                (q.residual, q.residual_mode)
+            })
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
         if layer >= self.spec.n_layers {
-            return Err(Error::shape("layer index", format!("< {}", self.spec.n_layers), layer));
+            return Err(Error::shape(
+                "layer index",
+                format!("< {}", self.spec.n_layers),
+                layer,
+            ));
         }
         Ok(())
     }
@@ -159,13 +179,18 @@ impl LayeredCache {
         let l = &mut self.layers[layer];
         let t = l.seen;
         if n > t {
-            return Err(Error::shape("queries vs appended tokens", format!("<= {t}"), n));
+            return Err(Error::shape(
+                "queries vs appended tokens",
+                format!("<= {t}"),
+                n,
+            ));
         }
         // Token-major -> head-major.
         let mut qh = vec![0.0f32; hq * n * d];
         for i in 0..n {
             for h in 0..hq {
-                qh[(h * n + i) * d..(h * n + i + 1) * d].copy_from_slice(&q[(i * hq + h) * d..(i * hq + h + 1) * d]);
+                qh[(h * n + i) * d..(h * n + i + 1) * d]
+                    .copy_from_slice(&q[(i * hq + h) * d..(i * hq + h + 1) * d]);
             }
         }
         let mut oh = vec![0.0f32; hq * n * d];
@@ -197,7 +222,8 @@ impl LayeredCache {
         }
         for i in 0..n {
             for h in 0..hq {
-                out[(i * hq + h) * d..(i * hq + h + 1) * d].copy_from_slice(&oh[(h * n + i) * d..(h * n + i + 1) * d]);
+                out[(i * hq + h) * d..(i * hq + h + 1) * d]
+                    .copy_from_slice(&oh[(h * n + i) * d..(h * n + i + 1) * d]);
             }
         }
         if needs.query_window > 0 {
@@ -211,11 +237,18 @@ impl LayeredCache {
         Ok(())
     }
 
-    fn flush(quant: &mut Option<Box<dyn QuantStore>>, fp: &mut Box<dyn FpStore>, n: usize, scratch: &mut Vec<f32>) -> Result<()> {
+    fn flush(
+        quant: &mut Option<Box<dyn QuantStore>>,
+        fp: &mut Box<dyn FpStore>,
+        n: usize,
+        scratch: &mut Vec<f32>,
+    ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        let Some(qs) = quant.as_mut() else { return Ok(()) };
+        let Some(qs) = quant.as_mut() else {
+            return Ok(());
+        };
         scratch.clear();
         fp.drain_front(n, scratch);
         qs.append(scratch)
@@ -287,13 +320,17 @@ impl LayeredCache {
                 let group = &probs[s * g..(s + 1) * g];
                 for i in 0..n {
                     let p = match reduce {
-                        GqaReduce::Max => group.iter().map(|p| p[i]).fold(f32::NEG_INFINITY, f32::max),
+                        GqaReduce::Max => {
+                            group.iter().map(|p| p[i]).fold(f32::NEG_INFINITY, f32::max)
+                        }
                         GqaReduce::Sum => group.iter().map(|p| p[i]).sum(),
                         GqaReduce::Mean => group.iter().map(|p| p[i]).sum::<f32>() / g as f32,
                     };
                     match rule {
                         DynamicRule::Accumulate => h.score[i] += p,
-                        DynamicRule::LastQuery => h.score[i] = layer_mean.as_ref().map_or(p, |m| m[i]),
+                        DynamicRule::LastQuery => {
+                            h.score[i] = layer_mean.as_ref().map_or(p, |m| m[i])
+                        }
                         DynamicRule::Recency => h.score[i] = h.pos[i] as f32,
                     }
                 }
@@ -306,7 +343,12 @@ impl LayeredCache {
                             continue;
                         }
                         victim = match victim {
-                            Some(v) if h.score[v] < h.score[i] || (h.score[v] == h.score[i] && h.pos[v] > h.pos[i]) => Some(v),
+                            Some(v)
+                                if h.score[v] < h.score[i]
+                                    || (h.score[v] == h.score[i] && h.pos[v] > h.pos[i]) =>
+                            {
+                                Some(v)
+                            }
                             _ => Some(i),
                         };
                     }
@@ -323,7 +365,13 @@ impl LayeredCache {
     }
 
     /// Selection + quantization of one layer's prompt.
-    fn compress_layer(&mut self, layer: usize, kept: &[Vec<u32>], scores: Option<&[f32]>, budget: LayerBudget) -> Result<()> {
+    fn compress_layer(
+        &mut self,
+        layer: usize,
+        kept: &[Vec<u32>],
+        scores: Option<&[f32]>,
+        budget: LayerBudget,
+    ) -> Result<()> {
         let d = self.spec.head_dim;
         let (r, mode) = self.residual();
         let gran = self.cfg.quant.as_ref().map_or(1, |q| {
@@ -339,7 +387,11 @@ impl LayeredCache {
             let kv = self.kv_of_store(s);
             let l = &mut self.layers[layer];
             let (ks, vs) = (&l.k[kv], &l.v[kv]);
-            let rows: Vec<u32> = if kept.is_empty() { (0..t as u32).collect() } else { kept[s].clone() };
+            let rows: Vec<u32> = if kept.is_empty() {
+                (0..t as u32).collect()
+            } else {
+                kept[s].clone()
+            };
             let n = rows.len();
             let mut kbuf = Vec::with_capacity(n * d);
             let mut vbuf = Vec::with_capacity(n * d);
@@ -374,7 +426,11 @@ impl LayeredCache {
                     },
                 };
                 let evicted = n < t;
-                h.cap = if evicted { n } else { sinks + budget.heavy + budget.recent };
+                h.cap = if evicted {
+                    n
+                } else {
+                    sinks + budget.heavy + budget.recent
+                };
                 h.recent = budget.recent;
             }
             for st in [h.qk.as_mut(), h.qv.as_mut()].into_iter().flatten() {
@@ -475,7 +531,9 @@ impl KvCache for LayeredCache {
             Phase::Prefill => self.prefill_attend(layer, q, n, out),
             Phase::Decode => {
                 if n != 1 {
-                    return Err(Error::Unsupported("decode attends one query per head".into()));
+                    return Err(Error::Unsupported(
+                        "decode attends one query per head".into(),
+                    ));
                 }
                 self.decode_attend(layer, q, out)
             }
@@ -486,23 +544,48 @@ impl KvCache for LayeredCache {
         if self.phase == Phase::Decode {
             return Err(Error::Unsupported("end_prefill called twice".into()));
         }
-        let (hq, hkv, d) = (self.spec.n_q_heads, self.spec.n_kv_heads, self.spec.head_dim);
+        let (hq, hkv, d) = (
+            self.spec.n_q_heads,
+            self.spec.n_kv_heads,
+            self.spec.head_dim,
+        );
         let t = self.layers[0].seen;
         if self.layers.iter().any(|l| l.seen != t) {
-            return Err(Error::shape("end_prefill: tokens per layer", t, "differing lengths"));
+            return Err(Error::shape(
+                "end_prefill: tokens per layer",
+                t,
+                "differing lengths",
+            ));
         }
         let Some(scorer) = self.cfg.scorer.as_ref() else {
             for layer in 0..self.spec.n_layers {
-                self.compress_layer(layer, &[], None, LayerBudget { heavy: t, recent: 0 })?;
+                self.compress_layer(
+                    layer,
+                    &[],
+                    None,
+                    LayerBudget {
+                        heavy: t,
+                        recent: 0,
+                    },
+                )?;
             }
             self.phase = Phase::Decode;
             return Ok(());
         };
-        let heavy = self.cfg.heavy_tokens.unwrap_or_else(|| (t as f64 * self.cfg.heavy.unwrap_or(0.0)).floor() as usize);
-        let recent = self.cfg.recent_tokens.unwrap_or_else(|| (t as f64 * self.cfg.recent.unwrap_or(0.0)).floor() as usize);
-        let stats: Option<Vec<f32>> = self
-            .stat
-            .map(|st| self.layers.iter().map(|l| st.compute(&l.cumul, hq, t)).collect());
+        let heavy = self
+            .cfg
+            .heavy_tokens
+            .unwrap_or_else(|| (t as f64 * self.cfg.heavy.unwrap_or(0.0)).floor() as usize);
+        let recent = self
+            .cfg
+            .recent_tokens
+            .unwrap_or_else(|| (t as f64 * self.cfg.recent.unwrap_or(0.0)).floor() as usize);
+        let stats: Option<Vec<f32>> = self.stat.map(|st| {
+            self.layers
+                .iter()
+                .map(|l| st.compute(&l.cumul, hq, t))
+                .collect()
+        });
         let req = BudgetRequest {
             n_layers: self.spec.n_layers,
             prompt_len: t,
@@ -516,8 +599,7 @@ impl KvCache for LayeredCache {
         check_len("policy budgets", self.spec.n_layers, budgets.len())?;
         let selector = self.cfg.selector.as_ref().expect("resolved");
         let mut plans = Vec::with_capacity(self.spec.n_layers);
-        for layer in 0..self.spec.n_layers {
-            let l = &self.layers[layer];
+        for (layer, (l, &budget)) in self.layers.iter().zip(&budgets).enumerate() {
             let w = l.window.len() / (hq * d);
             let mut wq = vec![0.0f32; hq * w * d];
             for i in 0..w {
@@ -541,7 +623,9 @@ impl KvCache for LayeredCache {
             let mut sq = vec![0.0f32; hq * t];
             scorer.score(&inputs, &mut sq)?;
             if let Some(i) = sq.iter().position(|x| x.is_nan()) {
-                return Err(Error::Input(format!("scorer produced NaN at layer {layer}, index {i}")));
+                return Err(Error::Input(format!(
+                    "scorer produced NaN at layer {layer}, index {i}"
+                )));
             }
             let scores = match self.cfg.heads {
                 HeadMode::PerKv => reduce_gqa(&sq, hq, hkv, t, self.cfg.gqa_reduce),
@@ -553,15 +637,18 @@ impl KvCache for LayeredCache {
                     scores: &scores,
                     n_heads: self.n_store,
                     t,
-                    budget: budgets[layer],
+                    budget,
                     sinks: self.cfg.sinks,
                 },
                 &mut kept,
             )?;
             check_len("selector heads", self.n_store, kept.len())?;
             for k in &kept {
-                if k.windows(2).any(|w| w[0] >= w[1]) || k.last().is_some_and(|&p| p as usize >= t) {
-                    return Err(Error::Input("selector returned unsorted or out-of-range positions".into()));
+                if k.windows(2).any(|w| w[0] >= w[1]) || k.last().is_some_and(|&p| p as usize >= t)
+                {
+                    return Err(Error::Input(
+                        "selector returned unsorted or out-of-range positions".into(),
+                    ));
                 }
             }
             plans.push((kept, scores));
@@ -579,9 +666,10 @@ impl KvCache for LayeredCache {
             .layers
             .iter()
             .map(|l| {
-                let staging = 4 * (l.k.iter().chain(&l.v).map(|x| x.capacity()).sum::<usize>()
-                    + l.cumul.capacity()
-                    + l.window.capacity());
+                let staging = 4
+                    * (l.k.iter().chain(&l.v).map(|x| x.capacity()).sum::<usize>()
+                        + l.cumul.capacity()
+                        + l.window.capacity());
                 let heads = l
                     .heads
                     .iter()

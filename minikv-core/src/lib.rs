@@ -51,7 +51,10 @@ pub mod select;
 mod spec;
 pub mod storage;
 
-pub use attention::{AttentionBackend, ClusterView, DecodeArgs, HeadView, PrefillArgs, ReferenceBackend, TiledBackend};
+pub use attention::{
+    AttentionBackend, ClusterView, DecodeArgs, HeadView, PrefillArgs, ReferenceBackend,
+    TiledBackend,
+};
 pub use budget::{BudgetRequest, LayerBudget, LayerStatistic, SelectionPolicy, apportion};
 pub use builder::{CacheBuilder, build_cache};
 pub use cache::{HeadMemory, KvCache, LayerMemory, MemoryReport, Phase};

@@ -43,7 +43,7 @@ impl ModelSpec {
                 return Err(Error::config(format!("spec.{name}"), "must be positive"));
             }
         }
-        if self.n_q_heads % self.n_kv_heads != 0 {
+        if !self.n_q_heads.is_multiple_of(self.n_kv_heads) {
             return Err(Error::config(
                 "spec.n_kv_heads",
                 format!(

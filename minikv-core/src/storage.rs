@@ -77,7 +77,10 @@ const GROW_ROWS: usize = 32;
 impl Fp16Rows {
     /// Empty store for head dimension `d`.
     pub fn new(d: usize) -> Self {
-        Self { d, data: Vec::new() }
+        Self {
+            d,
+            data: Vec::new(),
+        }
     }
 
     fn reserve_rows(&mut self, n: usize) {

@@ -1,11 +1,16 @@
 //! Tiled attention against the exact reference; `A_cumul` against explicit sums.
 
-use minikv_core::attention::{AttentionBackend, ClusterView, DecodeArgs, HeadView, PrefillArgs, ReferenceBackend, TiledBackend};
+use minikv_core::attention::{
+    AttentionBackend, ClusterView, DecodeArgs, HeadView, PrefillArgs, ReferenceBackend,
+    TiledBackend,
+};
 use minikv_core::storage::{Fp16Rows, FpStore};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 fn rand_vec(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0) * scale).collect()
+    (0..n)
+        .map(|_| rng.random_range(-1.0f32..1.0) * scale)
+        .collect()
 }
 
 struct Case {
@@ -16,7 +21,14 @@ struct Case {
     t: usize,
 }
 
-fn run(backend: &dyn AttentionBackend, c: &Case, q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], cumul: bool) -> (Vec<f32>, Vec<f32>) {
+fn run(
+    backend: &dyn AttentionBackend,
+    c: &Case,
+    q: &[f32],
+    k: &[Vec<f32>],
+    v: &[Vec<f32>],
+    cumul: bool,
+) -> (Vec<f32>, Vec<f32>) {
     let mut out = vec![0.0; c.hq * c.n * c.d];
     let mut cu = vec![0.0; c.hq * c.t];
     let keys: Vec<&[f32]> = k.iter().map(|x| x.as_slice()).collect();
@@ -41,7 +53,10 @@ fn rel_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
     assert_eq!(a.len(), b.len());
     let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-6);
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!((x - y).abs() <= tol * scale.max(y.abs()), "{what}[{i}]: {x} vs {y} (tol {tol})");
+        assert!(
+            (x - y).abs() <= tol * scale.max(y.abs()),
+            "{what}[{i}]: {x} vs {y} (tol {tol})"
+        );
     }
 }
 
@@ -49,24 +64,73 @@ fn rel_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
 fn tiled_equals_reference_on_random_shapes() {
     let mut rng = StdRng::seed_from_u64(7);
     let cases = [
-        Case { hq: 9, hkv: 3, d: 64, n: 1, t: 1 },      // T = 1
-        Case { hq: 4, hkv: 4, d: 32, n: 100, t: 100 },  // MHA, T not a multiple of 64
-        Case { hq: 6, hkv: 2, d: 16, n: 130, t: 130 },  // GQA
-        Case { hq: 9, hkv: 3, d: 64, n: 700, t: 700 },  // long T
-        Case { hq: 4, hkv: 2, d: 8, n: 37, t: 200 },    // a chunk after a prefix
-        Case { hq: 2, hkv: 1, d: 64, n: 1, t: 333 },    // one query over many keys
+        Case {
+            hq: 9,
+            hkv: 3,
+            d: 64,
+            n: 1,
+            t: 1,
+        }, // T = 1
+        Case {
+            hq: 4,
+            hkv: 4,
+            d: 32,
+            n: 100,
+            t: 100,
+        }, // MHA, T not a multiple of 64
+        Case {
+            hq: 6,
+            hkv: 2,
+            d: 16,
+            n: 130,
+            t: 130,
+        }, // GQA
+        Case {
+            hq: 9,
+            hkv: 3,
+            d: 64,
+            n: 700,
+            t: 700,
+        }, // long T
+        Case {
+            hq: 4,
+            hkv: 2,
+            d: 8,
+            n: 37,
+            t: 200,
+        }, // a chunk after a prefix
+        Case {
+            hq: 2,
+            hkv: 1,
+            d: 64,
+            n: 1,
+            t: 333,
+        }, // one query over many keys
     ];
     for c in &cases {
         let q = rand_vec(&mut rng, c.hq * c.n * c.d, 2.0);
-        let k: Vec<Vec<f32>> = (0..c.hkv).map(|_| rand_vec(&mut rng, c.t * c.d, 2.0)).collect();
-        let v: Vec<Vec<f32>> = (0..c.hkv).map(|_| rand_vec(&mut rng, c.t * c.d, 1.0)).collect();
+        let k: Vec<Vec<f32>> = (0..c.hkv)
+            .map(|_| rand_vec(&mut rng, c.t * c.d, 2.0))
+            .collect();
+        let v: Vec<Vec<f32>> = (0..c.hkv)
+            .map(|_| rand_vec(&mut rng, c.t * c.d, 1.0))
+            .collect();
         let (ro, rc) = run(&ReferenceBackend, c, &q, &k, &v, true);
-        for backend in [TiledBackend::default(), TiledBackend { block_q: 16, block_k: 48 }] {
+        for backend in [
+            TiledBackend::default(),
+            TiledBackend {
+                block_q: 16,
+                block_k: 48,
+            },
+        ] {
             let (to, tc) = run(&backend, c, &q, &k, &v, true);
             rel_close(&to, &ro, 1e-5, "out");
             rel_close(&tc, &rc, 1e-5, "cumul");
             let (to2, _) = run(&backend, c, &q, &k, &v, false);
-            assert_eq!(to, to2, "output must not depend on whether A_cumul is requested");
+            assert_eq!(
+                to, to2,
+                "output must not depend on whether A_cumul is requested"
+            );
         }
     }
 }
@@ -75,9 +139,17 @@ fn tiled_equals_reference_on_random_shapes() {
 #[test]
 fn cumulative_attention_is_explicit_column_sums() {
     let mut rng = StdRng::seed_from_u64(3);
-    let c = Case { hq: 4, hkv: 2, d: 16, n: 150, t: 150 };
+    let c = Case {
+        hq: 4,
+        hkv: 2,
+        d: 16,
+        n: 150,
+        t: 150,
+    };
     let q = rand_vec(&mut rng, c.hq * c.n * c.d, 3.0);
-    let k: Vec<Vec<f32>> = (0..c.hkv).map(|_| rand_vec(&mut rng, c.t * c.d, 3.0)).collect();
+    let k: Vec<Vec<f32>> = (0..c.hkv)
+        .map(|_| rand_vec(&mut rng, c.t * c.d, 3.0))
+        .collect();
     let v = k.clone();
     let (_, cu) = run(&TiledBackend::default(), &c, &q, &k, &v, true);
     let d = c.d;
@@ -87,7 +159,13 @@ fn cumulative_attention_is_explicit_column_sums() {
         for i in 0..c.t {
             let qi = &q[(h * c.n + i) * d..(h * c.n + i + 1) * d];
             let s: Vec<f64> = (0..=i)
-                .map(|j| qi.iter().zip(&kh[j * d..(j + 1) * d]).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() / (d as f64).sqrt())
+                .map(|j| {
+                    qi.iter()
+                        .zip(&kh[j * d..(j + 1) * d])
+                        .map(|(a, b)| (*a as f64) * (*b as f64))
+                        .sum::<f64>()
+                        / (d as f64).sqrt()
+                })
                 .collect();
             let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
@@ -97,10 +175,16 @@ fn cumulative_attention_is_explicit_column_sums() {
         }
         let row = &cu[h * c.t..(h + 1) * c.t];
         for j in 0..c.t {
-            assert!((row[j] as f64 - explicit[j]).abs() < 1e-4 * explicit[j].max(1.0), "h{h} j{j}");
+            assert!(
+                (row[j] as f64 - explicit[j]).abs() < 1e-4 * explicit[j].max(1.0),
+                "h{h} j{j}"
+            );
         }
         let total: f64 = row.iter().map(|&x| x as f64).sum();
-        assert!((total - c.t as f64).abs() < 1e-3, "mass per head must be T, got {total}");
+        assert!(
+            (total - c.t as f64).abs() < 1e-3,
+            "mass per head must be T, got {total}"
+        );
     }
 }
 
@@ -108,11 +192,34 @@ fn cumulative_attention_is_explicit_column_sums() {
 #[test]
 fn worked_example_section_4() {
     let (t, d) = (12, 4);
-    let q: Vec<f32> = (0..t).flat_map(|i| (0..d).map(move |c| 2.0 * (1.0 + 0.7 * i as f32 + 1.3 * c as f32).sin())).collect();
-    let k: Vec<f32> = (0..t).flat_map(|j| (0..d).map(move |c| 2.0 * (0.3 + 1.1 * j as f32 + 0.9 * c as f32).cos())).collect();
-    let c = Case { hq: 1, hkv: 1, d, n: t, t };
-    let (_, cu) = run(&TiledBackend { block_q: 5, block_k: 5 }, &c, &q, &[k.clone()], &[k], true);
-    let expected = [3.34844, 1.52279, 1.46448, 2.18724, 0.98198, 1.09805, 1.0605, 0.27813, 0.0182, 0.00165, 0.00448, 0.03406];
+    let q: Vec<f32> = (0..t)
+        .flat_map(|i| (0..d).map(move |c| 2.0 * (1.0 + 0.7 * i as f32 + 1.3 * c as f32).sin()))
+        .collect();
+    let k: Vec<f32> = (0..t)
+        .flat_map(|j| (0..d).map(move |c| 2.0 * (0.3 + 1.1 * j as f32 + 0.9 * c as f32).cos()))
+        .collect();
+    let c = Case {
+        hq: 1,
+        hkv: 1,
+        d,
+        n: t,
+        t,
+    };
+    let (_, cu) = run(
+        &TiledBackend {
+            block_q: 5,
+            block_k: 5,
+        },
+        &c,
+        &q,
+        std::slice::from_ref(&k),
+        std::slice::from_ref(&k),
+        true,
+    );
+    let expected = [
+        3.34844, 1.52279, 1.46448, 2.18724, 0.98198, 1.09805, 1.0605, 0.27813, 0.0182, 0.00165,
+        0.00448, 0.03406,
+    ];
     for (a, e) in cu.iter().zip(expected) {
         assert!((a - e).abs() < 6e-5, "{cu:?}");
     }
@@ -142,15 +249,29 @@ fn decode_tiled_equals_reference_with_clusters() {
             quant_values: None,
             fp_keys: &fk[s],
             fp_values: &fv[s],
-            clusters: (s != 1).then_some(ClusterView { keys: &ck, values: &cv, bias: &bias }),
+            clusters: (s != 1).then_some(ClusterView {
+                keys: &ck,
+                values: &cv,
+                bias: &bias,
+            }),
         })
         .collect();
     let q = rand_vec(&mut rng, hs * g * d, 2.0);
     let mut outs = Vec::new();
-    for b in [&ReferenceBackend as &dyn AttentionBackend, &TiledBackend::default()] {
+    for b in [
+        &ReferenceBackend as &dyn AttentionBackend,
+        &TiledBackend::default(),
+    ] {
         let mut out = vec![0.0; hs * g * d];
         let mut probs = vec![Vec::new(); hs * g];
-        b.decode(DecodeArgs { q: &q, heads: &views, head_dim: d, out: &mut out, probs: Some(&mut probs) }).unwrap();
+        b.decode(DecodeArgs {
+            q: &q,
+            heads: &views,
+            head_dim: d,
+            out: &mut out,
+            probs: Some(&mut probs),
+        })
+        .unwrap();
         outs.push((out, probs));
     }
     rel_close(&outs[1].0, &outs[0].0, 1e-5, "decode out");
@@ -164,7 +285,17 @@ fn bad_shapes_are_errors_not_panics() {
     let k = vec![0.0f32; 10 * 8];
     let mut out = vec![0.0; 4 * 8];
     let err = TiledBackend::default()
-        .prefill(PrefillArgs { n_q_heads: 3, head_dim: 8, q: &[0.0; 24], n: 1, keys: &[&k, &k], values: &[&k, &k], t: 10, out: &mut out, cumulative: None })
+        .prefill(PrefillArgs {
+            n_q_heads: 3,
+            head_dim: 8,
+            q: &[0.0; 24],
+            n: 1,
+            keys: &[&k, &k],
+            values: &[&k, &k],
+            t: 10,
+            out: &mut out,
+            cumulative: None,
+        })
         .unwrap_err();
     assert!(err.to_string().contains("shape mismatch"), "{err}");
 }

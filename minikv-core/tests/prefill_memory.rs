@@ -33,8 +33,18 @@ fn extra_bytes(t: usize) -> usize {
     // Warm rayon and thread-local scratch so that one-time costs are not counted.
     let be = TiledBackend::default();
     let run = |out: &mut [f32], cu: &mut [f32]| {
-        be.prefill(PrefillArgs { n_q_heads: hq, head_dim: d, q: &q, n: t, keys: &[&k], values: &[&k], t, out, cumulative: Some(cu) })
-            .unwrap()
+        be.prefill(PrefillArgs {
+            n_q_heads: hq,
+            head_dim: d,
+            q: &q,
+            n: t,
+            keys: &[&k],
+            values: &[&k],
+            t,
+            out,
+            cumulative: Some(cu),
+        })
+        .unwrap()
     };
     run(&mut out, &mut cu);
     let base = CUR.load(SeqCst);

@@ -162,7 +162,11 @@ pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
                 let qs: &[u8; 16] = b[4..20].try_into().expect("16");
                 let (xl, xh) = xb.split_at(16);
                 for j in 0..16 {
-                    acc[j] = fmadd(d, fmadd((qs[j] & 15) as f32, xl[j], (qs[j] >> 4) as f32 * xh[j]), acc[j]);
+                    acc[j] = fmadd(
+                        d,
+                        fmadd((qs[j] & 15) as f32, xl[j], (qs[j] >> 4) as f32 * xh[j]),
+                        acc[j],
+                    );
                 }
             }
             acc.iter().sum::<f32>() + macc
@@ -180,4 +184,3 @@ pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
         }
     }
 }
-

@@ -52,7 +52,10 @@ pub fn generate(
     }
     let max_ctx = model.spec().max_seq_len;
     if prompt.len() > max_ctx {
-        return Err(Error::ContextOverflow { len: prompt.len(), max: max_ctx });
+        return Err(Error::ContextOverflow {
+            len: prompt.len(),
+            max: max_ctx,
+        });
     }
     let mut sampler = Sampler::new(sampling)?;
     let mut ws = Workspace::default();
@@ -89,7 +92,14 @@ pub fn generate(
     if text.len() > shown {
         on_text(&text[shown.min(text.len())..]);
     }
-    Ok(Generation { prompt_tokens: prompt.len(), tokens: out, text, stop, prefill_s, decode_s: t1.elapsed().as_secs_f64() })
+    Ok(Generation {
+        prompt_tokens: prompt.len(),
+        tokens: out,
+        text,
+        stop,
+        prefill_s,
+        decode_s: t1.elapsed().as_secs_f64(),
+    })
 }
 
 /// Result of [`perplexity`].
@@ -119,13 +129,23 @@ pub fn nll_of(logits: &[f32], target: u32) -> f64 {
 /// Perplexity of `ids`: the first `prefill` tokens are prefilled (exact
 /// attention), the cache is compressed, and the rest are teacher-forced one
 /// token per decode step through the compressed cache.
-pub fn perplexity(model: &dyn LanguageModel, cache: &mut dyn KvCache, ids: &[u32], prefill: usize, mut progress: impl FnMut(usize)) -> Result<Perplexity> {
+pub fn perplexity(
+    model: &dyn LanguageModel,
+    cache: &mut dyn KvCache,
+    ids: &[u32],
+    prefill: usize,
+    mut progress: impl FnMut(usize),
+) -> Result<Perplexity> {
     let n = ids.len();
     if n < 2 {
-        return Err(Error::Input(format!("perplexity needs at least 2 tokens, got {n}")));
+        return Err(Error::Input(format!(
+            "perplexity needs at least 2 tokens, got {n}"
+        )));
     }
     if prefill == 0 || prefill > n {
-        return Err(Error::Input(format!("prefill must be in 1..={n}, got {prefill}")));
+        return Err(Error::Input(format!(
+            "prefill must be in 1..={n}, got {prefill}"
+        )));
     }
     if cache.phase() != Phase::Prefill || cache.seq_len(0) != 0 {
         return Err(Error::Input("perplexity needs an empty cache".into()));
@@ -150,5 +170,12 @@ pub fn perplexity(model: &dyn LanguageModel, cache: &mut dyn KvCache, ids: &[u32
     }
     let nll = total / (n - 1) as f64;
     let decode_nll = (ndec > 0).then(|| dec / ndec as f64);
-    Ok(Perplexity { tokens: n, nll, ppl: nll.exp(), prefill_tokens: prefill, decode_nll, decode_ppl: decode_nll.map(f64::exp) })
+    Ok(Perplexity {
+        tokens: n,
+        nll,
+        ppl: nll.exp(),
+        prefill_tokens: prefill,
+        decode_nll,
+        decode_ppl: decode_nll.map(f64::exp),
+    })
 }

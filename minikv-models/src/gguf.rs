@@ -117,7 +117,11 @@ impl Blob {
     /// Wraps owned bytes.
     pub fn owned(v: Vec<u8>) -> Self {
         let len = v.len();
-        Self { data: Arc::new(Bytes::Owned(v)), start: 0, len }
+        Self {
+            data: Arc::new(Bytes::Owned(v)),
+            start: 0,
+            len,
+        }
     }
     /// The bytes.
     pub fn bytes(&self) -> &[u8] {
@@ -140,16 +144,27 @@ impl<'a> Cursor<'a> {
             .pos
             .checked_add(n)
             .filter(|&e| e <= self.b.len())
-            .ok_or_else(|| Error::Format(format!("truncated file: {} needs {n} bytes at offset {}, file has {}", what(), self.pos, self.b.len())))?;
+            .ok_or_else(|| {
+                Error::Format(format!(
+                    "truncated file: {} needs {n} bytes at offset {}, file has {}",
+                    what(),
+                    self.pos,
+                    self.b.len()
+                ))
+            })?;
         let s = &self.b[self.pos..end];
         self.pos = end;
         Ok(s)
     }
     fn u32(&mut self, what: &dyn Fn() -> String) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4, what)?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self, what: &dyn Fn() -> String) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8, what)?.try_into().expect("8 bytes"),
+        ))
     }
     fn remaining(&self) -> usize {
         self.b.len() - self.pos
@@ -157,10 +172,15 @@ impl<'a> Cursor<'a> {
     fn string(&mut self, what: &dyn Fn() -> String) -> Result<String> {
         let n = self.u64(what)?;
         if n > self.remaining() as u64 {
-            return Err(Error::Format(format!("{}: string length {n} exceeds the {} bytes left", what(), self.remaining())));
+            return Err(Error::Format(format!(
+                "{}: string length {n} exceeds the {} bytes left",
+                what(),
+                self.remaining()
+            )));
         }
         let s = self.take(n as usize, what)?;
-        String::from_utf8(s.to_vec()).map_err(|_| Error::Format(format!("{}: string is not UTF-8", what())))
+        String::from_utf8(s.to_vec())
+            .map_err(|_| Error::Format(format!("{}: string is not UTF-8", what())))
     }
     fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<Value> {
         let w = || format!("metadata `{key}`");
@@ -176,7 +196,9 @@ impl<'a> Cursor<'a> {
             8 => Value::Str(self.string(&w)?),
             9 => {
                 if depth >= MAX_DEPTH {
-                    return Err(Error::Format(format!("metadata `{key}`: arrays nested too deeply")));
+                    return Err(Error::Format(format!(
+                        "metadata `{key}`: arrays nested too deeply"
+                    )));
                 }
                 let ety = self.u32(&w)?;
                 let n = self.u64(&w)?;
@@ -187,10 +209,17 @@ impl<'a> Cursor<'a> {
                     4..=6 => 4,
                     8 | 10..=12 => 8,
                     9 => 12,
-                    t => return Err(Error::Format(format!("metadata `{key}`: unknown array element type {t}"))),
+                    t => {
+                        return Err(Error::Format(format!(
+                            "metadata `{key}`: unknown array element type {t}"
+                        )));
+                    }
                 };
                 if n.saturating_mul(min) > self.remaining() as u64 {
-                    return Err(Error::Format(format!("metadata `{key}`: array of {n} elements exceeds the {} bytes left", self.remaining())));
+                    return Err(Error::Format(format!(
+                        "metadata `{key}`: array of {n} elements exceeds the {} bytes left",
+                        self.remaining()
+                    )));
                 }
                 let mut v = Vec::with_capacity(n as usize);
                 for _ in 0..n {
@@ -201,7 +230,11 @@ impl<'a> Cursor<'a> {
             10 => Value::U64(self.u64(&w)?),
             11 => Value::I64(self.u64(&w)? as i64),
             12 => Value::F64(f64::from_bits(self.u64(&w)?)),
-            t => return Err(Error::Format(format!("metadata `{key}`: unknown value type {t}"))),
+            t => {
+                return Err(Error::Format(format!(
+                    "metadata `{key}`: unknown value type {t}"
+                )));
+            }
         })
     }
 }
@@ -228,20 +261,28 @@ impl Gguf {
         let hdr = || "header".to_string();
         let magic = c.take(4, &hdr)?;
         if magic != b"GGUF" {
-            return Err(Error::Format(format!("not a GGUF file (magic {magic:02x?})")));
+            return Err(Error::Format(format!(
+                "not a GGUF file (magic {magic:02x?})"
+            )));
         }
         let version = c.u32(&hdr)?;
         if !(2..=3).contains(&version) {
-            return Err(Error::Format(format!("unsupported GGUF version {version} (2 and 3 are supported)")));
+            return Err(Error::Format(format!(
+                "unsupported GGUF version {version} (2 and 3 are supported)"
+            )));
         }
         let n_tensors = c.u64(&hdr)?;
         let n_kv = c.u64(&hdr)?;
         // A KV pair takes >= 12 bytes, a tensor info >= 28: bound the counts by the file.
         if n_kv.saturating_mul(12) > c.remaining() as u64 {
-            return Err(Error::Format(format!("header claims {n_kv} metadata entries, more than the file can hold")));
+            return Err(Error::Format(format!(
+                "header claims {n_kv} metadata entries, more than the file can hold"
+            )));
         }
         if n_tensors.saturating_mul(28) > c.remaining() as u64 {
-            return Err(Error::Format(format!("header claims {n_tensors} tensors, more than the file can hold")));
+            return Err(Error::Format(format!(
+                "header claims {n_tensors} tensors, more than the file can hold"
+            )));
         }
         let mut metadata = BTreeMap::new();
         for i in 0..n_kv {
@@ -253,9 +294,13 @@ impl Gguf {
         let align = match metadata.get("general.alignment") {
             None => 32,
             Some(v) => {
-                let a = v.as_u64().ok_or_else(|| Error::Format("general.alignment is not an integer".into()))?;
+                let a = v
+                    .as_u64()
+                    .ok_or_else(|| Error::Format("general.alignment is not an integer".into()))?;
                 if a == 0 || !a.is_power_of_two() || a > 1 << 20 {
-                    return Err(Error::Format(format!("general.alignment = {a} is not a power of two <= 1 MiB")));
+                    return Err(Error::Format(format!(
+                        "general.alignment = {a} is not a power of two <= 1 MiB"
+                    )));
                 }
                 a as usize
             }
@@ -266,13 +311,17 @@ impl Gguf {
             let w = || format!("tensor `{name}`");
             let nd = c.u32(&w)?;
             if nd == 0 || nd > MAX_DIMS {
-                return Err(Error::Format(format!("tensor `{name}`: {nd} dimensions (1..=4 supported)")));
+                return Err(Error::Format(format!(
+                    "tensor `{name}`: {nd} dimensions (1..=4 supported)"
+                )));
             }
             let mut dims = Vec::with_capacity(nd as usize);
             for _ in 0..nd {
                 let d = c.u64(&w)?;
                 if d == 0 || d > u32::MAX as u64 {
-                    return Err(Error::Format(format!("tensor `{name}`: dimension {d} out of range")));
+                    return Err(Error::Format(format!(
+                        "tensor `{name}`: dimension {d} out of range"
+                    )));
                 }
                 dims.push(d as usize);
             }
@@ -284,52 +333,105 @@ impl Gguf {
         let data_start = c.pos.div_ceil(align) * align;
         let mut tensors = BTreeMap::new();
         for (name, dims, dtype, off) in infos {
-            let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| Error::Format(format!("tensor `{name}`: element count overflows")))?;
+            let n = dims
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .ok_or_else(|| {
+                    Error::Format(format!("tensor `{name}`: element count overflows"))
+                })?;
             if dims[0] % dtype.block_size() != 0 {
-                return Err(Error::Format(format!("tensor `{name}`: row length {} is not a multiple of the {dtype:?} block size {}", dims[0], dtype.block_size())));
+                return Err(Error::Format(format!(
+                    "tensor `{name}`: row length {} is not a multiple of the {dtype:?} block size {}",
+                    dims[0],
+                    dtype.block_size()
+                )));
             }
             let size = n / dtype.block_size() * dtype.block_bytes();
             if off % align as u64 != 0 {
-                return Err(Error::Format(format!("tensor `{name}`: offset {off} is not aligned to {align}")));
+                return Err(Error::Format(format!(
+                    "tensor `{name}`: offset {off} is not aligned to {align}"
+                )));
             }
-            let offset = (data_start as u64).checked_add(off).filter(|&s| s <= b.len() as u64).ok_or_else(|| Error::Format(format!("tensor `{name}`: offset {off} is past the end of the file")))? as usize;
+            let offset = (data_start as u64)
+                .checked_add(off)
+                .filter(|&s| s <= b.len() as u64)
+                .ok_or_else(|| {
+                    Error::Format(format!(
+                        "tensor `{name}`: offset {off} is past the end of the file"
+                    ))
+                })? as usize;
             if offset.checked_add(size).is_none_or(|e| e > b.len()) {
-                return Err(Error::Format(format!("tensor `{name}`: {size} bytes at offset {offset} run past the end of the file ({} bytes): truncated?", b.len())));
+                return Err(Error::Format(format!(
+                    "tensor `{name}`: {size} bytes at offset {offset} run past the end of the file ({} bytes): truncated?",
+                    b.len()
+                )));
             }
-            if tensors.insert(name.clone(), TensorInfo { name: name.clone(), dims, dtype, offset, size }).is_some() {
+            if tensors
+                .insert(
+                    name.clone(),
+                    TensorInfo {
+                        name: name.clone(),
+                        dims,
+                        dtype,
+                        offset,
+                        size,
+                    },
+                )
+                .is_some()
+            {
                 return Err(Error::Format(format!("tensor `{name}` appears twice")));
             }
         }
-        Ok(Self { version, metadata, tensors, data })
+        Ok(Self {
+            version,
+            metadata,
+            tensors,
+            data,
+        })
     }
 
     /// A metadata value, or an error naming the key.
     pub fn get(&self, key: &str) -> Result<&Value> {
-        self.metadata.get(key).ok_or_else(|| Error::Format(format!("missing metadata key `{key}`")))
+        self.metadata
+            .get(key)
+            .ok_or_else(|| Error::Format(format!("missing metadata key `{key}`")))
     }
 
     /// An unsigned integer metadata value.
     pub fn get_usize(&self, key: &str) -> Result<usize> {
-        self.get(key)?.as_u64().map(|v| v as usize).ok_or_else(|| Error::Format(format!("metadata `{key}` is not an unsigned integer")))
+        self.get(key)?
+            .as_u64()
+            .map(|v| v as usize)
+            .ok_or_else(|| Error::Format(format!("metadata `{key}` is not an unsigned integer")))
     }
 
     /// A float metadata value.
     pub fn get_f64(&self, key: &str) -> Result<f64> {
-        self.get(key)?.as_f64().ok_or_else(|| Error::Format(format!("metadata `{key}` is not a number")))
+        self.get(key)?
+            .as_f64()
+            .ok_or_else(|| Error::Format(format!("metadata `{key}` is not a number")))
     }
 
     /// A string metadata value.
     pub fn get_str(&self, key: &str) -> Result<&str> {
-        self.get(key)?.as_str().ok_or_else(|| Error::Format(format!("metadata `{key}` is not a string")))
+        self.get(key)?
+            .as_str()
+            .ok_or_else(|| Error::Format(format!("metadata `{key}` is not a string")))
     }
 
     /// A tensor's info, or an error naming it.
     pub fn tensor(&self, name: &str) -> Result<&TensorInfo> {
-        self.tensors.get(name).ok_or_else(|| Error::Format(format!("missing tensor `{name}`")))
+        self.tensors
+            .get(name)
+            .ok_or_else(|| Error::Format(format!("missing tensor `{name}`")))
     }
 
     /// A tensor's bytes (shared, zero-copy).
     pub fn blob(&self, t: &TensorInfo) -> Blob {
-        Blob { data: self.data.clone(), start: t.offset, len: t.size }
+        Blob {
+            data: self.data.clone(),
+            start: t.offset,
+            len: t.size,
+        }
     }
 }

@@ -74,7 +74,13 @@ pub trait LanguageModel: Send + Sync {
     /// Vocabulary size.
     fn vocab_size(&self) -> usize;
     /// Runs `tokens` at the cache's next positions; returns the requested logits.
-    fn forward(&self, tokens: &[u32], cache: &mut dyn KvCache, ws: &mut Workspace, logits: Logits) -> Result<Vec<f32>>;
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut dyn KvCache,
+        ws: &mut Workspace,
+        logits: Logits,
+    ) -> Result<Vec<f32>>;
 }
 
 /// Loads a model: a `.gguf` file, or a directory with `config.json`,

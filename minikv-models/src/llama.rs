@@ -48,16 +48,36 @@ pub struct LlamaConfig {
 impl LlamaConfig {
     /// Checks the numbers before any tensor is read.
     pub fn validate(&self) -> Result<()> {
-        for (k, v) in [("n_layers", self.n_layers), ("hidden", self.hidden), ("ffn", self.ffn), ("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads), ("head_dim", self.head_dim), ("max_seq_len", self.max_seq_len), ("vocab", self.vocab)] {
+        for (k, v) in [
+            ("n_layers", self.n_layers),
+            ("hidden", self.hidden),
+            ("ffn", self.ffn),
+            ("n_heads", self.n_heads),
+            ("n_kv_heads", self.n_kv_heads),
+            ("head_dim", self.head_dim),
+            ("max_seq_len", self.max_seq_len),
+            ("vocab", self.vocab),
+        ] {
             if v == 0 || v > 1 << 24 {
-                return Err(Error::Format(format!("model config `{k}` = {v} is out of range")));
+                return Err(Error::Format(format!(
+                    "model config `{k}` = {v} is out of range"
+                )));
             }
         }
-        if self.n_heads % self.n_kv_heads != 0 || self.head_dim % 2 != 0 {
-            return Err(Error::Format(format!("model config: {} heads / {} KV heads / head dim {} is not a valid GQA layout", self.n_heads, self.n_kv_heads, self.head_dim)));
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) || !self.head_dim.is_multiple_of(2) {
+            return Err(Error::Format(format!(
+                "model config: {} heads / {} KV heads / head dim {} is not a valid GQA layout",
+                self.n_heads, self.n_kv_heads, self.head_dim
+            )));
         }
-        if !(self.rope_base > 1.0) || !(self.rms_eps > 0.0) {
-            return Err(Error::Format("model config: rope base must be > 1 and rms eps > 0".into()));
+        if self.rope_base.is_nan()
+            || self.rope_base <= 1.0
+            || self.rms_eps.is_nan()
+            || self.rms_eps <= 0.0
+        {
+            return Err(Error::Format(
+                "model config: rope base must be > 1 and rms eps > 0".into(),
+            ));
         }
         Ok(())
     }
@@ -116,7 +136,10 @@ pub struct Llama {
 fn vector(g: &Gguf, name: &str, n: usize) -> Result<Vec<f32>> {
     let t = g.tensor(name)?;
     if t.n_elements() != n {
-        return Err(Error::Format(format!("tensor `{name}` has {} elements, expected {n}", t.n_elements())));
+        return Err(Error::Format(format!(
+            "tensor `{name}` has {} elements, expected {n}",
+            t.n_elements()
+        )));
     }
     let mut v = vec![0.0; n];
     crate::blocks::dequantize_row(t.dtype, g.blob(t).bytes(), &mut v);
@@ -126,7 +149,10 @@ fn vector(g: &Gguf, name: &str, n: usize) -> Result<Vec<f32>> {
 fn matrix(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<QMatrix> {
     let t = g.tensor(name)?;
     if t.dims.len() != 2 || t.dims[0] != cols || t.dims[1] != rows {
-        return Err(Error::Format(format!("tensor `{name}` has shape {:?}, expected [{cols}, {rows}]", t.dims)));
+        return Err(Error::Format(format!(
+            "tensor `{name}` has shape {:?}, expected [{cols}, {rows}]",
+            t.dims
+        )));
     }
     QMatrix::new(name, t.dtype, rows, cols, g.blob(t))
 }
@@ -136,7 +162,9 @@ impl Llama {
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
         let arch = g.get_str("general.architecture")?;
         if arch != "llama" {
-            return Err(Error::Format(format!("unsupported architecture `{arch}` (supported: llama)")));
+            return Err(Error::Format(format!(
+                "unsupported architecture `{arch}` (supported: llama)"
+            )));
         }
         let k = |s: &str| format!("llama.{s}");
         let hidden = g.get_usize(&k("embedding_length"))?;
@@ -147,19 +175,27 @@ impl Llama {
             hidden,
             ffn: g.get_usize(&k("feed_forward_length"))?,
             n_heads,
-            n_kv_heads: g.get_usize(&k("attention.head_count_kv")).unwrap_or(n_heads),
-            head_dim: if n_heads > 0 { hidden / n_heads } else { 0 },
+            n_kv_heads: g
+                .get_usize(&k("attention.head_count_kv"))
+                .unwrap_or(n_heads),
+            head_dim: hidden.checked_div(n_heads).unwrap_or(0),
             rope_base: g.get_f64(&k("rope.freq_base")).unwrap_or(10000.0),
             rms_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon"))? as f32,
             max_seq_len: g.get_usize(&k("context_length"))?,
-            vocab: *embd.dims.get(1).ok_or_else(|| Error::Format("token_embd.weight is not 2-D".into()))?,
+            vocab: *embd
+                .dims
+                .get(1)
+                .ok_or_else(|| Error::Format("token_embd.weight is not 2-D".into()))?,
             rope: RopeLayout::Adjacent,
         };
         cfg.validate()?;
-        if let Ok(rd) = g.get_usize(&k("rope.dimension_count")) {
-            if rd != cfg.head_dim {
-                return Err(Error::Format(format!("partial RoPE (rope.dimension_count = {rd}, head dim {}) is not supported", cfg.head_dim)));
-            }
+        if let Ok(rd) = g.get_usize(&k("rope.dimension_count"))
+            && rd != cfg.head_dim
+        {
+            return Err(Error::Format(format!(
+                "partial RoPE (rope.dimension_count = {rd}, head dim {}) is not supported",
+                cfg.head_dim
+            )));
         }
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let mut blocks = Vec::with_capacity(cfg.n_layers);
@@ -187,7 +223,13 @@ impl Llama {
     }
 
     /// Builds a model from parts (precomputes the RoPE tables).
-    pub fn assemble(cfg: LlamaConfig, embed: QMatrix, blocks: Vec<Block>, norm: Vec<f32>, lm_head: Option<QMatrix>) -> Self {
+    pub fn assemble(
+        cfg: LlamaConfig,
+        embed: QMatrix,
+        blocks: Vec<Block>,
+        norm: Vec<f32>,
+        lm_head: Option<QMatrix>,
+    ) -> Self {
         let half = cfg.head_dim / 2;
         let n = cfg.max_seq_len;
         let mut cos = vec![0.0f32; n * half];
@@ -207,7 +249,16 @@ impl Llama {
                 gate_up: QMatrix::concat_rows(&[&b.w_gate, &b.w_up]).ok(),
             })
             .collect();
-        Self { cfg, embed, blocks, norm, lm_head, cos, sin, fused }
+        Self {
+            cfg,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            cos,
+            sin,
+            fused,
+        }
     }
 
     /// Bytes of all weights as stored.
@@ -215,7 +266,15 @@ impl Llama {
         let b = &self.blocks;
         self.embed.bytes().len()
             + self.lm_head.as_ref().map_or(0, |m| m.bytes().len())
-            + b.iter().map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.w_gate, &b.w_up, &b.w_down].iter().map(|m| m.bytes().len()).sum::<usize>() + 8 * b.attn_norm.len()).sum::<usize>()
+            + b.iter()
+                .map(|b| {
+                    [&b.wq, &b.wk, &b.wv, &b.wo, &b.w_gate, &b.w_up, &b.w_down]
+                        .iter()
+                        .map(|m| m.bytes().len())
+                        .sum::<usize>()
+                        + 8 * b.attn_norm.len()
+                })
+                .sum::<usize>()
     }
 
     /// Weight storage types, for reports (e.g. `Q4_1 x210, Q8_0 x1`).
@@ -227,7 +286,10 @@ impl Llama {
             }
         }
         *m.entry(format!("{:?}", self.embed.dtype)).or_default() += 1;
-        m.iter().map(|(k, v)| format!("{k} x{v}")).collect::<Vec<_>>().join(", ")
+        m.iter()
+            .map(|(k, v)| format!("{k} x{v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     fn rope(&self, x: &mut [f32], n_heads: usize, pos0: usize) {
@@ -236,7 +298,10 @@ impl Llama {
         let row = n_heads * d;
         for (i, xr) in x.chunks_exact_mut(row).enumerate() {
             let p = pos0 + i;
-            let (c, s) = (&self.cos[p * half..(p + 1) * half], &self.sin[p * half..(p + 1) * half]);
+            let (c, s) = (
+                &self.cos[p * half..(p + 1) * half],
+                &self.sin[p * half..(p + 1) * half],
+            );
             for hd in xr.chunks_exact_mut(d) {
                 match self.cfg.rope {
                     RopeLayout::Adjacent => {
@@ -259,7 +324,15 @@ impl Llama {
         }
     }
 
-    fn chunk(&self, tokens: &[u32], pos0: usize, cache: &mut dyn KvCache, ws: &mut Workspace, want: Logits, out: &mut Vec<f32>) -> Result<()> {
+    fn chunk(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        cache: &mut dyn KvCache,
+        ws: &mut Workspace,
+        want: Logits,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let c = &self.cfg;
         let n = tokens.len();
         let (h, hd) = (c.hidden, c.head_dim);
@@ -274,7 +347,8 @@ impl Llama {
         ws.g.resize(n * c.ffn, 0.0);
         ws.u.resize(n * c.ffn, 0.0);
         for (i, &t) in tokens.iter().enumerate() {
-            self.embed.dequantize_row(t as usize, &mut ws.x[i * h..(i + 1) * h]);
+            self.embed
+                .dequantize_row(t as usize, &mut ws.x[i * h..(i + 1) * h]);
         }
         for (l, b) in self.blocks.iter().enumerate() {
             rms_norm(&ws.x, &b.attn_norm, c.rms_eps, &mut ws.h);
@@ -333,7 +407,12 @@ impl Llama {
             Logits::All => 0..n,
         };
         let m = rows.len();
-        rms_norm(&ws.x[rows.start * h..rows.end * h], &self.norm, c.rms_eps, &mut ws.h[..m * h]);
+        rms_norm(
+            &ws.x[rows.start * h..rows.end * h],
+            &self.norm,
+            c.rms_eps,
+            &mut ws.h[..m * h],
+        );
         let start = out.len();
         out.resize(start + m * c.vocab, 0.0);
         head.matmul(&ws.h[..m * h], m, &mut out[start..]);
@@ -370,19 +449,35 @@ impl LanguageModel for Llama {
         self.cfg.vocab
     }
 
-    fn forward(&self, tokens: &[u32], cache: &mut dyn KvCache, ws: &mut Workspace, logits: Logits) -> Result<Vec<f32>> {
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut dyn KvCache,
+        ws: &mut Workspace,
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
         if tokens.is_empty() {
             return Err(Error::Input("forward: no tokens".into()));
         }
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
-            return Err(Error::Input(format!("token id {t} is outside the vocabulary of {}", self.cfg.vocab)));
+            return Err(Error::Input(format!(
+                "token id {t} is outside the vocabulary of {}",
+                self.cfg.vocab
+            )));
         }
         if cache.spec() != &self.spec() {
-            return Err(Error::shape("cache spec vs model", format!("{:?}", self.spec()), format!("{:?}", cache.spec())));
+            return Err(Error::shape(
+                "cache spec vs model",
+                format!("{:?}", self.spec()),
+                format!("{:?}", cache.spec()),
+            ));
         }
         let pos0 = cache.seq_len(0);
         if pos0 + tokens.len() > self.cfg.max_seq_len {
-            return Err(Error::ContextOverflow { len: pos0 + tokens.len(), max: self.cfg.max_seq_len });
+            return Err(Error::ContextOverflow {
+                len: pos0 + tokens.len(),
+                max: self.cfg.max_seq_len,
+            });
         }
         let mut out = Vec::new();
         let chunks: Vec<&[u32]> = tokens.chunks(PREFILL_CHUNK).collect();
@@ -401,4 +496,11 @@ impl LanguageModel for Llama {
 }
 
 /// Element types of the supported weights, for error messages.
-pub const SUPPORTED_TYPES: [GgmlType; 6] = [GgmlType::F32, GgmlType::F16, GgmlType::Bf16, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1];
+pub const SUPPORTED_TYPES: [GgmlType; 6] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::Bf16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+];

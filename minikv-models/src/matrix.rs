@@ -35,34 +35,61 @@ unsafe impl Sync for SendPtr {}
 impl QMatrix {
     /// Wraps bytes; checks their size.
     pub fn new(name: &str, dtype: GgmlType, rows: usize, cols: usize, data: Blob) -> Result<Self> {
-        if cols % dtype.block_size() != 0 {
-            return Err(Error::Format(format!("{name}: {cols} columns are not a multiple of the {dtype:?} block")));
+        if !cols.is_multiple_of(dtype.block_size()) {
+            return Err(Error::Format(format!(
+                "{name}: {cols} columns are not a multiple of the {dtype:?} block"
+            )));
         }
         let want = rows * dtype.row_bytes(cols);
         if data.bytes().len() != want {
-            return Err(Error::Format(format!("{name}: expected {want} bytes for {rows}x{cols} {dtype:?}, got {}", data.bytes().len())));
+            return Err(Error::Format(format!(
+                "{name}: expected {want} bytes for {rows}x{cols} {dtype:?}, got {}",
+                data.bytes().len()
+            )));
         }
-        Ok(Self { dtype, rows, cols, data })
+        Ok(Self {
+            dtype,
+            rows,
+            cols,
+            data,
+        })
     }
 
     /// Stacks matrices with the same type and columns (one parallel region
     /// instead of several in decode).
     pub fn concat_rows(ms: &[&QMatrix]) -> Result<Self> {
-        let first = ms.first().ok_or_else(|| Error::Format("concat of no matrices".into()))?;
-        if ms.iter().any(|m| m.dtype != first.dtype || m.cols != first.cols) {
-            return Err(Error::Format("concat of matrices with different types or widths".into()));
+        let first = ms
+            .first()
+            .ok_or_else(|| Error::Format("concat of no matrices".into()))?;
+        if ms
+            .iter()
+            .any(|m| m.dtype != first.dtype || m.cols != first.cols)
+        {
+            return Err(Error::Format(
+                "concat of matrices with different types or widths".into(),
+            ));
         }
         let mut bytes = Vec::with_capacity(ms.iter().map(|m| m.bytes().len()).sum());
         for m in ms {
             bytes.extend_from_slice(m.bytes());
         }
-        Ok(Self { dtype: first.dtype, rows: ms.iter().map(|m| m.rows).sum(), cols: first.cols, data: Blob::owned(bytes) })
+        Ok(Self {
+            dtype: first.dtype,
+            rows: ms.iter().map(|m| m.rows).sum(),
+            cols: first.cols,
+            data: Blob::owned(bytes),
+        })
     }
 
     /// An f32 matrix from values.
     pub fn from_f32(rows: usize, cols: usize, v: &[f32]) -> Self {
         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        Self { dtype: GgmlType::F32, rows, cols, data: Blob::owned(bytes) }
+        Self {
+            dtype: GgmlType::F32,
+            rows,
+            cols,
+            data: Blob::owned(bytes),
+        }
     }
 
     /// Bytes of the weights.
@@ -114,38 +141,40 @@ impl QMatrix {
         let (rows, cols) = (self.rows, self.cols);
         let yp = SendPtr(y.as_mut_ptr());
         let yp = &yp;
-        (0..rows.div_ceil(TILE_ROWS)).into_par_iter().for_each(|tile| {
-            let r0 = tile * TILE_ROWS;
-            let nr = TILE_ROWS.min(rows - r0);
-            TILE.with(|t| {
-                let mut t = t.borrow_mut();
-                if t.len() < nr * cols {
-                    t.resize(nr * cols, 0.0);
-                }
-                for r in 0..nr {
-                    self.dequantize_row(r0 + r, &mut t[r * cols..(r + 1) * cols]);
-                }
-                // SAFETY: C = y[:, r0..r0+nr] (row stride `rows`) is written by this
-                // task only; A = x (n x cols), B = tile^T (cols x nr) are in bounds.
-                unsafe {
-                    matrixmultiply::sgemm(
-                        n,
-                        cols,
-                        nr,
-                        1.0,
-                        x.as_ptr(),
-                        cols as isize,
-                        1,
-                        t.as_ptr(),
-                        1,
-                        cols as isize,
-                        0.0,
-                        yp.0.add(r0),
-                        rows as isize,
-                        1,
-                    );
-                }
+        (0..rows.div_ceil(TILE_ROWS))
+            .into_par_iter()
+            .for_each(|tile| {
+                let r0 = tile * TILE_ROWS;
+                let nr = TILE_ROWS.min(rows - r0);
+                TILE.with(|t| {
+                    let mut t = t.borrow_mut();
+                    if t.len() < nr * cols {
+                        t.resize(nr * cols, 0.0);
+                    }
+                    for r in 0..nr {
+                        self.dequantize_row(r0 + r, &mut t[r * cols..(r + 1) * cols]);
+                    }
+                    // SAFETY: C = y[:, r0..r0+nr] (row stride `rows`) is written by this
+                    // task only; A = x (n x cols), B = tile^T (cols x nr) are in bounds.
+                    unsafe {
+                        matrixmultiply::sgemm(
+                            n,
+                            cols,
+                            nr,
+                            1.0,
+                            x.as_ptr(),
+                            cols as isize,
+                            1,
+                            t.as_ptr(),
+                            1,
+                            cols as isize,
+                            0.0,
+                            yp.0.add(r0),
+                            rows as isize,
+                            1,
+                        );
+                    }
+                });
             });
-        });
     }
 }

@@ -18,7 +18,11 @@ pub struct SamplingConfig {
 
 impl Default for SamplingConfig {
     fn default() -> Self {
-        Self { temperature: 0.0, top_p: 1.0, seed: 0 }
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+        }
     }
 }
 
@@ -34,12 +38,22 @@ impl Sampler {
     /// Checks the settings and seeds the RNG.
     pub fn new(cfg: SamplingConfig) -> Result<Self> {
         if !(cfg.temperature >= 0.0 && cfg.temperature.is_finite()) {
-            return Err(Error::config("temperature", format!("must be >= 0, got {}", cfg.temperature)));
+            return Err(Error::config(
+                "temperature",
+                format!("must be >= 0, got {}", cfg.temperature),
+            ));
         }
         if !(cfg.top_p > 0.0 && cfg.top_p <= 1.0) {
-            return Err(Error::config("top_p", format!("must be in (0, 1], got {}", cfg.top_p)));
+            return Err(Error::config(
+                "top_p",
+                format!("must be in (0, 1], got {}", cfg.top_p),
+            ));
         }
-        Ok(Self { cfg, rng: StdRng::seed_from_u64(cfg.seed), idx: Vec::new() })
+        Ok(Self {
+            cfg,
+            rng: StdRng::seed_from_u64(cfg.seed),
+            idx: Vec::new(),
+        })
     }
 
     /// Picks the next token.
@@ -57,7 +71,8 @@ impl Sampler {
         p.iter_mut().for_each(|x| *x /= z);
         self.idx.clear();
         self.idx.extend(0..p.len());
-        self.idx.sort_unstable_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+        self.idx
+            .sort_unstable_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
         let mut mass = 0.0;
         let mut cut = self.idx.len();
         for (k, &i) in self.idx.iter().enumerate() {

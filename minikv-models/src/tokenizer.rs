@@ -26,7 +26,10 @@ pub struct Tokenizer {
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tokenizer").field("vocab", &self.vocab_size()).field("add_bos", &self.add_bos).finish()
+        f.debug_struct("Tokenizer")
+            .field("vocab", &self.vocab_size())
+            .field("add_bos", &self.add_bos)
+            .finish()
     }
 }
 
@@ -37,14 +40,19 @@ struct ChatFormat {
 
 fn parse_chat_template(t: &str) -> Result<ChatFormat> {
     if !t.contains("<|im_start|>") {
-        return Err(Error::Format("chat template is not ChatML (<|im_start|>); only ChatML is supported".into()));
+        return Err(Error::Format(
+            "chat template is not ChatML (<|im_start|>); only ChatML is supported".into(),
+        ));
     }
     // The newline after the role is a real newline or an escaped `\n` in the Jinja source.
-    let default_system = ["<|im_start|>system\n", "<|im_start|>system\\n"].iter().find_map(|marker| {
-        let i = t.find(marker)?;
-        let rest = &t[i + marker.len()..];
-        rest.find("<|im_end|>").map(|j| rest[..j].replace("\\n", "\n"))
-    });
+    let default_system = ["<|im_start|>system\n", "<|im_start|>system\\n"]
+        .iter()
+        .find_map(|marker| {
+            let i = t.find(marker)?;
+            let rest = &t[i + marker.len()..];
+            rest.find("<|im_end|>")
+                .map(|j| rest[..j].replace("\\n", "\n"))
+        });
     Ok(ChatFormat { default_system })
 }
 
@@ -57,37 +65,70 @@ impl Tokenizer {
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
         let model = g.get_str("tokenizer.ggml.model")?;
         if model != "gpt2" {
-            return Err(Error::Format(format!("tokenizer.ggml.model = `{model}`: only gpt2 (byte-level BPE) is supported")));
+            return Err(Error::Format(format!(
+                "tokenizer.ggml.model = `{model}`: only gpt2 (byte-level BPE) is supported"
+            )));
         }
         let strings = |key: &str| -> Result<Vec<String>> {
             match g.get(key)? {
-                Value::Array(a) => a.iter().map(|v| v.as_str().map(str::to_owned).ok_or_else(|| Error::Format(format!("`{key}` holds a non-string")))).collect(),
+                Value::Array(a) => a
+                    .iter()
+                    .map(|v| {
+                        v.as_str()
+                            .map(str::to_owned)
+                            .ok_or_else(|| Error::Format(format!("`{key}` holds a non-string")))
+                    })
+                    .collect(),
                 _ => Err(Error::Format(format!("`{key}` is not an array"))),
             }
         };
         let tokens = strings("tokenizer.ggml.tokens")?;
         let merges_raw = strings("tokenizer.ggml.merges")?;
         let types: Vec<i64> = match g.metadata.get("tokenizer.ggml.token_type") {
-            Some(Value::Array(a)) => a.iter().map(|v| match v {
-                Value::I64(x) => *x,
-                Value::U64(x) => *x as i64,
-                _ => 1,
-            }).collect(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match v {
+                    Value::I64(x) => *x,
+                    Value::U64(x) => *x as i64,
+                    _ => 1,
+                })
+                .collect(),
             _ => vec![1; tokens.len()],
         };
-        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let vocab: tokenizers::models::bpe::Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
         let merges = merges_raw
             .iter()
-            .map(|m| m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())).ok_or_else(|| Error::Format(format!("bad merge `{m}`"))))
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_owned(), b.to_owned()))
+                    .ok_or_else(|| Error::Format(format!("bad merge `{m}`")))
+            })
             .collect::<Result<Vec<_>>>()?;
-        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(tok_err)?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = g.metadata.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+        let pre = g
+            .metadata
+            .get("tokenizer.ggml.pre")
+            .and_then(|v| v.as_str())
+            .unwrap_or("default");
         let byte_level = ByteLevel::new(false, true, true);
         let pt: PreTokenizerWrapper = match pre {
             // SmolLM / StarCoder-style: every digit on its own, then the GPT-2 regex.
-            "smollm" | "starcoder" | "default" | "gpt2" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
-            other => return Err(Error::Format(format!("tokenizer.ggml.pre = `{other}` is not supported (smollm, starcoder, gpt2)"))),
+            "smollm" | "starcoder" | "default" | "gpt2" => {
+                Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+            }
+            other => {
+                return Err(Error::Format(format!(
+                    "tokenizer.ggml.pre = `{other}` is not supported (smollm, starcoder, gpt2)"
+                )));
+            }
         };
         inner.with_pre_tokenizer(Some(pt));
         inner.with_decoder(Some(ByteLevel::default()));
@@ -98,42 +139,79 @@ impl Tokenizer {
             .map(|(s, _)| AddedToken::from(s.clone(), true))
             .collect();
         inner.add_special_tokens(specials).map_err(tok_err)?;
-        let bos = g.metadata.get("tokenizer.ggml.bos_token_id").and_then(|v| v.as_u64()).map(|v| v as u32);
-        let mut stop: Vec<u32> = g.metadata.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64()).map(|v| v as u32).into_iter().collect();
-        if let Some(&id) = vocab_lookup(&tokens, "<|im_end|>").as_ref() {
-            if !stop.contains(&id) {
-                stop.push(id);
-            }
+        let bos = g
+            .metadata
+            .get("tokenizer.ggml.bos_token_id")
+            .and_then(|v| v.as_u64())
+            .map(|v| v as u32);
+        let mut stop: Vec<u32> = g
+            .metadata
+            .get("tokenizer.ggml.eos_token_id")
+            .and_then(|v| v.as_u64())
+            .map(|v| v as u32)
+            .into_iter()
+            .collect();
+        if let Some(&id) = vocab_lookup(&tokens, "<|im_end|>").as_ref()
+            && !stop.contains(&id)
+        {
+            stop.push(id);
         }
-        if let Some(&id) = vocab_lookup(&tokens, "<|endoftext|>").as_ref() {
-            if !stop.contains(&id) {
-                stop.push(id);
-            }
+        if let Some(&id) = vocab_lookup(&tokens, "<|endoftext|>").as_ref()
+            && !stop.contains(&id)
+        {
+            stop.push(id);
         }
-        let add_bos = matches!(g.metadata.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(true)));
-        let chat = match g.metadata.get("tokenizer.chat_template").and_then(|v| v.as_str()) {
+        let add_bos = matches!(
+            g.metadata.get("tokenizer.ggml.add_bos_token"),
+            Some(Value::Bool(true))
+        );
+        let chat = match g
+            .metadata
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+        {
             Some(t) => Some(parse_chat_template(t)?),
             None => None,
         };
-        Ok(Self { inner, add_bos, bos, stop, chat })
+        Ok(Self {
+            inner,
+            add_bos,
+            bos,
+            stop,
+            chat,
+        })
     }
 
     /// Loads a Hugging Face `tokenizer.json` (with `tokenizer_config.json` beside it, if any).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| Error::Format(format!("{}: {e}", path.display())))?;
         let id = |s: &str| inner.token_to_id(s);
-        let stop: Vec<u32> = ["<|im_end|>", "<|endoftext|>", "</s>"].iter().filter_map(|s| id(s)).collect();
+        let stop: Vec<u32> = ["<|im_end|>", "<|endoftext|>", "</s>"]
+            .iter()
+            .filter_map(|s| id(s))
+            .collect();
         let cfg = path.with_file_name("tokenizer_config.json");
         let mut chat = None;
         let mut add_bos = false;
         if let Ok(text) = std::fs::read_to_string(&cfg) {
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Format(format!("{}: {e}", cfg.display())))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::Format(format!("{}: {e}", cfg.display())))?;
             if let Some(t) = v.get("chat_template").and_then(|t| t.as_str()) {
                 chat = Some(parse_chat_template(&t.replace('\n', "\\n"))?);
             }
-            add_bos = v.get("add_bos_token").and_then(|b| b.as_bool()).unwrap_or(false);
+            add_bos = v
+                .get("add_bos_token")
+                .and_then(|b| b.as_bool())
+                .unwrap_or(false);
         }
-        Ok(Self { bos: id("<|im_start|>").or(id("<s>")), inner, add_bos, stop, chat })
+        Ok(Self {
+            bos: id("<|im_start|>").or(id("<s>")),
+            inner,
+            add_bos,
+            stop,
+            chat,
+        })
     }
 
     /// Saves as `tokenizer.json`.
@@ -165,12 +243,17 @@ impl Tokenizer {
     /// The instruct prompt for one user message (ChatML, with the template's
     /// default system prompt), ending with the assistant turn's header.
     pub fn chat_prompt(&self, user: &str) -> Result<String> {
-        let chat = self.chat.as_ref().ok_or_else(|| Error::Format("the model has no chat template".into()))?;
+        let chat = self
+            .chat
+            .as_ref()
+            .ok_or_else(|| Error::Format("the model has no chat template".into()))?;
         let mut s = String::new();
         if let Some(sys) = &chat.default_system {
             s.push_str(&format!("<|im_start|>system\n{sys}<|im_end|>\n"));
         }
-        s.push_str(&format!("<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"));
+        s.push_str(&format!(
+            "<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+        ));
         Ok(s)
     }
 }

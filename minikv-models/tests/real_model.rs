@@ -3,7 +3,9 @@
 //! implementation (reference/reference_logits.py).
 
 use minikv_core::{CacheBuilder, CacheConfig, KvCache, RunConfig};
-use minikv_models::{LanguageModel, Llama, Logits, SamplingConfig, Tokenizer, Workspace, generate, perplexity};
+use minikv_models::{
+    LanguageModel, Llama, Logits, SamplingConfig, Tokenizer, Workspace, generate, perplexity,
+};
 use minikv_policies as _;
 use minikv_quant as _;
 use std::path::{Path, PathBuf};
@@ -15,7 +17,11 @@ fn root() -> PathBuf {
 
 fn model_path() -> PathBuf {
     let p = root().join("assets/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(p.is_file(), "{} missing: run scripts/fetch-assets.sh", p.display());
+    assert!(
+        p.is_file(),
+        "{} missing: run scripts/fetch-assets.sh",
+        p.display()
+    );
     p
 }
 
@@ -25,11 +31,16 @@ fn model() -> &'static (Box<Llama>, Tokenizer) {
 }
 
 fn reference() -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(root().join("reference/smollm2_reference.json")).unwrap()).unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(root().join("reference/smollm2_reference.json")).unwrap(),
+    )
+    .unwrap()
 }
 
 fn full_cache(m: &Llama) -> Box<dyn KvCache> {
-    CacheBuilder::new(m.spec()).build(&CacheConfig::default()).unwrap()
+    CacheBuilder::new(m.spec())
+        .build(&CacheConfig::default())
+        .unwrap()
 }
 
 fn cache_from(m: &Llama, toml: &str) -> Box<dyn KvCache> {
@@ -42,7 +53,16 @@ fn cache_from(m: &Llama, toml: &str) -> Box<dyn KvCache> {
 fn loads_with_the_documented_shape() {
     let (m, t) = model();
     let s = m.spec();
-    assert_eq!((s.n_layers, s.n_q_heads, s.n_kv_heads, s.head_dim, s.max_seq_len), (30, 9, 3, 64, 8192));
+    assert_eq!(
+        (
+            s.n_layers,
+            s.n_q_heads,
+            s.n_kv_heads,
+            s.head_dim,
+            s.max_seq_len
+        ),
+        (30, 9, 3, 64, 8192)
+    );
     assert_eq!((m.cfg.hidden, m.cfg.ffn, m.cfg.vocab), (576, 1536, 49152));
     assert_eq!(m.cfg.rope_base, 100000.0);
     assert!(m.lm_head.is_none(), "output head is tied to token_embd");
@@ -54,18 +74,31 @@ fn loads_with_the_documented_shape() {
 fn tokenizer_matches_reference_ids_and_round_trips() {
     let (_, t) = model();
     for p in reference()["prompts"].as_array().unwrap() {
-        let ids: Vec<u32> = p["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let ids: Vec<u32> = p["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
         let text = p["prompt"].as_str().unwrap();
         assert_eq!(t.encode(text).unwrap(), ids, "{text:?}");
         assert_eq!(t.decode(&ids).unwrap(), text);
     }
-    for s in ["naïve café — 東京 🚀", "12345 + 678 = 13023", "<|im_start|>user\nhi<|im_end|>"] {
+    for s in [
+        "naïve café — 東京 🚀",
+        "12345 + 678 = 13023",
+        "<|im_start|>user\nhi<|im_end|>",
+    ] {
         assert_eq!(t.decode(&t.encode(s).unwrap()).unwrap(), s);
     }
     // Digits are split one by one; special tokens are single ids.
     assert_eq!(t.encode("2024").unwrap().len(), 4);
     assert_eq!(t.encode("<|im_start|>").unwrap(), vec![1]);
-    assert!(t.chat_prompt("Hi").unwrap().starts_with("<|im_start|>system\nYou are a helpful AI assistant named SmolLM"));
+    assert!(
+        t.chat_prompt("Hi")
+            .unwrap()
+            .starts_with("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    );
 }
 
 #[test]
@@ -74,17 +107,36 @@ fn logits_match_the_independent_reference() {
     let r = reference();
     let stride = r["stride"].as_u64().unwrap() as usize;
     for p in r["prompts"].as_array().unwrap() {
-        let ids: Vec<u32> = p["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        let lg = m.forward(&ids, full_cache(m).as_mut(), &mut Workspace::default(), Logits::Last).unwrap();
+        let ids: Vec<u32> = p["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let lg = m
+            .forward(
+                &ids,
+                full_cache(m).as_mut(),
+                &mut Workspace::default(),
+                Logits::Last,
+            )
+            .unwrap();
         let mut worst = 0.0f64;
         for pair in p["top"].as_array().unwrap() {
-            let (id, v) = (pair[0].as_u64().unwrap() as usize, pair[1].as_f64().unwrap());
+            let (id, v) = (
+                pair[0].as_u64().unwrap() as usize,
+                pair[1].as_f64().unwrap(),
+            );
             worst = worst.max((lg[id] as f64 - v).abs());
         }
         for (i, v) in p["strided"].as_array().unwrap().iter().enumerate() {
             worst = worst.max((lg[i * stride] as f64 - v.as_f64().unwrap()).abs());
         }
-        assert!(worst <= 1e-3, "{:?}: max abs logit difference {worst}", p["prompt"]);
+        assert!(
+            worst <= 1e-3,
+            "{:?}: max abs logit difference {worst}",
+            p["prompt"]
+        );
         let top0 = p["top"][0][0].as_u64().unwrap() as u32;
         assert_eq!(minikv_models::argmax(&lg), top0);
     }
@@ -94,7 +146,16 @@ fn logits_match_the_independent_reference() {
 fn greedy_continuation_is_paris() {
     let (m, t) = model();
     let ids = t.encode("The capital of France is").unwrap();
-    let g = generate(m.as_ref(), t, full_cache(m).as_mut(), &ids, 3, SamplingConfig::default(), |_| {}).unwrap();
+    let g = generate(
+        m.as_ref(),
+        t,
+        full_cache(m).as_mut(),
+        &ids,
+        3,
+        SamplingConfig::default(),
+        |_| {},
+    )
+    .unwrap();
     assert!(g.text.starts_with(" Paris."), "{:?}", g.text);
 }
 
@@ -102,13 +163,27 @@ fn greedy_continuation_is_paris() {
 fn perplexity_matches_the_reference() {
     let (m, t) = model();
     let r = &reference()["perplexity"];
-    let text = std::fs::read_to_string(root().join("assets/paul_graham").join(r["file"].as_str().unwrap())).unwrap();
+    let text = std::fs::read_to_string(
+        root()
+            .join("assets/paul_graham")
+            .join(r["file"].as_str().unwrap()),
+    )
+    .unwrap();
     let ids: Vec<u32> = t.encode(&text).unwrap()[..512].to_vec();
-    let first: Vec<u32> = r["first_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    let first: Vec<u32> = r["first_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
     assert_eq!(&ids[..16], &first[..]);
     let p = perplexity(m.as_ref(), full_cache(m).as_mut(), &ids, 512, |_| {}).unwrap();
     let want = r["ppl"].as_f64().unwrap();
-    assert!((p.ppl - want).abs() / want < 1e-4, "ppl {} vs reference {want}", p.ppl);
+    assert!(
+        (p.ppl - want).abs() / want < 1e-4,
+        "ppl {} vs reference {want}",
+        p.ppl
+    );
 }
 
 /// A compression config that evicts nothing (budget covers the prompt) gives
@@ -116,11 +191,37 @@ fn perplexity_matches_the_reference() {
 #[test]
 fn no_evict_config_generates_like_the_full_cache() {
     let (m, t) = model();
-    let ids = t.encode(&t.chat_prompt("Name three colors.").unwrap()).unwrap();
-    let run = |c: &mut dyn KvCache| generate(m.as_ref(), t, c, &ids, 24, SamplingConfig { temperature: 0.8, top_p: 0.9, seed: 7 }, |_| {}).unwrap().tokens;
+    let ids = t
+        .encode(&t.chat_prompt("Name three colors.").unwrap())
+        .unwrap();
+    let run = |c: &mut dyn KvCache| {
+        generate(
+            m.as_ref(),
+            t,
+            c,
+            &ids,
+            24,
+            SamplingConfig {
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: 7,
+            },
+            |_| {},
+        )
+        .unwrap()
+        .tokens
+    };
     let full = run(full_cache(m).as_mut());
-    let keep_all = run(cache_from(m, "[cache]\nheavy = 1.0\nrecent = 0.0\nscorer = { type = \"cumulative_attention\" }").as_mut());
-    let snap_all = run(cache_from(m, "[cache]\nheavy_tokens = 4096\nrecent_tokens = 32\nscorer = { type = \"snapkv\" }").as_mut());
+    let keep_all = run(cache_from(
+        m,
+        "[cache]\nheavy = 1.0\nrecent = 0.0\nscorer = { type = \"cumulative_attention\" }",
+    )
+    .as_mut());
+    let snap_all = run(cache_from(
+        m,
+        "[cache]\nheavy_tokens = 4096\nrecent_tokens = 32\nscorer = { type = \"snapkv\" }",
+    )
+    .as_mut());
     assert_eq!(full, keep_all);
     assert_eq!(full, snap_all);
     // Seeded sampling is reproducible.
@@ -134,22 +235,46 @@ fn minikv_compresses_and_stays_close() {
     let text = std::fs::read_to_string(root().join("assets/paul_graham/addiction.txt")).unwrap();
     let ids: Vec<u32> = t.encode(&text).unwrap()[..320].to_vec();
     let full = perplexity(m.as_ref(), full_cache(m).as_mut(), &ids, 256, |_| {}).unwrap();
-    let mut c = cache_from(m, &std::fs::read_to_string(root().join("configs/minikv.toml")).unwrap());
+    let mut c = cache_from(
+        m,
+        &std::fs::read_to_string(root().join("configs/minikv.toml")).unwrap(),
+    );
     let mk = perplexity(m.as_ref(), c.as_mut(), &ids, 256, |_| {}).unwrap();
     let mem = c.memory();
-    assert!(mem.ratio() < 0.5, "MiniKV keeps {:.3} of the fp16 bytes", mem.ratio());
+    assert!(
+        mem.ratio() < 0.5,
+        "MiniKV keeps {:.3} of the fp16 bytes",
+        mem.ratio()
+    );
     assert!(mem.sum(|h| h.quant_codes) > 0);
     let (f, k) = (full.decode_nll.unwrap(), mk.decode_nll.unwrap());
-    assert!(k > f - 0.05 && k < f + 0.5, "decode nll full {f} vs minikv {k}");
+    assert!(
+        k > f - 0.05 && k < f + 0.5,
+        "decode nll full {f} vs minikv {k}"
+    );
 }
 
 #[test]
 fn prompt_longer_than_the_context_is_an_error() {
     let (m, _) = model();
     let ids = vec![42u32; 8193];
-    let e = m.forward(&ids, full_cache(m).as_mut(), &mut Workspace::default(), Logits::Last).unwrap_err();
+    let e = m
+        .forward(
+            &ids,
+            full_cache(m).as_mut(),
+            &mut Workspace::default(),
+            Logits::Last,
+        )
+        .unwrap_err();
     assert!(e.to_string().contains("exceeds the maximum of 8192"), "{e}");
-    let e = m.forward(&[49152], full_cache(m).as_mut(), &mut Workspace::default(), Logits::Last).unwrap_err();
+    let e = m
+        .forward(
+            &[49152],
+            full_cache(m).as_mut(),
+            &mut Workspace::default(),
+            Logits::Last,
+        )
+        .unwrap_err();
     assert!(e.to_string().contains("outside the vocabulary"), "{e}");
 }
 
@@ -163,9 +288,26 @@ fn truncated_or_corrupt_gguf_is_a_clear_error() {
         (bytes[..1_000_000].to_vec(), "exceeds the"),
         (bytes[..100].to_vec(), "more than the file can hold"),
         (bytes[..20].to_vec(), "truncated file"),
-        ([b"GGUX".as_slice(), &bytes[4..4096]].concat(), "not a GGUF file"),
-        ({ let mut b = bytes[..4096].to_vec(); b[4] = 9; b }, "unsupported GGUF version 9"),
-        ({ let mut b = bytes[..4096].to_vec(); b[16..24].copy_from_slice(&u64::MAX.to_le_bytes()); b }, "metadata entries"),
+        (
+            [b"GGUX".as_slice(), &bytes[4..4096]].concat(),
+            "not a GGUF file",
+        ),
+        (
+            {
+                let mut b = bytes[..4096].to_vec();
+                b[4] = 9;
+                b
+            },
+            "unsupported GGUF version 9",
+        ),
+        (
+            {
+                let mut b = bytes[..4096].to_vec();
+                b[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
+                b
+            },
+            "metadata entries",
+        ),
     ];
     for (i, (b, want)) in cases.iter().enumerate() {
         let p = dir.join(format!("bad{i}.gguf"));
@@ -186,9 +328,27 @@ fn safetensors_export_loads_to_the_same_logits() {
     assert_eq!(hf.cfg.rope, minikv_models::RopeLayout::Halves);
     let ids = t.encode("The capital of France is").unwrap();
     assert_eq!(ht.encode("The capital of France is").unwrap(), ids);
-    let a = m.forward(&ids, full_cache(m).as_mut(), &mut Workspace::default(), Logits::Last).unwrap();
-    let b = hf.forward(&ids, full_cache(&hf).as_mut(), &mut Workspace::default(), Logits::Last).unwrap();
-    let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    let a = m
+        .forward(
+            &ids,
+            full_cache(m).as_mut(),
+            &mut Workspace::default(),
+            Logits::Last,
+        )
+        .unwrap();
+    let b = hf
+        .forward(
+            &ids,
+            full_cache(&hf).as_mut(),
+            &mut Workspace::default(),
+            Logits::Last,
+        )
+        .unwrap();
+    let worst = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
     std::fs::remove_dir_all(&dir).ok();
     assert!(worst < 1e-3, "max abs logit difference {worst}");
 }

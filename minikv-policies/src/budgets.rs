@@ -1,6 +1,8 @@
 //! Layer budget policies (algorithms.md §5).
 
-use minikv_core::{BudgetRequest, Error, LayerBudget, LayerStatistic, Result, SelectionPolicy, apportion, register};
+use minikv_core::{
+    BudgetRequest, Error, LayerBudget, LayerStatistic, Result, SelectionPolicy, apportion, register,
+};
 use serde::{Deserialize, Serialize};
 
 fn heavy_cap(req: &BudgetRequest<'_>) -> usize {
@@ -8,7 +10,13 @@ fn heavy_cap(req: &BudgetRequest<'_>) -> usize {
 }
 
 fn with_recent(heavy: Vec<usize>, req: &BudgetRequest<'_>) -> Vec<LayerBudget> {
-    heavy.into_iter().map(|h| LayerBudget { heavy: h, recent: req.recent }).collect()
+    heavy
+        .into_iter()
+        .map(|h| LayerBudget {
+            heavy: h,
+            recent: req.recent,
+        })
+        .collect()
 }
 
 /// Every layer keeps the mean budget.
@@ -23,7 +31,12 @@ impl SelectionPolicy for Uniform {
         Ok(with_recent(vec![h; req.n_layers], req))
     }
 }
-register!(Policy, "uniform", Uniform, "every layer keeps the mean heavy budget");
+register!(
+    Policy,
+    "uniform",
+    Uniform,
+    "every layer keeps the mean heavy budget"
+);
 
 /// MiniKV pyramid: linear from `2x - x/depth` (bottom) to `x/depth` (top); lower
 /// layers get more. Integer counts by largest remainder: the sum is exactly
@@ -51,15 +64,20 @@ impl Pyramid {
             return vec![x];
         }
         let (k0, kl) = (2.0 * x - x / self.depth, x / self.depth);
-        (0..n_layers).map(|l| k0 + (kl - k0) * l as f64 / (n_layers - 1) as f64).collect()
+        (0..n_layers)
+            .map(|l| k0 + (kl - k0) * l as f64 / (n_layers - 1) as f64)
+            .collect()
     }
 }
 
 #[typetag::serde(name = "pyramid")]
 impl SelectionPolicy for Pyramid {
     fn validate(&self) -> Result<()> {
-        if !(self.depth >= 1.0) {
-            return Err(Error::config("cache.policy.depth", format!("must be >= 1, got {}", self.depth)));
+        if self.depth.is_nan() || self.depth < 1.0 {
+            return Err(Error::config(
+                "cache.policy.depth",
+                format!("must be >= 1, got {}", self.depth),
+            ));
         }
         Ok(())
     }
@@ -69,7 +87,12 @@ impl SelectionPolicy for Pyramid {
         Ok(with_recent(h, req))
     }
 }
-register!(Policy, "pyramid", Pyramid, "MiniKV pyramid: heavy budget linear in depth, 2x - x/depth at layer 0 down to x/depth; total conserved");
+register!(
+    Policy,
+    "pyramid",
+    Pyramid,
+    "MiniKV pyramid: heavy budget linear in depth, 2x - x/depth at layer 0 down to x/depth; total conserved"
+);
 
 /// PyramidKV schedule: capacity `C = heavy + recent`, window `W = recent`,
 /// `min = (C-W)//beta`, `max = 2(C-W) - min` clamped to `T - W`, integer steps.
@@ -118,23 +141,46 @@ impl SelectionPolicy for PyramidKv {
         Ok(with_recent((0..l).map(|i| max - i * steps).collect(), req))
     }
 }
-register!(Policy, "pyramidkv", PyramidKv, "PyramidKV: C = heavy + recent, W = recent, beta schedule with its integer floors and fallbacks");
+register!(
+    Policy,
+    "pyramidkv",
+    PyramidKv,
+    "PyramidKV: C = heavy + recent, W = recent, beta schedule with its integer floors and fallbacks"
+);
 
 fn stat_budgets(req: &BudgetRequest<'_>, inverse: bool, field: &str) -> Result<Vec<LayerBudget>> {
-    let stats = req
-        .layer_stats
-        .ok_or_else(|| Error::Budget(format!("{field} needs per-layer attention statistics from a model run")))?;
+    let stats = req.layer_stats.ok_or_else(|| {
+        Error::Budget(format!(
+            "{field} needs per-layer attention statistics from a model run"
+        ))
+    })?;
     if stats.len() != req.n_layers {
-        return Err(Error::shape(format!("{field} layer statistics"), req.n_layers, stats.len()));
+        return Err(Error::shape(
+            format!("{field} layer statistics"),
+            req.n_layers,
+            stats.len(),
+        ));
     }
     if stats.iter().any(|v| !v.is_finite() || *v < 0.0) {
-        return Err(Error::Budget(format!("{field}: statistics must be finite and >= 0: {stats:?}")));
+        return Err(Error::Budget(format!(
+            "{field}: statistics must be finite and >= 0: {stats:?}"
+        )));
     }
-    let floor = stats.iter().copied().filter(|v| *v > 0.0).fold(f32::INFINITY, f32::min);
+    let floor = stats
+        .iter()
+        .copied()
+        .filter(|v| *v > 0.0)
+        .fold(f32::INFINITY, f32::min);
     let w: Vec<f64> = stats
         .iter()
         .map(|&v| {
-            let v = if v > 0.0 { v as f64 } else if floor.is_finite() { floor as f64 } else { 1.0 };
+            let v = if v > 0.0 {
+                v as f64
+            } else if floor.is_finite() {
+                floor as f64
+            } else {
+                1.0
+            };
             if inverse { 1.0 / v } else { v }
         })
         .collect();
@@ -160,7 +206,12 @@ impl SelectionPolicy for VarProp {
         stat_budgets(req, false, "var_prop")
     }
 }
-register!(Policy, "var_prop", VarProp, "heavy budget proportional to a per-layer statistic (default Var(A_cumul)); total conserved");
+register!(
+    Policy,
+    "var_prop",
+    VarProp,
+    "heavy budget proportional to a per-layer statistic (default Var(A_cumul)); total conserved"
+);
 
 /// Var-inv: heavy budget proportional to the inverse of the statistic.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -180,7 +231,12 @@ impl SelectionPolicy for VarInv {
         stat_budgets(req, true, "var_inv")
     }
 }
-register!(Policy, "var_inv", VarInv, "heavy budget proportional to 1 / per-layer statistic; total conserved");
+register!(
+    Policy,
+    "var_inv",
+    VarInv,
+    "heavy budget proportional to 1 / per-layer statistic; total conserved"
+);
 
 /// An explicit heavy budget per layer, as ratios of the prompt (`heavy`) or
 /// token counts (`heavy_tokens`); the mean budget of the cache is ignored.
@@ -199,10 +255,16 @@ pub struct PerLayer {
 impl SelectionPolicy for PerLayer {
     fn validate(&self) -> Result<()> {
         if self.heavy.is_empty() == self.heavy_tokens.is_empty() {
-            return Err(Error::config("cache.policy", "per_layer needs exactly one of `heavy` (ratios) or `heavy_tokens`"));
+            return Err(Error::config(
+                "cache.policy",
+                "per_layer needs exactly one of `heavy` (ratios) or `heavy_tokens`",
+            ));
         }
         if let Some(r) = self.heavy.iter().find(|r| !(0.0..=1.0).contains(*r)) {
-            return Err(Error::config("cache.policy.heavy", format!("ratios must be in [0, 1], got {r}")));
+            return Err(Error::config(
+                "cache.policy.heavy",
+                format!("ratios must be in [0, 1], got {r}"),
+            ));
         }
         Ok(())
     }
@@ -210,15 +272,26 @@ impl SelectionPolicy for PerLayer {
         self.validate()?;
         let n = self.heavy.len().max(self.heavy_tokens.len());
         if n != req.n_layers {
-            return Err(Error::config("cache.policy", format!("per_layer lists {n} layers, the model has {}", req.n_layers)));
+            return Err(Error::config(
+                "cache.policy",
+                format!("per_layer lists {n} layers, the model has {}", req.n_layers),
+            ));
         }
         let cap = heavy_cap(req);
         let h = if self.heavy.is_empty() {
             self.heavy_tokens.iter().map(|&x| x.min(cap)).collect()
         } else {
-            self.heavy.iter().map(|r| ((r * req.prompt_len as f64).floor() as usize).min(cap)).collect()
+            self.heavy
+                .iter()
+                .map(|r| ((r * req.prompt_len as f64).floor() as usize).min(cap))
+                .collect()
         };
         Ok(with_recent(h, req))
     }
 }
-register!(Policy, "per_layer", PerLayer, "explicit per-layer heavy budgets (ratios or tokens)");
+register!(
+    Policy,
+    "per_layer",
+    PerLayer,
+    "explicit per-layer heavy budgets (ratios or tokens)"
+);

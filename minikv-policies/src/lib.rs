@@ -23,6 +23,10 @@ pub mod budgets;
 pub mod scorers;
 pub mod selectors;
 
-pub use budgets::{PerLayer, PyramidKv, Pyramid, Uniform, VarInv, VarProp};
+pub use budgets::{PerLayer, Pyramid, PyramidKv, Uniform, VarInv, VarProp};
 pub use scorers::{CumulativeAttention, H2o, KeyNorm, Pooling, Recency, SnapKv, Tova, pool1d};
 pub use selectors::{AdaKv, TopK};
+
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/adding-a-policy.md")]
+pub struct AddingAPolicyGuide;

@@ -32,13 +32,21 @@ fn cumul_scores(normalize: bool, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Resu
 #[typetag::serde(name = "cumulative_attention")]
 impl TokenScorer for CumulativeAttention {
     fn needs(&self) -> Needs {
-        Needs { cumulative_attention: true, query_window: 0 }
+        Needs {
+            cumulative_attention: true,
+            query_window: 0,
+        }
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
         cumul_scores(self.normalize, inp, out)
     }
 }
-register!(Scorer, "cumulative_attention", CumulativeAttention, "MiniKV/H2O A_cumul: column sums of the causal softmax over all prompt rows (normalize: divide by rows that see the column)");
+register!(
+    Scorer,
+    "cumulative_attention",
+    CumulativeAttention,
+    "MiniKV/H2O A_cumul: column sums of the causal softmax over all prompt rows (normalize: divide by rows that see the column)"
+);
 
 /// H2O: `A_cumul` at the end of prefill, then scores keep accumulating during
 /// decode and the lowest-scored token outside the recent window is evicted.
@@ -53,7 +61,10 @@ pub struct H2o {
 #[typetag::serde(name = "h2o")]
 impl TokenScorer for H2o {
     fn needs(&self) -> Needs {
-        Needs { cumulative_attention: true, query_window: 0 }
+        Needs {
+            cumulative_attention: true,
+            query_window: 0,
+        }
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
         cumul_scores(self.normalize, inp, out)
@@ -62,7 +73,12 @@ impl TokenScorer for H2o {
         Some(DynamicRule::Accumulate)
     }
 }
-register!(Scorer, "h2o", H2o, "H2O: A_cumul, accumulated during decode (use with decode = \"evict\")");
+register!(
+    Scorer,
+    "h2o",
+    H2o,
+    "H2O: A_cumul, accumulated during decode (use with decode = \"evict\")"
+);
 
 /// SnapKV pooling.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -98,7 +114,11 @@ fn d_kernel() -> usize {
 impl Default for SnapKv {
     /// MiniKV's SnapKV settings: W = 32, k = 7, max pooling.
     fn default() -> Self {
-        Self { window: 32, kernel: 7, pooling: Pooling::Max }
+        Self {
+            window: 32,
+            kernel: 7,
+            pooling: Pooling::Max,
+        }
     }
 }
 
@@ -147,14 +167,20 @@ pub fn pool1d(x: &[f32], kernel: usize, pooling: Pooling) -> Vec<f32> {
 #[typetag::serde(name = "snapkv")]
 impl TokenScorer for SnapKv {
     fn needs(&self) -> Needs {
-        Needs { cumulative_attention: false, query_window: self.window }
+        Needs {
+            cumulative_attention: false,
+            query_window: self.window,
+        }
     }
     fn validate(&self) -> Result<()> {
         if self.window == 0 {
             return Err(Error::config("cache.scorer.window", "must be positive"));
         }
-        if self.kernel == 0 || self.kernel % 2 == 0 {
-            return Err(Error::config("cache.scorer.kernel", format!("must be odd, got {}", self.kernel)));
+        if self.kernel == 0 || self.kernel.is_multiple_of(2) {
+            return Err(Error::config(
+                "cache.scorer.kernel",
+                format!("must be odd, got {}", self.kernel),
+            ));
         }
         Ok(())
     }
@@ -175,7 +201,12 @@ impl TokenScorer for SnapKv {
         Ok(())
     }
 }
-register!(Scorer, "snapkv", SnapKv, "SnapKV: attention of the last `window` prompt queries, pooled (kernel, avg|max); the window itself scores highest");
+register!(
+    Scorer,
+    "snapkv",
+    SnapKv,
+    "SnapKV: attention of the last `window` prompt queries, pooled (kernel, avg|max); the window itself scores highest"
+);
 
 /// TOVA: attention of the latest query, averaged over the heads of the layer.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -185,7 +216,10 @@ pub struct Tova {}
 #[typetag::serde(name = "tova")]
 impl TokenScorer for Tova {
     fn needs(&self) -> Needs {
-        Needs { cumulative_attention: false, query_window: 1 }
+        Needs {
+            cumulative_attention: false,
+            query_window: 1,
+        }
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
         let t = inp.t;
@@ -193,7 +227,9 @@ impl TokenScorer for Tova {
         let mut mean = vec![0.0f32; t];
         for h in 0..hq {
             window_softmax(inp, h, |_, p| {
-                mean.iter_mut().zip(p).for_each(|(a, b)| *a += b / hq as f32);
+                mean.iter_mut()
+                    .zip(p)
+                    .for_each(|(a, b)| *a += b / hq as f32);
             })?;
         }
         for row in out.chunks_mut(t) {
@@ -205,7 +241,12 @@ impl TokenScorer for Tova {
         Some(DynamicRule::LastQuery)
     }
 }
-register!(Scorer, "tova", Tova, "TOVA: attention of the latest query, mean over the layer's heads; re-scored every decode step");
+register!(
+    Scorer,
+    "tova",
+    Tova,
+    "TOVA: attention of the latest query, mean over the layer's heads; re-scored every decode step"
+);
 
 /// Key norm (Knorm): score = `-||k_j||` (low-norm keys attract attention).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -252,4 +293,9 @@ impl TokenScorer for Recency {
         Some(DynamicRule::Recency)
     }
 }
-register!(Scorer, "recency", Recency, "position (newer = higher); StreamingLLM with sinks + recent window and decode = \"evict\"");
+register!(
+    Scorer,
+    "recency",
+    Recency,
+    "position (newer = higher); StreamingLLM with sinks + recent window and decode = \"evict\""
+);

@@ -44,7 +44,12 @@ impl Selector for TopK {
         Ok(())
     }
 }
-register!(Selector, "top_k", TopK, "per head: sinks + recent + top `heavy` by score, ties to the lower position");
+register!(
+    Selector,
+    "top_k",
+    TopK,
+    "per head: sinks + recent + top `heavy` by score, ties to the lower position"
+);
 
 /// Ada-KV: the layer's `H * heavy` heavy slots are chosen jointly across heads,
 /// each head guaranteed `floor(alpha * heavy)`; heads end up with different
@@ -69,7 +74,10 @@ impl Default for AdaKv {
 impl Selector for AdaKv {
     fn validate(&self) -> Result<()> {
         if !(0.0..=1.0).contains(&self.alpha) {
-            return Err(Error::config("cache.selector.alpha", format!("must be in [0, 1], got {}", self.alpha)));
+            return Err(Error::config(
+                "cache.selector.alpha",
+                format!("must be in [0, 1], got {}", self.alpha),
+            ));
         }
         Ok(())
     }
@@ -89,12 +97,18 @@ impl Selector for AdaKv {
             let base = top_k_indices(sc, &cand, floor);
             let mut taken = vec![false; t];
             base.iter().for_each(|&p| taken[p as usize] = true);
-            rest.extend(cand.iter().filter(|&&p| !taken[p as usize]).map(|&p| (sc[p as usize], p, h as u32)));
+            rest.extend(
+                cand.iter()
+                    .filter(|&&p| !taken[p as usize])
+                    .map(|&p| (sc[p as usize], p, h as u32)),
+            );
             chosen.push(base);
         }
         let extra = (nh * b - nh * floor).min(rest.len());
         if extra > 0 && extra < rest.len() {
-            rest.select_nth_unstable_by(extra - 1, |a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+            rest.select_nth_unstable_by(extra - 1, |a, b| {
+                b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2))
+            });
         }
         for &(_, p, h) in &rest[..extra] {
             chosen[h as usize].push(p);
@@ -105,4 +119,9 @@ impl Selector for AdaKv {
         Ok(())
     }
 }
-register!(Selector, "ada_kv", AdaKv, "Ada-KV: heavy slots chosen jointly across heads with a per-head floor alpha * heavy (ragged heads)");
+register!(
+    Selector,
+    "ada_kv",
+    AdaKv,
+    "Ada-KV: heavy slots chosen jointly across heads with a per-head floor alpha * heavy (ragged heads)"
+);

@@ -1,12 +1,28 @@
 //! Worked examples of algorithms.md §3-§5 and invariants of budgets and selectors.
 
 use minikv_core::attention::{AttentionBackend, PrefillArgs, TiledBackend};
-use minikv_core::{BudgetRequest, CacheBuilder, KvCache, LayerBudget, ModelSpec, RunConfig, SelectionInput, SelectionPolicy, Selector};
+use minikv_core::{
+    BudgetRequest, CacheBuilder, KvCache, LayerBudget, ModelSpec, RunConfig, SelectionInput,
+    SelectionPolicy, Selector,
+};
 use minikv_policies::{AdaKv, PerLayer, Pyramid, PyramidKv, TopK, Uniform, VarInv, VarProp};
 use proptest::prelude::*;
 
-fn req(n_layers: usize, t: usize, heavy: usize, recent: usize, stats: Option<&[f32]>) -> BudgetRequest<'_> {
-    BudgetRequest { n_layers, prompt_len: t, heavy, recent, sinks: 0, layer_stats: stats }
+fn req(
+    n_layers: usize,
+    t: usize,
+    heavy: usize,
+    recent: usize,
+    stats: Option<&[f32]>,
+) -> BudgetRequest<'_> {
+    BudgetRequest {
+        n_layers,
+        prompt_len: t,
+        heavy,
+        recent,
+        sinks: 0,
+        layer_stats: stats,
+    }
 }
 
 fn heavy(b: &[LayerBudget]) -> Vec<usize> {
@@ -17,21 +33,59 @@ fn heavy(b: &[LayerBudget]) -> Vec<usize> {
 #[test]
 fn minikv_worked_example_keeps_the_documented_set() {
     let (t, d) = (12, 4);
-    let q: Vec<f32> = (0..t).flat_map(|i| (0..d).map(move |c| 2.0 * (1.0 + 0.7 * i as f32 + 1.3 * c as f32).sin())).collect();
-    let k: Vec<f32> = (0..t).flat_map(|j| (0..d).map(move |c| 2.0 * (0.3 + 1.1 * j as f32 + 0.9 * c as f32).cos())).collect();
+    let q: Vec<f32> = (0..t)
+        .flat_map(|i| (0..d).map(move |c| 2.0 * (1.0 + 0.7 * i as f32 + 1.3 * c as f32).sin()))
+        .collect();
+    let k: Vec<f32> = (0..t)
+        .flat_map(|j| (0..d).map(move |c| 2.0 * (0.3 + 1.1 * j as f32 + 0.9 * c as f32).cos()))
+        .collect();
     let mut out = vec![0.0; t * d];
     let mut cu = vec![0.0; t];
     TiledBackend::default()
-        .prefill(PrefillArgs { n_q_heads: 1, head_dim: d, q: &q, n: t, keys: &[&k], values: &[&k], t, out: &mut out, cumulative: Some(&mut cu) })
+        .prefill(PrefillArgs {
+            n_q_heads: 1,
+            head_dim: d,
+            q: &q,
+            n: t,
+            keys: &[&k],
+            values: &[&k],
+            t,
+            out: &mut out,
+            cumulative: Some(&mut cu),
+        })
         .unwrap();
     let mut kept = Vec::new();
-    let budget = LayerBudget { heavy: 3, recent: 3 }; // floor(12 * 0.25) each
-    TopK::default().select(&SelectionInput { scores: &cu, n_heads: 1, t, budget, sinks: 0 }, &mut kept).unwrap();
+    let budget = LayerBudget {
+        heavy: 3,
+        recent: 3,
+    }; // floor(12 * 0.25) each
+    TopK::default()
+        .select(
+            &SelectionInput {
+                scores: &cu,
+                n_heads: 1,
+                t,
+                budget,
+                sinks: 0,
+            },
+            &mut kept,
+        )
+        .unwrap();
     assert_eq!(kept, vec![vec![0, 1, 3, 9, 10, 11]]);
 
     // The same through a whole cache built from config: 6 tokens stay.
-    let spec = ModelSpec { n_layers: 1, n_q_heads: 1, n_kv_heads: 1, head_dim: d, max_seq_len: 64 };
-    let cfg = RunConfig::parse("[cache]\nheavy = 0.25\nrecent = 0.25\nscorer = { type = \"cumulative_attention\" }", false).unwrap();
+    let spec = ModelSpec {
+        n_layers: 1,
+        n_q_heads: 1,
+        n_kv_heads: 1,
+        head_dim: d,
+        max_seq_len: 64,
+    };
+    let cfg = RunConfig::parse(
+        "[cache]\nheavy = 0.25\nrecent = 0.25\nscorer = { type = \"cumulative_attention\" }",
+        false,
+    )
+    .unwrap();
     let mut cache = CacheBuilder::new(spec).build(&cfg.cache).unwrap();
     cache.append(0, &k, &k, t).unwrap();
     cache.attend(0, &q, t, &mut out).unwrap();
@@ -52,7 +106,11 @@ fn pyramid_ratios() {
     }
     assert!((r.iter().sum::<f64>() / 4.0 - 0.25).abs() < 1e-12);
     // Counts: total conserved exactly, lower layers get more.
-    let b = heavy(&Pyramid::default().layer_budgets(&req(32, 4096, 1024, 1024, None)).unwrap());
+    let b = heavy(
+        &Pyramid::default()
+            .layer_budgets(&req(32, 4096, 1024, 1024, None))
+            .unwrap(),
+    );
     assert_eq!(b.iter().sum::<usize>(), 32 * 1024);
     assert!(b.windows(2).all(|w| w[0] >= w[1]) && b[0] > b[31]);
 }
@@ -66,9 +124,17 @@ fn pyramidkv_capacities() {
     assert_eq!((b[0], b[1], b[31]), (983, 953, 53));
     assert_eq!(b.iter().sum::<usize>(), 16576);
     // T < C: nothing evicted.
-    assert!(heavy(&p.layer_budgets(&req(32, 500, 504, 8, None)).unwrap()).iter().all(|&h| h == 500));
+    assert!(
+        heavy(&p.layer_budgets(&req(32, 500, 504, 8, None)).unwrap())
+            .iter()
+            .all(|&h| h == 500)
+    );
     // C <= T < 2(C - W): uniform C - W.
-    assert!(heavy(&p.layer_budgets(&req(32, 1000, 504, 8, None)).unwrap()).iter().all(|&h| h == 504));
+    assert!(
+        heavy(&p.layer_budgets(&req(32, 1000, 504, 8, None)).unwrap())
+            .iter()
+            .all(|&h| h == 504)
+    );
     // max clamped to T - W (C = 512, W = 64, T = 900): max = 836, min = 896 - 836 = 60.
     let b = heavy(&p.layer_budgets(&req(32, 900, 448, 64, None)).unwrap());
     assert_eq!((b[0], b[1]), (836, 836 - (836 - 60) / 31));
@@ -77,26 +143,51 @@ fn pyramidkv_capacities() {
 #[test]
 fn var_policies_follow_the_statistic() {
     let stats = [1.0f32, 2.0, 4.0, 8.0];
-    let p = heavy(&VarProp::default().layer_budgets(&req(4, 1000, 150, 0, Some(&stats))).unwrap());
-    let i = heavy(&VarInv::default().layer_budgets(&req(4, 1000, 150, 0, Some(&stats))).unwrap());
+    let p = heavy(
+        &VarProp::default()
+            .layer_budgets(&req(4, 1000, 150, 0, Some(&stats)))
+            .unwrap(),
+    );
+    let i = heavy(
+        &VarInv::default()
+            .layer_budgets(&req(4, 1000, 150, 0, Some(&stats)))
+            .unwrap(),
+    );
     assert_eq!(p.iter().sum::<usize>(), 600);
     assert_eq!(i.iter().sum::<usize>(), 600);
     assert_eq!(p, vec![40, 80, 160, 320]);
     assert_eq!(i, vec![320, 160, 80, 40]);
-    let e = VarProp::default().layer_budgets(&req(4, 1000, 150, 0, None)).unwrap_err();
+    let e = VarProp::default()
+        .layer_budgets(&req(4, 1000, 150, 0, None))
+        .unwrap_err();
     assert!(e.to_string().contains("statistics"), "{e}");
 }
 
 #[test]
 fn per_layer_list_is_checked_against_the_model() {
-    let p = PerLayer { heavy: vec![0.5, 0.25], heavy_tokens: vec![] };
-    assert_eq!(heavy(&p.layer_budgets(&req(2, 100, 0, 10, None)).unwrap()), vec![50, 25]);
+    let p = PerLayer {
+        heavy: vec![0.5, 0.25],
+        heavy_tokens: vec![],
+    };
+    assert_eq!(
+        heavy(&p.layer_budgets(&req(2, 100, 0, 10, None)).unwrap()),
+        vec![50, 25]
+    );
     let e = p.layer_budgets(&req(3, 100, 0, 10, None)).unwrap_err();
-    assert!(e.to_string().contains("lists 2 layers, the model has 3"), "{e}");
+    assert!(
+        e.to_string().contains("lists 2 layers, the model has 3"),
+        "{e}"
+    );
 }
 
 fn policies() -> Vec<Box<dyn SelectionPolicy>> {
-    vec![Box::new(Uniform::default()), Box::new(Pyramid::default()), Box::new(Pyramid { depth: 2.0 }), Box::new(VarProp::default()), Box::new(VarInv::default())]
+    vec![
+        Box::new(Uniform::default()),
+        Box::new(Pyramid::default()),
+        Box::new(Pyramid { depth: 2.0 }),
+        Box::new(VarProp::default()),
+        Box::new(VarInv::default()),
+    ]
 }
 
 proptest! {
@@ -160,26 +251,49 @@ fn tiny(spec: ModelSpec, toml: &str) -> Box<dyn KvCache> {
 }
 
 fn noise(n: usize, s: u32) -> Vec<f32> {
-    (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(s.wrapping_mul(97))) % 1000) as f32 / 250.0 - 2.0).collect()
+    (0..n)
+        .map(|i| {
+            (((i as u32)
+                .wrapping_mul(2654435761)
+                .wrapping_add(s.wrapping_mul(97)))
+                % 1000) as f32
+                / 250.0
+                - 2.0
+        })
+        .collect()
 }
 
 /// H2O holds exactly sinks + heavy + recent tokens after every decode step.
 #[test]
 fn h2o_holds_its_budget_while_decoding() {
-    let spec = ModelSpec { n_layers: 2, n_q_heads: 4, n_kv_heads: 2, head_dim: 8, max_seq_len: 256 };
+    let spec = ModelSpec {
+        n_layers: 2,
+        n_q_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+        max_seq_len: 256,
+    };
     for scorer in ["h2o", "tova", "recency"] {
-        let mut c = tiny(spec, &format!("[cache]\nsinks = 1\nheavy_tokens = 4\nrecent_tokens = 3\ndecode = \"evict\"\nscorer = {{ type = \"{scorer}\" }}"));
+        let mut c = tiny(
+            spec,
+            &format!(
+                "[cache]\nsinks = 1\nheavy_tokens = 4\nrecent_tokens = 3\ndecode = \"evict\"\nscorer = {{ type = \"{scorer}\" }}"
+            ),
+        );
         let (t, kv, qd) = (20, 16, 32);
         let mut out = vec![0.0; t * qd];
         for l in 0..2 {
-            c.append(l, &noise(t * kv, 1), &noise(t * kv, 2), t).unwrap();
+            c.append(l, &noise(t * kv, 1), &noise(t * kv, 2), t)
+                .unwrap();
             c.attend(l, &noise(t * qd, 3), t, &mut out).unwrap();
         }
         c.end_prefill().unwrap();
         for step in 0..15 {
             for l in 0..2 {
-                c.append(l, &noise(kv, 10 + step), &noise(kv, 20 + step), 1).unwrap();
-                c.attend(l, &noise(qd, 30 + step), 1, &mut out[..qd]).unwrap();
+                c.append(l, &noise(kv, 10 + step), &noise(kv, 20 + step), 1)
+                    .unwrap();
+                c.attend(l, &noise(qd, 30 + step), 1, &mut out[..qd])
+                    .unwrap();
             }
             for layer in &c.memory().layers {
                 for h in &layer.heads {
@@ -193,11 +307,24 @@ fn h2o_holds_its_budget_while_decoding() {
 /// Ada-KV stores ragged per-head lengths: memory really differs per head.
 #[test]
 fn ada_kv_heads_are_ragged_and_memory_shrinks() {
-    let spec = ModelSpec { n_layers: 1, n_q_heads: 4, n_kv_heads: 4, head_dim: 8, max_seq_len: 256 };
-    let mut c = tiny(spec, "[cache]\nheavy_tokens = 10\nrecent_tokens = 2\nscorer = { type = \"cumulative_attention\" }\nselector = { type = \"ada_kv\", alpha = 0.2 }");
+    let spec = ModelSpec {
+        n_layers: 1,
+        n_q_heads: 4,
+        n_kv_heads: 4,
+        head_dim: 8,
+        max_seq_len: 256,
+    };
+    let mut c = tiny(
+        spec,
+        "[cache]\nheavy_tokens = 10\nrecent_tokens = 2\nscorer = { type = \"cumulative_attention\" }\nselector = { type = \"ada_kv\", alpha = 0.2 }",
+    );
     let t = 64;
     // Head 0 attends sharply (large keys), the others diffusely.
-    let k: Vec<f32> = noise(t * 32, 5).iter().enumerate().map(|(i, x)| if (i / 8) % 4 == 0 { x * 6.0 } else { x * 0.1 }).collect();
+    let k: Vec<f32> = noise(t * 32, 5)
+        .iter()
+        .enumerate()
+        .map(|(i, x)| if (i / 8) % 4 == 0 { x * 6.0 } else { x * 0.1 })
+        .collect();
     let mut out = vec![0.0; t * 32];
     c.append(0, &k, &noise(t * 32, 6), t).unwrap();
     c.attend(0, &noise(t * 32, 7), t, &mut out).unwrap();
@@ -205,7 +332,10 @@ fn ada_kv_heads_are_ragged_and_memory_shrinks() {
     let m = c.memory();
     let toks: Vec<usize> = m.layers[0].heads.iter().map(|h| h.tokens).collect();
     assert_eq!(toks.iter().sum::<usize>(), 4 * 12, "{toks:?}");
-    assert!(toks.iter().any(|&x| x != 12), "heads should be ragged: {toks:?}");
+    assert!(
+        toks.iter().any(|&x| x != 12),
+        "heads should be ragged: {toks:?}"
+    );
     let bytes: Vec<usize> = m.layers[0].heads.iter().map(|h| h.fp).collect();
     assert!(bytes.iter().min() < bytes.iter().max(), "{bytes:?}");
 }

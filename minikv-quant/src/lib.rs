@@ -103,7 +103,10 @@ impl Quantizer for MinMax {
     }
     fn validate(&self, head_dim: usize) -> Result<()> {
         if ![2, 4, 8].contains(&self.bits) {
-            return Err(Error::config("bits", format!("must be 2, 4 or 8, got {}", self.bits)));
+            return Err(Error::config(
+                "bits",
+                format!("must be 2, 4 or 8, got {}", self.bits),
+            ));
         }
         if self.group == 0 {
             return Err(Error::config("group", "must be positive"));
@@ -111,16 +114,21 @@ impl Quantizer for MinMax {
         let per_word = 32 / self.bits as usize;
         match self.axis {
             Axis::Token => {
-                if head_dim % self.group != 0 {
+                if !head_dim.is_multiple_of(self.group) {
                     return Err(Error::config(
                         "group",
-                        format!("per-token groups of {} do not divide the head dim {head_dim}", self.group),
+                        format!(
+                            "per-token groups of {} do not divide the head dim {head_dim}",
+                            self.group
+                        ),
                     ));
                 }
-                if head_dim % per_word != 0 {
+                if !head_dim.is_multiple_of(per_word) {
                     return Err(Error::config(
                         "bits",
-                        format!("head dim {head_dim} is not a multiple of {per_word} codes per 32-bit word"),
+                        format!(
+                            "head dim {head_dim} is not a multiple of {per_word} codes per 32-bit word"
+                        ),
                     ));
                 }
             }
@@ -164,14 +172,20 @@ pub fn quantize_group(x: &[f32], bits: u32) -> Result<Group> {
     let qmax = ((1u32 << bits) - 1) as f32;
     let scale = (mx - mn) / qmax;
     if !scale.is_finite() {
-        return Err(Error::Input(format!("quantize: range {mn}..{mx} overflows f32")));
+        return Err(Error::Input(format!(
+            "quantize: range {mn}..{mx} overflows f32"
+        )));
     }
     let codes = if scale == 0.0 {
         vec![0u8; x.len()]
     } else {
         x.iter().map(|&v| code_of(v, mn, scale, qmax)).collect()
     };
-    Ok(Group { codes, scale, min: mn })
+    Ok(Group {
+        codes,
+        scale,
+        min: mn,
+    })
 }
 
 #[inline]
@@ -184,7 +198,11 @@ pub fn pack(codes: &[u8], bits: u32) -> Vec<u32> {
     let per = 32 / bits as usize;
     codes
         .chunks(per)
-        .map(|c| c.iter().enumerate().fold(0u32, |w, (j, &x)| w | ((x as u32) << (bits as usize * j))))
+        .map(|c| {
+            c.iter()
+                .enumerate()
+                .fold(0u32, |w, (j, &x)| w | ((x as u32) << (bits as usize * j)))
+        })
         .collect()
 }
 
@@ -216,11 +234,20 @@ pub struct QuantizedRow {
 
 /// Quantizes a row along its length in groups of `group`, storing scale/min as `dtype`.
 pub fn quantize_row(x: &[f32], bits: u32, group: usize, dtype: ScaleDtype) -> Result<QuantizedRow> {
-    MinMax { bits, group, axis: Axis::Token, scale_dtype: dtype }.validate_bits()?;
-    if group == 0 || x.len() % group != 0 {
+    MinMax {
+        bits,
+        group,
+        axis: Axis::Token,
+        scale_dtype: dtype,
+    }
+    .validate_bits()?;
+    if group == 0 || !x.len().is_multiple_of(group) {
         return Err(Error::config(
             "group",
-            format!("group size {group} does not divide the row length {}", x.len()),
+            format!(
+                "group size {group} does not divide the row length {}",
+                x.len()
+            ),
         ));
     }
     let mut codes = Vec::with_capacity(x.len());
@@ -233,9 +260,16 @@ pub fn quantize_row(x: &[f32], bits: u32, group: usize, dtype: ScaleDtype) -> Re
         scale.push(s);
         min.push(m);
     }
-    let max_abs_error = x.iter().zip(&dequant).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    let max_abs_error = x
+        .iter()
+        .zip(&dequant)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
     Ok(QuantizedRow {
-        packed: pack(&codes, bits).iter().map(|w| format!("{w:#010x}")).collect(),
+        packed: pack(&codes, bits)
+            .iter()
+            .map(|w| format!("{w:#010x}"))
+            .collect(),
         codes,
         scale,
         min,
@@ -247,7 +281,10 @@ pub fn quantize_row(x: &[f32], bits: u32, group: usize, dtype: ScaleDtype) -> Re
 impl MinMax {
     fn validate_bits(&self) -> Result<()> {
         if ![2, 4, 8].contains(&self.bits) {
-            return Err(Error::config("bits", format!("must be 2, 4 or 8, got {}", self.bits)));
+            return Err(Error::config(
+                "bits",
+                format!("must be 2, 4 or 8, got {}", self.bits),
+            ));
         }
         Ok(())
     }

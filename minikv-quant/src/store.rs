@@ -142,7 +142,8 @@ impl MinMaxStore {
         let qmax = ((1u32 << bits) - 1) as f32;
         let new_len = self.len + n;
         let words_needed = new_len.div_ceil(p) * d;
-        self.words.reserve_exact(words_needed.saturating_sub(self.words.len()));
+        self.words
+            .reserve_exact(words_needed.saturating_sub(self.words.len()));
         self.words.resize(words_needed, 0);
         self.scale.reserve_exact(n / g * d);
         self.min.reserve_exact(n / g * d);
@@ -157,7 +158,9 @@ impl MinMaxStore {
                 let mx = col.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let scale = (mx - mn) / qmax;
                 if !scale.is_finite() {
-                    return Err(Error::Input(format!("quantize: range {mn}..{mx} overflows f32")));
+                    return Err(Error::Input(format!(
+                        "quantize: range {mn}..{mx} overflows f32"
+                    )));
                 }
                 pairs.push(store_pair(self.q.scale_dtype, scale, mn)?);
                 if scale > 0.0 {
@@ -194,7 +197,9 @@ impl MinMaxStore {
                 let mx = chunk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let scale = (mx - mn) / qmax;
                 if !scale.is_finite() {
-                    return Err(Error::Input(format!("quantize: range {mn}..{mx} overflows f32")));
+                    return Err(Error::Input(format!(
+                        "quantize: range {mn}..{mx} overflows f32"
+                    )));
                 }
                 let (s, m) = store_pair(self.q.scale_dtype, scale, mn)?;
                 self.scale.push(s);
@@ -213,7 +218,13 @@ impl MinMaxStore {
     }
 
     /// Fast path: per-channel keys with `G % P == 0` (every word block in one group).
-    fn scores_channel_fast<const P: usize>(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
+    fn scores_channel_fast<const P: usize>(
+        &self,
+        q: &[f32],
+        g: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
         let (d, grp, b) = (self.d, self.q.group, self.q.bits as usize);
         let mask = self.mask();
         let mut qs = [0.0f32; MAX_G * MAX_D];
@@ -254,7 +265,13 @@ impl MinMaxStore {
     }
 
     /// Fast path: per-token values, `out[j] += sum_t p_jt * v_hat_t`.
-    fn accumulate_token_fast<const P: usize>(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
+    fn accumulate_token_fast<const P: usize>(
+        &self,
+        p: &[f32],
+        g: usize,
+        stride: usize,
+        out: &mut [f32],
+    ) {
         let (d, grp, b) = (self.d, self.q.group, self.q.bits as usize);
         let mask = self.mask();
         let wpt = d / P;
@@ -303,8 +320,12 @@ impl QuantStore for MinMaxStore {
     }
     fn append(&mut self, rows: &[f32]) -> Result<()> {
         let d = self.d;
-        if rows.len() % d != 0 {
-            return Err(Error::shape("quantized append", format!("a multiple of {d}"), rows.len()));
+        if !rows.len().is_multiple_of(d) {
+            return Err(Error::shape(
+                "quantized append",
+                format!("a multiple of {d}"),
+                rows.len(),
+            ));
         }
         let n = rows.len() / d;
         if n == 0 {
@@ -313,7 +334,7 @@ impl QuantStore for MinMaxStore {
         check_finite("quantized append", rows)?;
         match self.q.axis {
             Axis::Channel => {
-                if n % self.q.group != 0 {
+                if !n.is_multiple_of(self.q.group) {
                     return Err(Error::shape(
                         "per-channel append (tokens)",
                         format!("a multiple of G = {}", self.q.group),
@@ -329,7 +350,7 @@ impl QuantStore for MinMaxStore {
     fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
         let d = self.d;
         let p = self.per_word();
-        if self.q.axis == Axis::Channel && self.q.group % p == 0 && self.fast_ok(g) {
+        if self.q.axis == Axis::Channel && self.q.group.is_multiple_of(p) && self.fast_ok(g) {
             match p {
                 16 => return self.scores_channel_fast::<16>(q, g, out, stride),
                 8 => return self.scores_channel_fast::<8>(q, g, out, stride),
@@ -356,7 +377,10 @@ impl QuantStore for MinMaxStore {
                     let mut s = 0.0;
                     for gi in 0..gpt {
                         let si = t * gpt + gi;
-                        let dq = kernels::dot(&q[j * d + gi * grp..j * d + (gi + 1) * grp], &codes[gi * grp..(gi + 1) * grp]);
+                        let dq = kernels::dot(
+                            &q[j * d + gi * grp..j * d + (gi + 1) * grp],
+                            &codes[gi * grp..(gi + 1) * grp],
+                        );
                         s += self.scale.get(si) * dq + self.min.get(si) * qsum[j * gpt + gi];
                     }
                     out[j * stride + t] = s;
@@ -373,7 +397,8 @@ impl QuantStore for MinMaxStore {
             self.dequant_range(t0, n, &mut tile);
             for j in 0..g {
                 for i in 0..n {
-                    out[j * stride + t0 + i] = kernels::dot(&q[j * d..(j + 1) * d], &tile[i * d..(i + 1) * d]);
+                    out[j * stride + t0 + i] =
+                        kernels::dot(&q[j * d..(j + 1) * d], &tile[i * d..(i + 1) * d]);
                 }
             }
             t0 += n;
@@ -398,7 +423,11 @@ impl QuantStore for MinMaxStore {
             self.dequant_range(t0, n, &mut tile);
             for j in 0..g {
                 for i in 0..n {
-                    kernels::axpy(p[j * stride + t0 + i], &tile[i * d..(i + 1) * d], &mut out[j * d..(j + 1) * d]);
+                    kernels::axpy(
+                        p[j * stride + t0 + i],
+                        &tile[i * d..(i + 1) * d],
+                        &mut out[j * d..(j + 1) * d],
+                    );
                 }
             }
             t0 += n;

@@ -1,10 +1,14 @@
 //! Golden vectors of algorithms.md §1 and the §6 size formula.
 
-use minikv_core::{Axis, QuantStore, Quantizer};
+use minikv_core::{Axis, Quantizer};
 use minikv_quant::{MinMax, ScaleDtype, pack, quantize_group, quantize_row, unpack};
 
-const ROW0: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 0.25, 0.75, 1.25, 1.75, 2.25, 2.75, 3.0, 0.0, 1.0];
-const ROW1: [f32; 16] = [-1.2, 0.7, 0.05, -0.33, 1.9, -0.8, 0.42, 1.1, -1.05, 0.0, 0.66, -0.2, 1.5, 0.9, -0.6, 0.3];
+const ROW0: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 0.25, 0.75, 1.25, 1.75, 2.25, 2.75, 3.0, 0.0, 1.0,
+];
+const ROW1: [f32; 16] = [
+    -1.2, 0.7, 0.05, -0.33, 1.9, -0.8, 0.42, 1.1, -1.05, 0.0, 0.66, -0.2, 1.5, 0.9, -0.6, 0.3,
+];
 
 #[test]
 fn two_bit_rows() {
@@ -39,7 +43,10 @@ fn ties_round_half_to_even_and_sign_bit_words() {
 fn four_bit_row() {
     let g = quantize_group(&ROW0, 4).unwrap();
     assert!((g.scale - 0.2).abs() < 1e-7);
-    assert_eq!(g.codes, [0, 2, 5, 8, 10, 12, 15, 1, 4, 6, 9, 11, 14, 15, 0, 5]);
+    assert_eq!(
+        g.codes,
+        [0, 2, 5, 8, 10, 12, 15, 1, 4, 6, 9, 11, 14, 15, 0, 5]
+    );
     assert_eq!(pack(&g.codes, 4), [0x1fca8520, 0x50feb964]);
 }
 
@@ -73,18 +80,32 @@ fn non_finite_inputs_are_errors() {
         assert!(e.contains("element 3"), "{e}");
     }
     // f16 storage overflow is an error, not inf.
-    let e = quantize_row(&[0.0, 1e6], 2, 2, ScaleDtype::F16).unwrap_err().to_string();
+    let e = quantize_row(&[0.0, 1e6], 2, 2, ScaleDtype::F16)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("f32"), "{e}");
 }
 
 #[test]
 fn bad_parameters_are_errors() {
-    let q = MinMax { bits: 3, ..Default::default() };
+    let q = MinMax {
+        bits: 3,
+        ..Default::default()
+    };
     assert!(q.validate(64).unwrap_err().to_string().contains("bits"));
-    let q = MinMax { group: 24, axis: Axis::Token, ..Default::default() };
+    let q = MinMax {
+        group: 24,
+        axis: Axis::Token,
+        ..Default::default()
+    };
     assert!(q.validate(64).unwrap_err().to_string().contains("divide"));
     let mut s = MinMax::default().new_store(64).unwrap();
-    assert!(s.append(&vec![0.0; 8 * 64]).unwrap_err().to_string().contains("multiple of G"));
+    assert!(
+        s.append(&vec![0.0; 8 * 64])
+            .unwrap_err()
+            .to_string()
+            .contains("multiple of G")
+    );
 }
 
 /// §6: b = 2, G = 16 stores 8 bytes per 16 elements (codes + fp16 scale + min).
@@ -92,7 +113,12 @@ fn bad_parameters_are_errors() {
 fn size_formula_section_6() {
     let (d, n) = (64, 512);
     for axis in [Axis::Channel, Axis::Token] {
-        let q = MinMax { bits: 2, group: 16, axis, scale_dtype: ScaleDtype::F16 };
+        let q = MinMax {
+            bits: 2,
+            group: 16,
+            axis,
+            scale_dtype: ScaleDtype::F16,
+        };
         let mut s = q.new_store(d).unwrap();
         let rows: Vec<f32> = (0..n * d).map(|i| (i as f32 * 0.37).sin()).collect();
         s.append(&rows).unwrap();

@@ -1,8 +1,10 @@
 //! Property tests: error bounds, packing round trips, fused == dequantize + attend.
 
-use minikv_core::attention::{AttentionBackend, DecodeArgs, HeadView, ReferenceBackend, TiledBackend};
+use minikv_core::attention::{
+    AttentionBackend, DecodeArgs, HeadView, ReferenceBackend, TiledBackend,
+};
 use minikv_core::storage::{Fp16Rows, FpStore};
-use minikv_core::{Axis, QuantStore, Quantizer};
+use minikv_core::{Axis, Quantizer};
 use minikv_quant::{MinMax, ScaleDtype, pack, quantize_row, unpack};
 use proptest::prelude::*;
 
@@ -30,7 +32,7 @@ proptest! {
 
     #[test]
     fn pack_unpack_identity(bits in prop::sample::select(vec![2u32, 4, 8]), seed in prop::collection::vec(0u8..=255, 1..100)) {
-        let codes: Vec<u8> = seed.iter().map(|c| c & ((1u8 << bits.min(7)) - 1 | if bits == 8 { 0x80 } else { 0 })).collect();
+        let codes: Vec<u8> = seed.iter().map(|c| c & (((1u8 << bits.min(7)) - 1) | if bits == 8 { 0x80 } else { 0 })).collect();
         prop_assert_eq!(unpack(&pack(&codes, bits), bits, codes.len()), codes);
     }
 
@@ -49,7 +51,7 @@ proptest! {
         let kgroup = if kaxis == Axis::Token { 16 } else { kgroup };
         let n = blocks * kgroup * 2;
         let mut x = seed as f32;
-        let mut rnd = |s: f32| { x = (x * 1.37 + 0.61).fract() * 7.3; (x.sin() * s) };
+        let mut rnd = |s: f32| { x = (x * 1.37 + 0.61).fract() * 7.3; x.sin() * s };
         let mk = |a: Axis, g: usize| MinMax { bits, group: g, axis: a, scale_dtype: ScaleDtype::F32 };
         let mut heads = Vec::new();
         for _ in 0..2 {
@@ -86,26 +88,48 @@ fn per_channel_keys_beat_per_token_on_outlier_channels() {
     let (d, n) = (64, 256);
     let mut s = 1u64;
     let mut rnd = || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
     };
     let keys: Vec<f32> = (0..n * d)
         .map(|i| {
             let c = i % d;
-            let outlier = if c == 3 || c == 17 || c == 40 { 20.0 + rnd() } else { 0.0 };
+            let outlier = if c == 3 || c == 17 || c == 40 {
+                20.0 + rnd()
+            } else {
+                0.0
+            };
             rnd() + outlier
         })
         .collect();
     let q: Vec<f32> = (0..d).map(|_| rnd() * 2.0).collect();
-    let exact: Vec<f32> = (0..n).map(|t| (0..d).map(|c| q[c] * keys[t * d + c]).sum()).collect();
+    let exact: Vec<f32> = (0..n)
+        .map(|t| (0..d).map(|c| q[c] * keys[t * d + c]).sum())
+        .collect();
     let err = |axis| {
-        let mut st = MinMax { bits: 2, group: 16, axis, scale_dtype: ScaleDtype::F16 }.new_store(d).unwrap();
+        let mut st = MinMax {
+            bits: 2,
+            group: 16,
+            axis,
+            scale_dtype: ScaleDtype::F16,
+        }
+        .new_store(d)
+        .unwrap();
         st.append(&keys).unwrap();
         let mut sc = vec![0.0; n];
         st.scores(&q, 1, &mut sc, n);
-        sc.iter().zip(&exact).map(|(a, b)| (a - b).abs()).sum::<f32>() / n as f32
+        sc.iter()
+            .zip(&exact)
+            .map(|(a, b)| (a - b).abs())
+            .sum::<f32>()
+            / n as f32
     };
     let (chan, tok) = (err(Axis::Channel), err(Axis::Token));
     eprintln!("mean |score error|: per-channel {chan}, per-token {tok}");
-    assert!(chan * 3.0 < tok, "per-channel error {chan} vs per-token {tok}");
+    assert!(
+        chan * 3.0 < tok,
+        "per-channel error {chan} vs per-token {tok}"
+    );
 }

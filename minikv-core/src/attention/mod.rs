@@ -141,7 +141,9 @@ pub fn cpu_backend(name: &str) -> Result<Arc<dyn AttentionBackend>> {
         "reference" => Ok(Arc::new(ReferenceBackend)),
         other => Err(Error::config(
             "backend",
-            format!("unknown backend `{other}` (CPU backends: tiled, reference; `cuda` needs minikv-kernels)"),
+            format!(
+                "unknown backend `{other}` (CPU backends: tiled, reference; `cuda` needs minikv-kernels)"
+            ),
         )),
     }
 }
@@ -150,10 +152,18 @@ pub(crate) fn check_prefill(a: &PrefillArgs<'_>) -> Result<(usize, usize)> {
     let (hq, d, n, t) = (a.n_q_heads, a.head_dim, a.n, a.t);
     let hkv = a.keys.len();
     if hkv == 0 || hq % hkv != 0 || a.values.len() != hkv {
-        return Err(Error::shape("prefill heads (Hq, Hkv)", "Hkv | Hq", format!("({hq}, {hkv})")));
+        return Err(Error::shape(
+            "prefill heads (Hq, Hkv)",
+            "Hkv | Hq",
+            format!("({hq}, {hkv})"),
+        ));
     }
     if n > t {
-        return Err(Error::shape("prefill queries vs keys", format!("n <= {t}"), n));
+        return Err(Error::shape(
+            "prefill queries vs keys",
+            format!("n <= {t}"),
+            n,
+        ));
     }
     crate::check_len("prefill q", hq * n * d, a.q.len())?;
     crate::check_len("prefill out", hq * n * d, a.out.len())?;
@@ -171,8 +181,12 @@ pub(crate) fn check_decode(a: &DecodeArgs<'_>) -> Result<usize> {
     let d = a.head_dim;
     let hs = a.heads.len();
     let hq = a.q.len() / d;
-    if hs == 0 || hq % hs != 0 || a.q.len() != hq * d {
-        return Err(Error::shape("decode heads", "storage heads dividing Hq", format!("{hs} for {hq}")));
+    if hs == 0 || !hq.is_multiple_of(hs) || a.q.len() != hq * d {
+        return Err(Error::shape(
+            "decode heads",
+            "storage heads dividing Hq",
+            format!("{hs} for {hq}"),
+        ));
     }
     crate::check_len("decode out", hq * d, a.out.len())?;
     if let Some(p) = &a.probs {

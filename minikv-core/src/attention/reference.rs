@@ -77,7 +77,9 @@ impl AttentionBackend for ReferenceBackend {
             for j in 0..g {
                 let h = s * g + j;
                 let q = &a.q[h * d..(h + 1) * d];
-                let mut sc: Vec<f64> = (0..n).map(|t| dot64(q, &keys[t * d..(t + 1) * d]) * scale).collect();
+                let mut sc: Vec<f64> = (0..n)
+                    .map(|t| dot64(q, &keys[t * d..(t + 1) * d]) * scale)
+                    .collect();
                 if let Some(c) = head.clusters {
                     for e in 0..nc {
                         sc.push(dot64(q, &c.keys[e * d..(e + 1) * d]) * scale + c.bias[e] as f64);

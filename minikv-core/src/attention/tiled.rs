@@ -88,7 +88,10 @@ fn gemm(
 impl TiledBackend {
     fn check_blocks(&self) -> Result<()> {
         if self.block_q == 0 || self.block_k == 0 {
-            return Err(Error::config("backend.block", "block sizes must be positive"));
+            return Err(Error::config(
+                "backend.block",
+                "block sizes must be positive",
+            ));
         }
         Ok(())
     }
@@ -131,7 +134,10 @@ impl AttentionBackend for TiledBackend {
                             let (qb, rest) = buf.split_at_mut(nr * d);
                             let (s, rest) = rest.split_at_mut(nr * bk);
                             let (m, l) = rest.split_at_mut(nr);
-                            for (dst, src) in qb.iter_mut().zip(&q[(h * n + r0) * d..(h * n + r0 + nr) * d]) {
+                            for (dst, src) in qb
+                                .iter_mut()
+                                .zip(&q[(h * n + r0) * d..(h * n + r0 + nr) * d])
+                            {
                                 *dst = src * scale;
                             }
                             m.fill(f32::NEG_INFINITY);
@@ -166,7 +172,9 @@ impl AttentionBackend for TiledBackend {
                                     l[i] = l[i] * alpha + sum;
                                     m[i] = mnew;
                                     if alpha != 1.0 {
-                                        acc[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= alpha);
+                                        acc[i * d..(i + 1) * d]
+                                            .iter_mut()
+                                            .for_each(|x| *x *= alpha);
                                     }
                                 }
                                 gemm(nr, nc, d, s, (nc, 1), &v[c0 * d..], (d, 1), 1.0, acc, d);
@@ -200,7 +208,10 @@ impl AttentionBackend for TiledBackend {
                         while i0 < n {
                             let nr = br.min(n - i0);
                             let qb = &mut qb[..nr * d];
-                            for (dst, src) in qb.iter_mut().zip(&q[(h * n + i0) * d..(h * n + i0 + nr) * d]) {
+                            for (dst, src) in qb
+                                .iter_mut()
+                                .zip(&q[(h * n + i0) * d..(h * n + i0 + nr) * d])
+                            {
                                 *dst = src * scale;
                             }
                             let s = &mut s[..nr * nc];
@@ -248,7 +259,8 @@ impl AttentionBackend for TiledBackend {
                     for j in 0..g {
                         let qj = &qs[j * d..(j + 1) * d];
                         for e in 0..nc {
-                            sc[j * stride + n + e] = dot(qj, &c.keys[e * d..(e + 1) * d]) + c.bias[e];
+                            sc[j * stride + n + e] =
+                                dot(qj, &c.keys[e * d..(e + 1) * d]) + c.bias[e];
                         }
                     }
                 }
@@ -265,7 +277,11 @@ impl AttentionBackend for TiledBackend {
                     for j in 0..g {
                         for e in 0..nc {
                             let p = sc[j * stride + n + e];
-                            crate::kernels::axpy(p, &c.values[e * d..(e + 1) * d], &mut out[j * d..(j + 1) * d]);
+                            crate::kernels::axpy(
+                                p,
+                                &c.values[e * d..(e + 1) * d],
+                                &mut out[j * d..(j + 1) * d],
+                            );
                         }
                     }
                 }
