@@ -48,6 +48,10 @@ pub trait KvCache: Send + Debug {
 pub struct HeadMemory {
     /// Tokens held (quantized + full precision).
     pub tokens: usize,
+    /// Keys held in the quantized part.
+    pub quant_keys: usize,
+    /// Values held in the quantized part.
+    pub quant_values: usize,
     /// Packed low-bit codes (K and V).
     pub quant_codes: usize,
     /// Quantization scales and minimums (K and V).

@@ -682,6 +682,8 @@ impl KvCache for LayeredCache {
                         }
                         HeadMemory {
                             tokens: h.fk.len() + h.qk.as_ref().map_or(0, |q| q.len()),
+                            quant_keys: h.qk.as_ref().map_or(0, |q| q.len()),
+                            quant_values: h.qv.as_ref().map_or(0, |q| q.len()),
                             quant_codes: codes,
                             quant_scales: scales,
                             fp: h.fk.bytes() + h.fv.bytes(),

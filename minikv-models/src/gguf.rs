@@ -346,7 +346,9 @@ impl Gguf {
                     dtype.block_size()
                 )));
             }
-            let size = n / dtype.block_size() * dtype.block_bytes();
+            let size = (n / dtype.block_size())
+                .checked_mul(dtype.block_bytes())
+                .ok_or_else(|| Error::Format(format!("tensor `{name}`: byte size overflows")))?;
             if off % align as u64 != 0 {
                 return Err(Error::Format(format!(
                     "tensor `{name}`: offset {off} is not aligned to {align}"

@@ -65,6 +65,8 @@ pub struct Workspace {
     g: Vec<f32>,
     u: Vec<f32>,
     f: Vec<f32>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
 }
 
 /// A causal language model that attends only through a [`KvCache`].

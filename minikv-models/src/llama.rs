@@ -128,8 +128,8 @@ pub struct Llama {
     pub norm: Vec<f32>,
     /// Output head; `None` = tied to `embed`.
     pub lm_head: Option<QMatrix>,
-    cos: Vec<f32>,
-    sin: Vec<f32>,
+    /// RoPE inverse frequencies `base^(-2i/d)` (f64 for exact angles).
+    inv_freq: Vec<f64>,
     fused: Vec<Fused>,
 }
 
@@ -231,17 +231,9 @@ impl Llama {
         lm_head: Option<QMatrix>,
     ) -> Self {
         let half = cfg.head_dim / 2;
-        let n = cfg.max_seq_len;
-        let mut cos = vec![0.0f32; n * half];
-        let mut sin = vec![0.0f32; n * half];
-        for p in 0..n {
-            for i in 0..half {
-                let theta = cfg.rope_base.powf(-2.0 * i as f64 / cfg.head_dim as f64);
-                let a = p as f64 * theta;
-                cos[p * half + i] = a.cos() as f32;
-                sin[p * half + i] = a.sin() as f32;
-            }
-        }
+        let inv_freq = (0..half)
+            .map(|i| cfg.rope_base.powf(-2.0 * i as f64 / cfg.head_dim as f64))
+            .collect();
         let fused = blocks
             .iter()
             .map(|b| Fused {
@@ -255,8 +247,7 @@ impl Llama {
             blocks,
             norm,
             lm_head,
-            cos,
-            sin,
+            inv_freq,
             fused,
         }
     }
@@ -292,15 +283,27 @@ impl Llama {
             .join(", ")
     }
 
-    fn rope(&self, x: &mut [f32], n_heads: usize, pos0: usize) {
+    /// cos/sin of the RoPE angles for positions `pos0 .. pos0 + n` (once per chunk).
+    fn rope_tables(&self, pos0: usize, n: usize, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
+        cos.clear();
+        sin.clear();
+        for p in pos0..pos0 + n {
+            for &f in &self.inv_freq {
+                let a = p as f64 * f;
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+    }
+
+    fn rope(&self, x: &mut [f32], n_heads: usize, cos: &[f32], sin: &[f32]) {
         let d = self.cfg.head_dim;
         let half = d / 2;
         let row = n_heads * d;
         for (i, xr) in x.chunks_exact_mut(row).enumerate() {
-            let p = pos0 + i;
             let (c, s) = (
-                &self.cos[p * half..(p + 1) * half],
-                &self.sin[p * half..(p + 1) * half],
+                &cos[i * half..(i + 1) * half],
+                &sin[i * half..(i + 1) * half],
             );
             for hd in xr.chunks_exact_mut(d) {
                 match self.cfg.rope {
@@ -350,6 +353,8 @@ impl Llama {
             self.embed
                 .dequantize_row(t as usize, &mut ws.x[i * h..(i + 1) * h]);
         }
+        let (mut cos, mut sin) = (std::mem::take(&mut ws.cos), std::mem::take(&mut ws.sin));
+        self.rope_tables(pos0, n, &mut cos, &mut sin);
         for (l, b) in self.blocks.iter().enumerate() {
             rms_norm(&ws.x, &b.attn_norm, c.rms_eps, &mut ws.h);
             let f = &self.fused[l];
@@ -371,8 +376,8 @@ impl Llama {
                     b.wv.matmul(&ws.h, n, &mut ws.v);
                 }
             }
-            self.rope(&mut ws.q, c.n_heads, pos0);
-            self.rope(&mut ws.k, c.n_kv_heads, pos0);
+            self.rope(&mut ws.q, c.n_heads, &cos, &sin);
+            self.rope(&mut ws.k, c.n_kv_heads, &cos, &sin);
             cache.append(l, &ws.k, &ws.v, n)?;
             cache.attend(l, &ws.q, n, &mut ws.att)?;
             b.wo.matmul(&ws.att, n, &mut ws.o);
@@ -400,6 +405,8 @@ impl Llama {
             b.w_down.matmul(&ws.g, n, &mut ws.o);
             ws.x.iter_mut().zip(&ws.o).for_each(|(x, o)| *x += o);
         }
+        ws.cos = cos;
+        ws.sin = sin;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let rows = match want {
             Logits::None => return Ok(()),
