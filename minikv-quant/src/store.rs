@@ -67,6 +67,11 @@ impl Buf {
     }
 }
 
+thread_local! {
+    /// Reused per-thread scratch of the fused kernels (no allocation per token).
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Largest head dimension the fused kernels keep on the stack.
 const MAX_D: usize = 512;
 /// Largest GQA group the fused kernels keep on the stack.
@@ -79,8 +84,10 @@ pub struct MinMaxStore {
     d: usize,
     len: usize,
     words: Vec<u32>,
-    scale: Buf,
-    min: Buf,
+    /// Scales and minimums. Per channel: one buffer `[group][d]`. Per token: one
+    /// buffer per channel group, each `[token]` (contiguous for the fused loops).
+    scale: Vec<Buf>,
+    min: Vec<Buf>,
 }
 
 impl MinMaxStore {
@@ -91,8 +98,19 @@ impl MinMaxStore {
             d,
             len: 0,
             words: Vec::new(),
-            scale: Buf::new(q.scale_dtype),
-            min: Buf::new(q.scale_dtype),
+            scale: (0..Self::n_bufs(q, d))
+                .map(|_| Buf::new(q.scale_dtype))
+                .collect(),
+            min: (0..Self::n_bufs(q, d))
+                .map(|_| Buf::new(q.scale_dtype))
+                .collect(),
+        }
+    }
+
+    fn n_bufs(q: MinMax, d: usize) -> usize {
+        match q.axis {
+            Axis::Channel => 1,
+            Axis::Token => d / q.group,
         }
     }
 
@@ -115,13 +133,14 @@ impl MinMaxStore {
         (self.words[w] >> sh) & self.mask()
     }
 
-    /// Index of the scale/min of token `t`, channel `c`.
+    /// Scale and min of token `t`, channel `c`.
     #[inline]
-    fn sidx(&self, t: usize, c: usize) -> usize {
-        match self.q.axis {
-            Axis::Channel => (t / self.q.group) * self.d + c,
-            Axis::Token => t * (self.d / self.q.group) + c / self.q.group,
-        }
+    fn scale_min(&self, t: usize, c: usize) -> (f32, f32) {
+        let (b, i) = match self.q.axis {
+            Axis::Channel => (0, (t / self.q.group) * self.d + c),
+            Axis::Token => (c / self.q.group, t),
+        };
+        (self.scale[b].get(i), self.min[b].get(i))
     }
 
     /// Dequantizes tokens `t0 .. t0 + n` into `out` (`[n][d]`).
@@ -130,8 +149,8 @@ impl MinMaxStore {
         for i in 0..n {
             let t = t0 + i;
             for c in 0..d {
-                let si = self.sidx(t, c);
-                out[i * d + c] = self.code(t, c) as f32 * self.scale.get(si) + self.min.get(si);
+                let (sc, mn) = self.scale_min(t, c);
+                out[i * d + c] = self.code(t, c) as f32 * sc + mn;
             }
         }
     }
@@ -145,8 +164,8 @@ impl MinMaxStore {
         self.words
             .reserve_exact(words_needed.saturating_sub(self.words.len()));
         self.words.resize(words_needed, 0);
-        self.scale.reserve_exact(n / g * d);
-        self.min.reserve_exact(n / g * d);
+        self.scale[0].reserve_exact(n / g * d);
+        self.min[0].reserve_exact(n / g * d);
         let mut col = vec![0.0f32; g];
         for gi in 0..n / g {
             let mut pairs = Vec::with_capacity(d);
@@ -172,8 +191,8 @@ impl MinMaxStore {
                 }
             }
             for (s, m) in pairs {
-                self.scale.push(s);
-                self.min.push(m);
+                self.scale[0].push(s);
+                self.min[0].push(m);
             }
         }
         self.len = new_len;
@@ -186,8 +205,9 @@ impl MinMaxStore {
         let wpt = d / p;
         let qmax = ((1u32 << bits) - 1) as f32;
         self.words.reserve_exact(n * wpt);
-        self.scale.reserve_exact(n * d / g);
-        self.min.reserve_exact(n * d / g);
+        for b in self.scale.iter_mut().chain(self.min.iter_mut()) {
+            b.reserve_exact(n);
+        }
         for i in 0..n {
             let row = &rows[i * d..(i + 1) * d];
             let base = self.words.len();
@@ -202,8 +222,8 @@ impl MinMaxStore {
                     )));
                 }
                 let (s, m) = store_pair(self.q.scale_dtype, scale, mn)?;
-                self.scale.push(s);
-                self.min.push(m);
+                self.scale[gi].push(s);
+                self.min[gi].push(m);
                 if scale > 0.0 {
                     for (j, &x) in chunk.iter().enumerate() {
                         let c = gi * g + j;
@@ -217,44 +237,45 @@ impl MinMaxStore {
         Ok(())
     }
 
-    /// Fast path: per-channel keys with `G % P == 0` (every word block in one group).
-    fn scores_channel_fast<const P: usize>(
+    /// Fast path: per-channel keys with `G % P == 0` (every word block lies in
+    /// one group). `NG` query heads share each decoded word; the `NG x P`
+    /// accumulators stay in registers.
+    fn scores_channel_fast<const P: usize, const NG: usize>(
         &self,
         q: &[f32],
-        g: usize,
         out: &mut [f32],
         stride: usize,
     ) {
         let (d, grp, b) = (self.d, self.q.group, self.q.bits as usize);
         let mask = self.mask();
-        let mut qs = [0.0f32; MAX_G * MAX_D];
+        let shifts: [u32; P] = std::array::from_fn(|j| (b * j) as u32);
+        let mut qs = [[0.0f32; MAX_D]; NG];
         let mut sc = [0.0f32; MAX_D];
         let mut mn = [0.0f32; MAX_D];
-        let shifts: [u32; P] = std::array::from_fn(|j| (b * j) as u32);
         for gi in 0..self.len / grp {
-            self.scale.read(gi * d, &mut sc[..d]);
-            self.min.read(gi * d, &mut mn[..d]);
-            let mut bias = [0.0f32; MAX_G];
-            for j in 0..g {
+            self.scale[0].read(gi * d, &mut sc[..d]);
+            self.min[0].read(gi * d, &mut mn[..d]);
+            let mut bias = [0.0f32; NG];
+            for j in 0..NG {
                 let qj = &q[j * d..(j + 1) * d];
                 for c in 0..d {
-                    qs[j * d + c] = qj[c] * sc[c];
+                    qs[j][c] = qj[c] * sc[c];
                 }
                 bias[j] = kernels::dot(qj, &mn[..d]);
             }
             for k in (gi * grp / P)..((gi + 1) * grp / P) {
-                let mut acc = [[0.0f32; P]; MAX_G];
+                let mut acc = [[0.0f32; P]; NG];
                 let words = &self.words[k * d..(k + 1) * d];
                 for (c, &w) in words.iter().enumerate() {
-                    let codes: [f32; P] = std::array::from_fn(|j| ((w >> shifts[j]) & mask) as f32);
-                    for j in 0..g {
-                        let s = qs[j * d + c];
-                        for (a, x) in acc[j].iter_mut().zip(&codes) {
-                            *a += s * x;
+                    let codes: [f32; P] = std::array::from_fn(|l| ((w >> shifts[l]) & mask) as f32);
+                    for j in 0..NG {
+                        let s = qs[j][c];
+                        for l in 0..P {
+                            acc[j][l] = kernels::fmadd(s, codes[l], acc[j][l]);
                         }
                     }
                 }
-                for j in 0..g {
+                for j in 0..NG {
                     let o = &mut out[j * stride + k * P..j * stride + (k + 1) * P];
                     for (o, a) in o.iter_mut().zip(&acc[j]) {
                         *o = a + bias[j];
@@ -264,46 +285,62 @@ impl MinMaxStore {
         }
     }
 
-    /// Fast path: per-token values, `out[j] += sum_t p_jt * v_hat_t`.
-    fn accumulate_token_fast<const P: usize>(
+    /// Fast path: per-token values with `G % P == 0`, `out[j] += sum_t p_jt v_hat_t`.
+    /// Per channel group: `a_j[t] = p_jt * scale_t` and `sum_t p_jt * min_t` in
+    /// vector passes; then per output word the `NG x P` accumulators stay in
+    /// registers while tokens stream by (code extraction + `NG` FMAs per token).
+    fn accumulate_token_fast<const P: usize, const NG: usize>(
         &self,
         p: &[f32],
-        g: usize,
         stride: usize,
         out: &mut [f32],
     ) {
         let (d, grp, b) = (self.d, self.q.group, self.q.bits as usize);
+        let n = self.len;
         let mask = self.mask();
         let wpt = d / P;
-        let gpt = d / grp;
         let shifts: [u32; P] = std::array::from_fn(|j| (b * j) as u32);
-        let mut codes = [0.0f32; MAX_D];
-        let mut sc = [0.0f32; MAX_D];
-        let mut mn = [0.0f32; MAX_D];
-        for t in 0..self.len {
-            let words = &self.words[t * wpt..(t + 1) * wpt];
-            for (k, &w) in words.iter().enumerate() {
-                for j in 0..P {
-                    codes[k * P + j] = ((w >> shifts[j]) & mask) as f32;
-                }
+        SCRATCH.with(|cell| {
+            let mut buf = cell.borrow_mut();
+            if buf.len() < (NG + 1) * n {
+                buf.resize((NG + 1) * n, 0.0);
             }
-            self.scale.read(t * gpt, &mut sc[..gpt]);
-            self.min.read(t * gpt, &mut mn[..gpt]);
-            for j in 0..g {
-                let pj = p[j * stride + t];
-                if pj == 0.0 {
-                    continue;
+            let (sv, a) = buf.split_at_mut(n);
+            for gi in 0..d / grp {
+                let mut macc = [0.0f32; NG];
+                self.min[gi].read(0, &mut sv[..n]);
+                for j in 0..NG {
+                    macc[j] = kernels::dot(&p[j * stride..j * stride + n], &sv[..n]);
                 }
-                let o = &mut out[j * d..(j + 1) * d];
-                for gi in 0..gpt {
-                    let (a, bb) = (pj * sc[gi], pj * mn[gi]);
-                    let cs = &codes[gi * grp..(gi + 1) * grp];
-                    for (o, x) in o[gi * grp..(gi + 1) * grp].iter_mut().zip(cs) {
-                        *o += a * x + bb;
+                self.scale[gi].read(0, &mut sv[..n]);
+                for j in 0..NG {
+                    let pj = &p[j * stride..j * stride + n];
+                    for ((a, x), s) in a[j * n..(j + 1) * n].iter_mut().zip(pj).zip(&sv[..n]) {
+                        *a = x * s;
+                    }
+                }
+                for k in gi * grp / P..(gi + 1) * grp / P {
+                    let mut acc = [[0.0f32; P]; NG];
+                    for t in 0..n {
+                        let w = self.words[t * wpt + k];
+                        let codes: [f32; P] =
+                            std::array::from_fn(|l| ((w >> shifts[l]) & mask) as f32);
+                        for j in 0..NG {
+                            let aj = a[j * n + t];
+                            for l in 0..P {
+                                acc[j][l] = kernels::fmadd(aj, codes[l], acc[j][l]);
+                            }
+                        }
+                    }
+                    for j in 0..NG {
+                        let o = &mut out[j * d + k * P..j * d + (k + 1) * P];
+                        for (o, x) in o.iter_mut().zip(&acc[j]) {
+                            *o += x + macc[j];
+                        }
                     }
                 }
             }
-        }
+        });
     }
 
     fn fast_ok(&self, g: usize) -> bool {
@@ -351,10 +388,23 @@ impl QuantStore for MinMaxStore {
         let d = self.d;
         let p = self.per_word();
         if self.q.axis == Axis::Channel && self.q.group.is_multiple_of(p) && self.fast_ok(g) {
+            macro_rules! go {
+                ($p:literal) => {
+                    match g {
+                        1 => return self.scores_channel_fast::<$p, 1>(q, out, stride),
+                        2 => return self.scores_channel_fast::<$p, 2>(q, out, stride),
+                        3 => return self.scores_channel_fast::<$p, 3>(q, out, stride),
+                        4 => return self.scores_channel_fast::<$p, 4>(q, out, stride),
+                        6 => return self.scores_channel_fast::<$p, 6>(q, out, stride),
+                        8 => return self.scores_channel_fast::<$p, 8>(q, out, stride),
+                        _ => {}
+                    }
+                };
+            }
             match p {
-                16 => return self.scores_channel_fast::<16>(q, g, out, stride),
-                8 => return self.scores_channel_fast::<8>(q, g, out, stride),
-                4 => return self.scores_channel_fast::<4>(q, g, out, stride),
+                16 => go!(16),
+                8 => go!(8),
+                4 => go!(4),
                 _ => {}
             }
         }
@@ -376,12 +426,11 @@ impl QuantStore for MinMaxStore {
                 for j in 0..g {
                     let mut s = 0.0;
                     for gi in 0..gpt {
-                        let si = t * gpt + gi;
                         let dq = kernels::dot(
                             &q[j * d + gi * grp..j * d + (gi + 1) * grp],
                             &codes[gi * grp..(gi + 1) * grp],
                         );
-                        s += self.scale.get(si) * dq + self.min.get(si) * qsum[j * gpt + gi];
+                        s += self.scale[gi].get(t) * dq + self.min[gi].get(t) * qsum[j * gpt + gi];
                     }
                     out[j * stride + t] = s;
                 }
@@ -407,11 +456,27 @@ impl QuantStore for MinMaxStore {
 
     fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
         let d = self.d;
-        if self.q.axis == Axis::Token && self.fast_ok(g) {
+        if self.q.axis == Axis::Token
+            && self.q.group.is_multiple_of(self.per_word())
+            && self.fast_ok(g)
+        {
+            macro_rules! go {
+                ($p:literal) => {
+                    match g {
+                        1 => return self.accumulate_token_fast::<$p, 1>(p, stride, out),
+                        2 => return self.accumulate_token_fast::<$p, 2>(p, stride, out),
+                        3 => return self.accumulate_token_fast::<$p, 3>(p, stride, out),
+                        4 => return self.accumulate_token_fast::<$p, 4>(p, stride, out),
+                        6 => return self.accumulate_token_fast::<$p, 6>(p, stride, out),
+                        8 => return self.accumulate_token_fast::<$p, 8>(p, stride, out),
+                        _ => {}
+                    }
+                };
+            }
             match self.per_word() {
-                16 => return self.accumulate_token_fast::<16>(p, g, stride, out),
-                8 => return self.accumulate_token_fast::<8>(p, g, stride, out),
-                4 => return self.accumulate_token_fast::<4>(p, g, stride, out),
+                16 => go!(16),
+                8 => go!(8),
+                4 => go!(4),
                 _ => {}
             }
         }
@@ -441,14 +506,15 @@ impl QuantStore for MinMaxStore {
     fn bytes(&self) -> QuantBytes {
         QuantBytes {
             codes: self.words.capacity() * 4,
-            scales: self.scale.bytes() + self.min.bytes(),
+            scales: self.scale.iter().chain(&self.min).map(Buf::bytes).sum(),
         }
     }
 
     fn shrink(&mut self) {
         self.words.shrink_to_fit();
-        self.scale.shrink();
-        self.min.shrink();
+        for b in self.scale.iter_mut().chain(self.min.iter_mut()) {
+            b.shrink();
+        }
     }
 
     fn as_any(&self) -> &dyn Any {

@@ -157,18 +157,14 @@ impl AttentionBackend for TiledBackend {
                                         let vis = (first_pos + i + 1).saturating_sub(c0).min(nc);
                                         row[vis..].fill(f32::NEG_INFINITY);
                                     }
-                                    let bm = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                                    let bm = crate::kernels::max(row);
                                     let mnew = m[i].max(bm);
                                     if mnew == f32::NEG_INFINITY {
                                         row.fill(0.0);
                                         continue;
                                     }
-                                    let alpha = (m[i] - mnew).exp();
-                                    let mut sum = 0.0f32;
-                                    for x in row.iter_mut() {
-                                        *x = (*x - mnew).exp();
-                                        sum += *x;
-                                    }
+                                    let alpha = crate::kernels::exp_neg(m[i] - mnew);
+                                    let sum = crate::kernels::exp_sub_sum(row, mnew);
                                     l[i] = l[i] * alpha + sum;
                                     m[i] = mnew;
                                     if alpha != 1.0 {
@@ -222,7 +218,7 @@ impl AttentionBackend for TiledBackend {
                                 let li = lse[h * n + i0 + i];
                                 let row = &s[i * nc..i * nc + vis];
                                 for (c, x) in col[..vis].iter_mut().zip(row) {
-                                    *c += (x - li).exp();
+                                    *c += crate::kernels::exp_neg(x - li);
                                 }
                             }
                             i0 += nr;
