@@ -1,4 +1,15 @@
-//! `minikv`: the command line of minikv.
+//! # minikv-cli
+//!
+//! The `minikv` command line: run a model through a compressed KV cache chosen
+//! by a config file, inspect components, configs, budgets and quantization, and
+//! benchmark decode attention. Every `--json` result carries its provenance.
+//!
+//! ```text
+//! minikv generate --chat --prompt "Name three rivers." --config configs/minikv.toml
+//! minikv perplexity --text assets/paul_graham/addiction.txt --tokens 1024 --config configs/kivi-2bit.toml --json
+//! minikv budgets configs/minikv-pyramid.toml --layers 30 --tokens 2048 --json
+//! minikv components --json
+//! ```
 
 use clap::{Args, Parser, Subcommand};
 use minikv_core::{Error, Result};

@@ -184,3 +184,111 @@ pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f16b(x: f32) -> [u8; 2] {
+        f16::from_f32(x).to_le_bytes()
+    }
+
+    /// Hand-built blocks per llama.cpp's definitions.
+    #[test]
+    fn block_layouts() {
+        // Q4_0: d = 0.5; byte j = low nibble (element j) | high nibble (element j + 16).
+        let mut b = f16b(0.5).to_vec();
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        let mut out = [0.0f32; 32];
+        dequantize_row(GgmlType::Q4_0, &b, &mut out);
+        assert_eq!(out[0], -4.0); // (0 - 8) * 0.5
+        assert_eq!(out[15], 3.5); // (15 - 8) * 0.5
+        assert_eq!(out[16], 3.5); // high nibble of byte 0 = 15
+        assert_eq!(out[31], -4.0);
+        // Q4_1: d = 0.25, m = -1: x = q d + m.
+        let mut b = f16b(0.25).to_vec();
+        b.extend(f16b(-1.0));
+        b.extend((0..16u8).map(|j| j | (j << 4)));
+        dequantize_row(GgmlType::Q4_1, &b, &mut out);
+        assert_eq!((out[0], out[3], out[19]), (-1.0, -0.25, -0.25));
+        // Q8_0: d = 2, signed bytes.
+        let mut b = f16b(2.0).to_vec();
+        b.extend((0..32i8).map(|j| (j - 16) as u8));
+        dequantize_row(GgmlType::Q8_0, &b, &mut out);
+        assert_eq!((out[0], out[16], out[31]), (-32.0, 0.0, 30.0));
+        // F16 / BF16 / F32.
+        let mut o2 = [0.0f32; 2];
+        dequantize_row(GgmlType::F16, &[f16b(1.5), f16b(-2.0)].concat(), &mut o2);
+        assert_eq!(o2, [1.5, -2.0]);
+        dequantize_row(
+            GgmlType::Bf16,
+            &[
+                bf16::from_f32(3.0).to_le_bytes(),
+                bf16::from_f32(-0.5).to_le_bytes(),
+            ]
+            .concat(),
+            &mut o2,
+        );
+        assert_eq!(o2, [3.0, -0.5]);
+        dequantize_row(
+            GgmlType::F32,
+            &[1.25f32.to_le_bytes(), 7.0f32.to_le_bytes()].concat(),
+            &mut o2,
+        );
+        assert_eq!(o2, [1.25, 7.0]);
+    }
+
+    /// The direct dot products equal dequantize-then-dot for every type.
+    #[test]
+    fn dot_equals_dequantized_dot() {
+        let n = 96;
+        let x: Vec<f32> = (0..n).map(|i| ((i * 37 % 19) as f32 - 9.0) / 7.0).collect();
+        let mut xs = Vec::new();
+        block_sums(&x, &mut xs);
+        for ty in [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::Bf16,
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+        ] {
+            let bytes: Vec<u8> = (0..ty.row_bytes(n)).map(|i| (i * 97 % 251) as u8).collect();
+            // Keep float scales/values finite: rebuild scale fields as small halves.
+            let mut bytes = bytes;
+            match ty {
+                GgmlType::F32 => {
+                    for (i, c) in bytes.chunks_exact_mut(4).enumerate() {
+                        c.copy_from_slice(&((i as f32) * 0.1 - 3.0).to_le_bytes());
+                    }
+                }
+                GgmlType::F16 | GgmlType::Bf16 => {
+                    for (i, c) in bytes.chunks_exact_mut(2).enumerate() {
+                        let v = (i as f32) * 0.1 - 3.0;
+                        c.copy_from_slice(&if ty == GgmlType::F16 {
+                            f16::from_f32(v).to_le_bytes()
+                        } else {
+                            bf16::from_f32(v).to_le_bytes()
+                        });
+                    }
+                }
+                _ => {
+                    for c in bytes.chunks_exact_mut(ty.block_bytes()) {
+                        c[..2].copy_from_slice(&f16b(0.37));
+                        if ty == GgmlType::Q4_1 {
+                            c[2..4].copy_from_slice(&f16b(-0.8));
+                        }
+                    }
+                }
+            }
+            let mut w = vec![0.0f32; n];
+            dequantize_row(ty, &bytes, &mut w);
+            let want: f32 = w.iter().zip(&x).map(|(a, b)| a * b).sum();
+            let got = dot_row(ty, &bytes, &x, &xs);
+            assert!(
+                (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                "{ty:?}: {got} vs {want}"
+            );
+        }
+    }
+}

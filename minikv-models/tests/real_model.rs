@@ -309,6 +309,26 @@ fn truncated_or_corrupt_gguf_is_a_clear_error() {
             "metadata entries",
         ),
     ];
+    // Unsupported architecture: the metadata string "llama" patched to "gemma".
+    let key = b"general.architecture";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 4 + 8;
+    assert_eq!(&bytes[at..at + 5], b"llama");
+    let mut arch = bytes.clone();
+    arch[at..at + 5].copy_from_slice(b"gemma");
+    // Unsupported tensor type: the first tensor's type id (after its name and dims) set to 10 (Q2_K).
+    let name = b"token_embd.weight";
+    let t = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len();
+    let mut q2k = bytes[..2_000_000].to_vec();
+    let ty = t + 4 + 2 * 8; // n_dims (u32) + 2 dims (u64)
+    assert_eq!(u32::from_le_bytes(q2k[ty..ty + 4].try_into().unwrap()), 8); // Q8_0
+    q2k[ty..ty + 4].copy_from_slice(&10u32.to_le_bytes());
+    let cases: Vec<(Vec<u8>, &str)> = cases
+        .into_iter()
+        .chain([
+            (arch, "unsupported architecture `gemma` (supported: llama)"),
+            (q2k, "unsupported tensor type id 10"),
+        ])
+        .collect();
     for (i, (b, want)) in cases.iter().enumerate() {
         let p = dir.join(format!("bad{i}.gguf"));
         std::fs::write(&p, b).unwrap();
