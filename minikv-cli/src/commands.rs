@@ -1,7 +1,7 @@
 //! Command implementations.
 
 use crate::provenance::{assets_dir, default_model, provenance};
-use crate::{BudgetsArgs, GenerateArgs, LogitsArgs, ModelArg, PplArgs, QuantizeArgs};
+use crate::{BudgetsArgs, EvalArgs, GenerateArgs, LogitsArgs, ModelArg, PplArgs, QuantizeArgs};
 use indicatif::{ProgressBar, ProgressStyle};
 use minikv_core::{
     BudgetRequest, CacheBuilder, Error, KvCache, MemoryReport, Result, RunConfig, components,
@@ -451,7 +451,149 @@ pub fn budgets(a: &BudgetsArgs) -> Result<()> {
     Ok(())
 }
 
-#[allow(dead_code)]
 pub fn default_text() -> PathBuf {
     assets_dir().join("paul_graham")
+}
+
+pub fn eval(a: &EvalArgs) -> Result<()> {
+    use minikv_models::eval;
+    use rand::{Rng, SeedableRng};
+    let cfg = load_config(a.config.as_deref())?;
+    let seed = a.seed.unwrap_or(cfg.seed);
+    let l = load_model(&a.model)?;
+    let m = l.model.as_ref();
+    let full_cfg = RunConfig {
+        backend: cfg.backend.clone(),
+        ..RunConfig::default()
+    };
+    let text_path = a.text.clone().unwrap_or_else(default_text);
+    let text = read_text(&text_path)?;
+    let all = l.tok.encode(&text)?;
+    let max = m.spec().max_seq_len;
+    let need = a.context + if a.task == "passkey" { 0 } else { a.tokens };
+    if need > max {
+        return Err(Error::ContextOverflow { len: need, max });
+    }
+    if a.trials == 0 {
+        return Err(Error::Input("--trials must be positive".into()));
+    }
+    // Windows of the text at seeded offsets (one per trial).
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut window = || -> Result<Vec<u32>> {
+        if all.len() < need {
+            return Err(Error::Input(format!(
+                "{} has {} tokens, fewer than the {need} needed",
+                text_path.display(),
+                all.len()
+            )));
+        }
+        let start = rng.random_range(0..=all.len() - need);
+        Ok(all[start..start + need].to_vec())
+    };
+    let t0 = std::time::Instant::now();
+    let mut mem = None;
+    let metrics = match a.task.as_str() {
+        "passkey" => {
+            let spec = eval::PasskeySpec {
+                context: a.context,
+                depth: a.depth,
+                trials: a.trials,
+                seed,
+            };
+            let r = eval::passkey(m, &l.tok, &all, spec, || build_cache(m, &cfg))?;
+            serde_json::to_value(&r).expect("json")
+        }
+        task => {
+            let mut rows = Vec::new();
+            for _ in 0..a.trials {
+                let ids = window()?;
+                let mut comp = build_cache(m, &cfg)?;
+                let v = match task {
+                    "perplexity" => serde_json::to_value(minikv_models::perplexity(
+                        m,
+                        comp.as_mut(),
+                        &ids,
+                        a.context,
+                        |_| {},
+                    )?),
+                    "fidelity" => serde_json::to_value(eval::fidelity(
+                        m,
+                        build_cache(m, &full_cfg)?.as_mut(),
+                        comp.as_mut(),
+                        &ids,
+                        a.context,
+                    )?),
+                    _ => serde_json::to_value(eval::generation_agreement(
+                        m,
+                        &l.tok,
+                        build_cache(m, &full_cfg)?.as_mut(),
+                        comp.as_mut(),
+                        &ids[..a.context],
+                        a.tokens,
+                    )?),
+                }
+                .expect("json");
+                mem = Some(comp.memory());
+                rows.push(v);
+            }
+            mean_rows(&rows)
+        }
+    };
+    let wall_s = t0.elapsed().as_secs_f64();
+    let mut out = json!({"task": a.task, "context": a.context, "tokens": a.tokens, "trials": a.trials, "metrics": metrics, "wall_s": wall_s});
+    match &mem {
+        Some(m) => out["memory"] = memory_json(m),
+        None => {
+            let (kv, full) = (
+                out["metrics"]["kv_bytes"].as_u64().unwrap_or(0),
+                out["metrics"]["full_fp16_bytes"].as_u64().unwrap_or(1),
+            );
+            out["memory"] = json!({"kv_bytes": kv, "full_fp16_bytes": full, "compression_ratio": kv as f64 / full as f64});
+        }
+    }
+    out["provenance"] = serde_json::to_value(provenance(
+        Some(&l.path),
+        seed,
+        Some(serde_json::to_value(&cfg).expect("json")),
+    )?)
+    .expect("json");
+    if a.json {
+        print_json(&out);
+    } else {
+        println!(
+            "{}: {}",
+            a.task,
+            serde_json::to_string(&out["metrics"]).expect("json")
+        );
+        println!(
+            "KV {} bytes ({:.1}% of fp16), {wall_s:.1}s",
+            out["memory"]["kv_bytes"],
+            100.0 * out["memory"]["compression_ratio"].as_f64().unwrap_or(0.0)
+        );
+    }
+    Ok(())
+}
+
+/// Mean of each numeric field over rows (with the per-row values kept), plus a
+/// 95% normal interval when there are several rows.
+fn mean_rows(rows: &[serde_json::Value]) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    if let Some(first) = rows.first().and_then(|r| r.as_object()) {
+        for k in first.keys() {
+            let xs: Vec<f64> = rows.iter().filter_map(|r| r[k].as_f64()).collect();
+            if xs.len() != rows.len() {
+                continue;
+            }
+            let n = xs.len() as f64;
+            let mean = xs.iter().sum::<f64>() / n;
+            out.insert(k.clone(), json!(mean));
+            if xs.len() > 1 {
+                let sd = (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
+                let h = 1.96 * sd / n.sqrt();
+                out.insert(format!("{k}_ci95"), json!([mean - h, mean + h]));
+            }
+        }
+    }
+    out.insert("per_trial".into(), json!(rows));
+    serde_json::Value::Object(out)
 }

@@ -56,6 +56,8 @@ enum Cmd {
     Logits(LogitsArgs),
     /// Perplexity of a text's first N tokens through a (compressed) cache.
     Perplexity(PplArgs),
+    /// Evaluate a cache config against the full cache on the real model.
+    Eval(EvalArgs),
     /// Quantize rows of a JSON file and show codes, packing, scales, error.
     Quantize(QuantizeArgs),
     /// Per-layer (and per-head) token budgets a config gives.
@@ -164,6 +166,39 @@ pub struct PplArgs {
 }
 
 #[derive(Args)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Cache config to evaluate (default: full cache).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Task.
+    #[arg(long, value_parser = ["perplexity", "fidelity", "generation", "passkey"])]
+    pub task: String,
+    /// Text file or directory (default: the fetched Paul Graham essays).
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// Context (prompt) length in tokens; compression happens after it.
+    #[arg(long, default_value_t = 512)]
+    pub context: usize,
+    /// Tokens after the context (perplexity, fidelity, generation).
+    #[arg(long, default_value_t = 128)]
+    pub tokens: usize,
+    /// Trials (passkey) or text windows (other tasks).
+    #[arg(long, default_value_t = 1)]
+    pub trials: usize,
+    /// Passkey depth in [0, 1] (default: uniform per trial).
+    #[arg(long)]
+    pub depth: Option<f64>,
+    /// Seed (default: the config's seed).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// JSON output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
 pub struct QuantizeArgs {
     /// Bits: 2, 4 or 8.
     #[arg(long)]
@@ -220,6 +255,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Generate(a) => commands::generate(&a),
         Cmd::Logits(a) => commands::logits(&a),
         Cmd::Perplexity(a) => commands::perplexity(&a),
+        Cmd::Eval(a) => commands::eval(&a),
         Cmd::Quantize(a) => commands::quantize(&a),
         Cmd::Budgets(a) => commands::budgets(&a),
         Cmd::Bench {

@@ -239,3 +239,32 @@ fn every_preset_generates_and_scores() {
         assert!(r["memory"]["kv_bytes"].as_u64().unwrap() > 0);
     }
 }
+
+#[test]
+fn eval_reports_metrics_memory_and_provenance() {
+    let v = ok_json(&[
+        "eval",
+        "--config",
+        "configs/minikv.toml",
+        "--task",
+        "fidelity",
+        "--context",
+        "96",
+        "--tokens",
+        "8",
+        "--trials",
+        "2",
+        "--seed",
+        "3",
+        "--json",
+    ]);
+    let m = &v["metrics"];
+    assert!(m["kl"].as_f64().unwrap() >= 0.0 && m["top1"].as_f64().unwrap() <= 1.0);
+    assert_eq!(m["per_trial"].as_array().unwrap().len(), 2);
+    assert!(m["kl_ci95"].is_array());
+    assert!(v["memory"]["compression_ratio"].as_f64().unwrap() < 1.0);
+    assert!(v["wall_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["provenance"]["seed"], 3);
+    let (ok, _, err) = minikv(&["eval", "--task", "fidelity", "--context", "9000"]);
+    assert!(!ok && err.contains("exceeds the maximum"), "{err}");
+}

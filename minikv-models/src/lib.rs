@@ -24,6 +24,7 @@
 #![warn(missing_docs)]
 
 pub mod blocks;
+pub mod eval;
 mod generate;
 pub mod gguf;
 pub mod llama;

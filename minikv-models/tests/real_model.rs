@@ -372,3 +372,62 @@ fn safetensors_export_loads_to_the_same_logits() {
     std::fs::remove_dir_all(&dir).ok();
     assert!(worst < 1e-3, "max abs logit difference {worst}");
 }
+
+/// Fidelity of the full config against itself is exact; a 2-bit cache is not.
+#[test]
+fn fidelity_and_passkey_on_the_real_model() {
+    use minikv_models::eval;
+    let (m, t) = model();
+    let text = std::fs::read_to_string(root().join("assets/paul_graham/addiction.txt")).unwrap();
+    let ids: Vec<u32> = t.encode(&text).unwrap()[..96].to_vec();
+    let same = eval::fidelity(
+        m.as_ref(),
+        full_cache(m).as_mut(),
+        full_cache(m).as_mut(),
+        &ids,
+        64,
+    )
+    .unwrap();
+    assert_eq!((same.predictions, same.kl, same.top1), (32, 0.0, 1.0));
+    let kivi = "[cache.quant]\nresidual = 32\nkeys = { type = \"minmax\", bits = 2, group = 32, axis = \"channel\" }\nvalues = { type = \"minmax\", bits = 2, group = 32, axis = \"token\" }";
+    let q = eval::fidelity(
+        m.as_ref(),
+        full_cache(m).as_mut(),
+        cache_from(m, kivi).as_mut(),
+        &ids,
+        64,
+    )
+    .unwrap();
+    assert!(
+        q.kl > 1e-3 && q.kl < 2.0 && q.top1 < 1.0 && q.top1 > 0.3,
+        "{q:?}"
+    );
+
+    let hay = t.encode(&text).unwrap();
+    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(1);
+    let (p, key) = eval::passkey_prompt(t, &hay, 200, 0.5, &mut rng).unwrap();
+    assert_eq!(p.len(), 200);
+    let s = t.decode(&p).unwrap();
+    assert!(
+        s.contains(&format!("The pass key is {key}.")) && s.ends_with("The pass key is"),
+        "{s}"
+    );
+    let spec = eval::PasskeySpec {
+        context: 160,
+        depth: None,
+        trials: 3,
+        seed: 5,
+    };
+    let r = eval::passkey(m.as_ref(), t, &hay, spec, || Ok(full_cache(m))).unwrap();
+    assert_eq!(r.trials, 3);
+    assert!(r.ci95.0 <= r.accuracy && r.accuracy <= r.ci95.1);
+    // 160 prompt tokens plus the up to 7 tokens fed back while generating 8.
+    assert!(
+        r.full_fp16_bytes >= m.spec().full_fp16_bytes(160)
+            && r.full_fp16_bytes <= m.spec().full_fp16_bytes(167)
+    );
+    assert!(
+        r.kv_bytes >= r.full_fp16_bytes,
+        "full cache holds at least the fp16 bytes"
+    );
+}

@@ -1,0 +1,307 @@
+//! Evaluation tasks: compare a compressed cache with the full cache on the same
+//! model and tokens. Every task is seeded; nothing is downloaded.
+
+use crate::generate::nll_of;
+use crate::sampling::argmax;
+use crate::tokenizer::Tokenizer;
+use crate::{LanguageModel, Logits, Workspace};
+use minikv_core::{Error, KvCache, Result};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use serde::Serialize;
+
+/// Next-token agreement of a compressed cache with the full cache.
+#[derive(Debug, Clone, Serialize)]
+pub struct Fidelity {
+    /// Predictions compared (made after compression).
+    pub predictions: usize,
+    /// Mean KL(full || compressed) of the next-token distributions (nats).
+    pub kl: f64,
+    /// Fraction of positions where the argmax agrees.
+    pub top1: f64,
+    /// Mean NLL of the true next tokens, full cache.
+    pub nll_full: f64,
+    /// Mean NLL of the true next tokens, compressed cache.
+    pub nll_compressed: f64,
+}
+
+fn log_softmax(x: &[f32]) -> Vec<f64> {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let z: f64 = x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln() + m;
+    x.iter().map(|&v| v as f64 - z).collect()
+}
+
+/// `KL(p || q)` from logits.
+pub fn kl_divergence(p_logits: &[f32], q_logits: &[f32]) -> f64 {
+    let (lp, lq) = (log_softmax(p_logits), log_softmax(q_logits));
+    lp.iter()
+        .zip(&lq)
+        .map(|(a, b)| a.exp() * (a - b))
+        .sum::<f64>()
+        .max(0.0)
+}
+
+/// Prefills `ids[..context]` into both caches, compresses them, then
+/// teacher-forces the rest one token per step and compares the predictions.
+pub fn fidelity(
+    model: &dyn LanguageModel,
+    full: &mut dyn KvCache,
+    comp: &mut dyn KvCache,
+    ids: &[u32],
+    context: usize,
+) -> Result<Fidelity> {
+    if context == 0 || context >= ids.len() {
+        return Err(Error::Input(format!(
+            "fidelity needs 0 < context < {} tokens, got {context}",
+            ids.len()
+        )));
+    }
+    let (mut wf, mut wc) = (Workspace::default(), Workspace::default());
+    let mut lf = model.forward(&ids[..context], full, &mut wf, Logits::Last)?;
+    let mut lc = model.forward(&ids[..context], comp, &mut wc, Logits::Last)?;
+    full.end_prefill()?;
+    comp.end_prefill()?;
+    let (mut kl, mut agree, mut nf, mut nc) = (0.0, 0usize, 0.0, 0.0);
+    let n = ids.len() - context;
+    for i in context..ids.len() {
+        kl += kl_divergence(&lf, &lc);
+        agree += usize::from(argmax(&lf) == argmax(&lc));
+        nf += nll_of(&lf, ids[i]);
+        nc += nll_of(&lc, ids[i]);
+        if i + 1 < ids.len() {
+            lf = model.forward(&ids[i..i + 1], full, &mut wf, Logits::Last)?;
+            lc = model.forward(&ids[i..i + 1], comp, &mut wc, Logits::Last)?;
+        }
+    }
+    let k = n as f64;
+    Ok(Fidelity {
+        predictions: n,
+        kl: kl / k,
+        top1: agree as f64 / k,
+        nll_full: nf / k,
+        nll_compressed: nc / k,
+    })
+}
+
+/// Wilson score interval (95%) for `k` successes in `n` trials.
+pub fn wilson95(k: usize, n: usize) -> (f64, f64) {
+    if n == 0 {
+        return (0.0, 1.0);
+    }
+    let (z, nf) = (1.959_963_984_540_054, n as f64);
+    let p = k as f64 / nf;
+    let den = 1.0 + z * z / nf;
+    let c = (p + z * z / (2.0 * nf)) / den;
+    let h = z * ((p * (1.0 - p) + z * z / (4.0 * nf)) / nf).sqrt() / den;
+    ((c - h).max(0.0), (c + h).min(1.0))
+}
+
+/// One passkey trial's prompt: `context` tokens of filler from `haystack` (at a
+/// seeded offset), the needle sentence inserted at relative `depth`, and the
+/// question. Returns the prompt ids and the key.
+pub fn passkey_prompt(
+    tok: &Tokenizer,
+    haystack: &[u32],
+    context: usize,
+    depth: f64,
+    rng: &mut StdRng,
+) -> Result<(Vec<u32>, String)> {
+    let key = format!("{}", rng.random_range(10000..100000u32));
+    let needle = tok.encode(&format!(
+        " The pass key is {key}. Remember it. {key} is the pass key. "
+    ))?;
+    let question = tok.encode("\n\nWhat is the pass key? The pass key is")?;
+    let filler = context
+        .checked_sub(needle.len() + question.len())
+        .filter(|&f| f > 0)
+        .ok_or_else(|| {
+            Error::Input(format!(
+                "context {context} is too short for the passkey needle and question"
+            ))
+        })?;
+    if haystack.len() < filler {
+        return Err(Error::Input(format!(
+            "the haystack has {} tokens, fewer than the {filler} needed",
+            haystack.len()
+        )));
+    }
+    let start = rng.random_range(0..=haystack.len() - filler);
+    let body = &haystack[start..start + filler];
+    let at = ((filler as f64) * depth.clamp(0.0, 1.0)) as usize;
+    let mut ids = Vec::with_capacity(context);
+    ids.extend_from_slice(&body[..at]);
+    ids.extend_from_slice(&needle);
+    ids.extend_from_slice(&body[at..]);
+    ids.extend_from_slice(&question);
+    Ok((ids, key))
+}
+
+/// What a passkey run tests.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PasskeySpec {
+    /// Prompt length in tokens.
+    pub context: usize,
+    /// Needle depth in [0, 1]; `None` = uniform per trial.
+    pub depth: Option<f64>,
+    /// Number of trials.
+    pub trials: usize,
+    /// Seed of keys, offsets and depths.
+    pub seed: u64,
+}
+
+/// Result of [`passkey`].
+#[derive(Debug, Clone, Serialize)]
+pub struct Passkey {
+    /// Trials run.
+    pub trials: usize,
+    /// Trials whose greedy answer contains the key.
+    pub correct: usize,
+    /// `correct / trials`.
+    pub accuracy: f64,
+    /// Wilson 95% interval.
+    pub ci95: (f64, f64),
+    /// KV bytes allocated after the last trial.
+    pub kv_bytes: usize,
+    /// Full fp16 bytes for the same tokens.
+    pub full_fp16_bytes: usize,
+}
+
+/// Passkey retrieval: `trials` seeded prompts of `context` tokens, needle depth
+/// uniform in [0, 1) (or fixed), greedy answer of 8 tokens through a fresh cache
+/// from `new_cache` per trial.
+pub fn passkey(
+    model: &dyn LanguageModel,
+    tok: &Tokenizer,
+    haystack: &[u32],
+    spec: PasskeySpec,
+    mut new_cache: impl FnMut() -> Result<Box<dyn KvCache>>,
+) -> Result<Passkey> {
+    let mut rng = StdRng::seed_from_u64(spec.seed);
+    let (mut correct, mut kv_bytes, mut full_fp16_bytes) = (0, 0, 0);
+    for _ in 0..spec.trials {
+        let d = spec.depth.unwrap_or_else(|| rng.random::<f64>());
+        let (ids, key) = passkey_prompt(tok, haystack, spec.context, d, &mut rng)?;
+        let mut cache = new_cache()?;
+        let g = crate::generate(
+            model,
+            tok,
+            cache.as_mut(),
+            &ids,
+            8,
+            crate::SamplingConfig::default(),
+            |_| {},
+        )?;
+        correct += usize::from(g.text.contains(&key));
+        let m = cache.memory();
+        (kv_bytes, full_fp16_bytes) = (m.total_bytes(), m.full_fp16_bytes);
+    }
+    let trials = spec.trials;
+    Ok(Passkey {
+        trials,
+        correct,
+        accuracy: correct as f64 / trials.max(1) as f64,
+        ci95: wilson95(correct, trials),
+        kv_bytes,
+        full_fp16_bytes,
+    })
+}
+
+/// Greedy-generation agreement with the full cache.
+#[derive(Debug, Clone, Serialize)]
+pub struct Agreement {
+    /// Tokens generated by the full cache.
+    pub reference_tokens: usize,
+    /// Length of the common prefix.
+    pub prefix_match: usize,
+    /// Token-level F1 (bag of tokens) between the two generations.
+    pub token_f1: f64,
+}
+
+/// Token-bag F1 of two sequences.
+pub fn token_f1(a: &[u32], b: &[u32]) -> f64 {
+    if a.is_empty() && b.is_empty() {
+        return 1.0;
+    }
+    let mut counts = std::collections::HashMap::<u32, i64>::new();
+    for t in a {
+        *counts.entry(*t).or_default() += 1;
+    }
+    let mut common = 0;
+    for t in b {
+        if let Some(c) = counts.get_mut(t).filter(|c| **c > 0) {
+            *c -= 1;
+            common += 1;
+        }
+    }
+    if common == 0 {
+        return 0.0;
+    }
+    let (p, r) = (
+        common as f64 / b.len() as f64,
+        common as f64 / a.len() as f64,
+    );
+    2.0 * p * r / (p + r)
+}
+
+/// Greedy generation of `max_tokens` with both caches; prefix match and F1.
+pub fn generation_agreement(
+    model: &dyn LanguageModel,
+    tok: &Tokenizer,
+    full: &mut dyn KvCache,
+    comp: &mut dyn KvCache,
+    prompt: &[u32],
+    max_tokens: usize,
+) -> Result<Agreement> {
+    let s = crate::SamplingConfig::default();
+    let a = crate::generate(model, tok, full, prompt, max_tokens, s, |_| {})?.tokens;
+    let b = crate::generate(model, tok, comp, prompt, max_tokens, s, |_| {})?.tokens;
+    let prefix_match = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    Ok(Agreement {
+        reference_tokens: a.len(),
+        prefix_match,
+        token_f1: token_f1(&a, &b),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Wilson intervals from the closed form (e.g. Newcombe 1998, table values).
+    #[test]
+    fn wilson_known_values() {
+        let close =
+            |(a, b): (f64, f64), (x, y): (f64, f64)| (a - x).abs() < 1e-4 && (b - y).abs() < 1e-4;
+        assert!(
+            close(wilson95(5, 10), (0.2366, 0.7634)),
+            "{:?}",
+            wilson95(5, 10)
+        );
+        assert!(
+            close(wilson95(0, 10), (0.0, 0.2775)),
+            "{:?}",
+            wilson95(0, 10)
+        );
+        assert!(
+            close(wilson95(10, 10), (0.7225, 1.0)),
+            "{:?}",
+            wilson95(10, 10)
+        );
+        assert!(
+            close(wilson95(81, 263), (0.2553, 0.3662)),
+            "{:?}",
+            wilson95(81, 263)
+        );
+    }
+
+    #[test]
+    fn f1_and_kl_known_values() {
+        assert_eq!(token_f1(&[1, 2, 3, 4], &[1, 2, 3, 4]), 1.0);
+        assert_eq!(token_f1(&[1, 2], &[3, 4]), 0.0);
+        // 2 common of 4 and 2: p = 1, r = 0.5 -> 2/3.
+        assert!((token_f1(&[1, 2, 3, 4], &[2, 1]) - 2.0 / 3.0).abs() < 1e-12);
+        assert_eq!(kl_divergence(&[1.0, 2.0, 3.0], &[1.0, 2.0, 3.0]), 0.0);
+        // KL([.5,.5] || [.9,.1]) = .5 ln(.5/.9) + .5 ln(.5/.1) = 0.5108...
+        let q = [0.9f32.ln(), 0.1f32.ln()];
+        assert!((kl_divergence(&[0.0, 0.0], &q) - 0.510_825_6).abs() < 1e-6);
+    }
+}
