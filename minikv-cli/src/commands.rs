@@ -455,26 +455,41 @@ pub fn default_text() -> PathBuf {
     assets_dir().join("paul_graham")
 }
 
-pub fn eval(a: &EvalArgs) -> Result<()> {
+/// What one evaluation runs (shared by `eval` and `sweep`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TaskSpec {
+    /// perplexity | fidelity | generation | passkey.
+    pub task: String,
+    /// Prompt/context tokens.
+    pub context: usize,
+    /// Tokens after the context.
+    pub tokens: usize,
+    /// Trials (passkey) or text windows.
+    pub trials: usize,
+    /// Passkey depth (None: uniform).
+    pub depth: Option<f64>,
+    /// Text file or directory.
+    pub text: PathBuf,
+}
+
+/// Runs one task for one config and seed on a loaded model; returns the result
+/// row (task, metrics, memory, wall time). Texts are tokenized once per call.
+pub fn run_task(l: &Loaded, cfg: &RunConfig, t: &TaskSpec, seed: u64) -> Result<serde_json::Value> {
     use minikv_models::eval;
     use rand::{Rng, SeedableRng};
-    let cfg = load_config(a.config.as_deref())?;
-    let seed = a.seed.unwrap_or(cfg.seed);
-    let l = load_model(&a.model)?;
     let m = l.model.as_ref();
     let full_cfg = RunConfig {
         backend: cfg.backend.clone(),
         ..RunConfig::default()
     };
-    let text_path = a.text.clone().unwrap_or_else(default_text);
-    let text = read_text(&text_path)?;
+    let text = read_text(&t.text)?;
     let all = l.tok.encode(&text)?;
     let max = m.spec().max_seq_len;
-    let need = a.context + if a.task == "passkey" { 0 } else { a.tokens };
+    let need = t.context + if t.task == "passkey" { 0 } else { t.tokens };
     if need > max {
         return Err(Error::ContextOverflow { len: need, max });
     }
-    if a.trials == 0 {
+    if t.trials == 0 {
         return Err(Error::Input("--trials must be positive".into()));
     }
     // Windows of the text at seeded offsets (one per trial).
@@ -483,7 +498,7 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
         if all.len() < need {
             return Err(Error::Input(format!(
                 "{} has {} tokens, fewer than the {need} needed",
-                text_path.display(),
+                t.text.display(),
                 all.len()
             )));
         }
@@ -492,28 +507,28 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
     };
     let t0 = std::time::Instant::now();
     let mut mem = None;
-    let metrics = match a.task.as_str() {
+    let metrics = match t.task.as_str() {
         "passkey" => {
             let spec = eval::PasskeySpec {
-                context: a.context,
-                depth: a.depth,
-                trials: a.trials,
+                context: t.context,
+                depth: t.depth,
+                trials: t.trials,
                 seed,
             };
-            let r = eval::passkey(m, &l.tok, &all, spec, || build_cache(m, &cfg))?;
+            let r = eval::passkey(m, &l.tok, &all, spec, || build_cache(m, cfg))?;
             serde_json::to_value(&r).expect("json")
         }
-        task => {
+        task @ ("perplexity" | "fidelity" | "generation") => {
             let mut rows = Vec::new();
-            for _ in 0..a.trials {
+            for _ in 0..t.trials {
                 let ids = window()?;
-                let mut comp = build_cache(m, &cfg)?;
+                let mut comp = build_cache(m, cfg)?;
                 let v = match task {
                     "perplexity" => serde_json::to_value(minikv_models::perplexity(
                         m,
                         comp.as_mut(),
                         &ids,
-                        a.context,
+                        t.context,
                         |_| {},
                     )?),
                     "fidelity" => serde_json::to_value(eval::fidelity(
@@ -521,15 +536,15 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
                         build_cache(m, &full_cfg)?.as_mut(),
                         comp.as_mut(),
                         &ids,
-                        a.context,
+                        t.context,
                     )?),
                     _ => serde_json::to_value(eval::generation_agreement(
                         m,
                         &l.tok,
                         build_cache(m, &full_cfg)?.as_mut(),
                         comp.as_mut(),
-                        &ids[..a.context],
-                        a.tokens,
+                        &ids[..t.context],
+                        t.tokens,
                     )?),
                 }
                 .expect("json");
@@ -538,9 +553,14 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
             }
             mean_rows(&rows)
         }
+        other => {
+            return Err(Error::Input(format!(
+                "unknown task `{other}` (perplexity, fidelity, generation, passkey)"
+            )));
+        }
     };
     let wall_s = t0.elapsed().as_secs_f64();
-    let mut out = json!({"task": a.task, "context": a.context, "tokens": a.tokens, "trials": a.trials, "metrics": metrics, "wall_s": wall_s});
+    let mut out = json!({"task": t.task, "context": t.context, "tokens": t.tokens, "trials": t.trials, "metrics": metrics, "wall_s": wall_s});
     match &mem {
         Some(m) => out["memory"] = memory_json(m),
         None => {
@@ -551,6 +571,22 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
             out["memory"] = json!({"kv_bytes": kv, "full_fp16_bytes": full, "compression_ratio": kv as f64 / full as f64});
         }
     }
+    Ok(out)
+}
+
+pub fn eval(a: &EvalArgs) -> Result<()> {
+    let cfg = load_config(a.config.as_deref())?;
+    let seed = a.seed.unwrap_or(cfg.seed);
+    let l = load_model(&a.model)?;
+    let spec = TaskSpec {
+        task: a.task.clone(),
+        context: a.context,
+        tokens: a.tokens,
+        trials: a.trials,
+        depth: a.depth,
+        text: a.text.clone().unwrap_or_else(default_text),
+    };
+    let mut out = run_task(&l, &cfg, &spec, seed)?;
     out["provenance"] = serde_json::to_value(provenance(
         Some(&l.path),
         seed,
@@ -566,9 +602,10 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
             serde_json::to_string(&out["metrics"]).expect("json")
         );
         println!(
-            "KV {} bytes ({:.1}% of fp16), {wall_s:.1}s",
+            "KV {} bytes ({:.1}% of fp16), {:.1}s",
             out["memory"]["kv_bytes"],
-            100.0 * out["memory"]["compression_ratio"].as_f64().unwrap_or(0.0)
+            100.0 * out["memory"]["compression_ratio"].as_f64().unwrap_or(0.0),
+            out["wall_s"]
         );
     }
     Ok(())

@@ -23,6 +23,7 @@ use minikv_quant as _;
 mod bench;
 mod commands;
 mod provenance;
+mod sweep;
 
 #[derive(Parser)]
 #[command(
@@ -58,6 +59,8 @@ enum Cmd {
     Perplexity(PplArgs),
     /// Evaluate a cache config against the full cache on the real model.
     Eval(EvalArgs),
+    /// Grid of configs x seeds x tasks into a resumable JSONL file.
+    Sweep(sweep::SweepArgs),
     /// Quantize rows of a JSON file and show codes, packing, scales, error.
     Quantize(QuantizeArgs),
     /// Per-layer (and per-head) token budgets a config gives.
@@ -256,6 +259,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Logits(a) => commands::logits(&a),
         Cmd::Perplexity(a) => commands::perplexity(&a),
         Cmd::Eval(a) => commands::eval(&a),
+        Cmd::Sweep(a) => sweep::sweep(&a),
         Cmd::Quantize(a) => commands::quantize(&a),
         Cmd::Budgets(a) => commands::budgets(&a),
         Cmd::Bench {

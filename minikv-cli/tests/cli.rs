@@ -268,3 +268,75 @@ fn eval_reports_metrics_memory_and_provenance() {
     let (ok, _, err) = minikv(&["eval", "--task", "fidelity", "--context", "9000"]);
     assert!(!ok && err.contains("exceeds the maximum"), "{err}");
 }
+
+/// A tiny sweep end to end; a rerun adds nothing; after a simulated kill (last
+/// row lost, a torn half line left) the rerun completes only the missing row.
+#[test]
+fn sweep_is_resumable_and_never_duplicates() {
+    let dir = std::env::temp_dir().join(format!("minikv-sweep-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("r.jsonl");
+    let o = out.to_str().unwrap();
+    let args = [
+        "sweep",
+        "configs/minikv.toml",
+        "--set",
+        "cache.heavy=0.1,0.25",
+        "--task",
+        "fidelity",
+        "--context",
+        "64",
+        "--tokens",
+        "4",
+        "--quiet",
+        "--out",
+        o,
+    ];
+    let run = || {
+        let (ok, _, err) = minikv(&args);
+        assert!(ok, "{err}");
+        let text = std::fs::read_to_string(&out).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let rows = run();
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        assert_eq!(
+            r["model_sha256"],
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+        );
+        assert!(
+            r["metrics"]["kl"].as_f64().is_some() && r["memory"]["kv_bytes"].as_u64().unwrap() > 0
+        );
+        assert!(
+            r["config"]["cache"]["heavy"].is_number()
+                && r["config_hash"].is_string()
+                && r["git_rev"].is_string()
+        );
+    }
+    assert_eq!(run().len(), 2, "a finished sweep reruns to nothing");
+    let text = std::fs::read_to_string(&out).unwrap();
+    let first = text.lines().next().unwrap().to_string();
+    std::fs::write(&out, format!("{first}\n{{\"key\": \"torn")).unwrap();
+    let rows = run();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(
+        serde_json::to_string(&rows[0]).unwrap(),
+        serde_json::to_string(&serde_json::from_str::<serde_json::Value>(&first).unwrap()).unwrap()
+    );
+    assert_ne!(rows[0]["key"], rows[1]["key"]);
+    let (ok, _, err) = minikv(&[
+        "sweep",
+        "configs/minikv.toml",
+        "--set",
+        "cache.heavy=1.5",
+        "--task",
+        "fidelity",
+        "--out",
+        o,
+    ]);
+    assert!(!ok && err.contains("cache.heavy"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}

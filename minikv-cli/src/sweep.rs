@@ -1,0 +1,308 @@
+//! `minikv sweep`: the grid over config paths x seeds x tasks, one JSONL row per
+//! (grid point, seed, task). Resumable: rows already in the output (by key) are
+//! skipped; every finished row is appended and flushed at once, so a killed run
+//! loses nothing finished, and a torn last line is cut before appending.
+
+use crate::commands::{Loaded, TaskSpec, default_text, load_model, run_task};
+use crate::provenance::{git_rev, sha256_file};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use minikv_core::{Error, Result, RunConfig};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use std::collections::HashSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+#[derive(Args)]
+pub struct SweepArgs {
+    /// Base config (TOML/JSON).
+    pub base: PathBuf,
+    /// `PATH=V1,V2,...` over dotted config paths (repeatable). Setting a
+    /// `...type` path replaces that component (other fields reset to defaults).
+    #[arg(long = "set", value_name = "PATH=VALUES")]
+    pub sets: Vec<String>,
+    /// Number of seeds (base seed, base seed + 1, ...).
+    #[arg(long, default_value_t = 1)]
+    pub seeds: u64,
+    /// Tasks (repeatable): perplexity, fidelity, generation, passkey.
+    #[arg(long = "task", required = true)]
+    pub tasks: Vec<String>,
+    /// Output JSONL (appended; finished rows are skipped on rerun).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Model (default: the fetched SmolLM2).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Text (default: the Paul Graham essays).
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// Context tokens.
+    #[arg(long, default_value_t = 512)]
+    pub context: usize,
+    /// Tokens after the context.
+    #[arg(long, default_value_t = 128)]
+    pub tokens: usize,
+    /// Trials per row.
+    #[arg(long, default_value_t = 1)]
+    pub trials: usize,
+    /// Rows evaluated at once (each uses the shared thread pool).
+    #[arg(long, default_value_t = 1)]
+    pub jobs: usize,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Parses `a.b.c=1,2,x` into (path, values); numbers and booleans are typed.
+pub fn parse_set(s: &str) -> Result<(Vec<String>, Vec<Value>)> {
+    let (path, vals) = s
+        .split_once('=')
+        .ok_or_else(|| Error::Input(format!("--set `{s}`: expected PATH=V1,V2")))?;
+    let path: Vec<String> = path.split('.').map(str::to_owned).collect();
+    if path.iter().any(|p| p.is_empty()) || vals.is_empty() {
+        return Err(Error::Input(format!(
+            "--set `{s}`: empty path segment or no values"
+        )));
+    }
+    let vals = vals
+        .split(',')
+        .map(|v| {
+            serde_json::from_str::<Value>(v)
+                .ok()
+                .filter(|x| x.is_number() || x.is_boolean())
+                .unwrap_or_else(|| Value::String(v.to_owned()))
+        })
+        .collect();
+    Ok((path, vals))
+}
+
+/// Sets `path` in a JSON config; a final `type` segment replaces the component.
+pub fn set_path(cfg: &mut Value, path: &[String], v: Value) -> Result<()> {
+    let (last, parents) = path.split_last().expect("non-empty path");
+    let mut cur = cfg;
+    for p in parents {
+        if !cur.is_object() {
+            return Err(Error::config(path.join("."), "is not inside a table"));
+        }
+        cur = cur
+            .as_object_mut()
+            .expect("object")
+            .entry(p.clone())
+            .or_insert_with(|| json!({}));
+    }
+    let obj = cur
+        .as_object_mut()
+        .ok_or_else(|| Error::config(path.join("."), "is not inside a table"))?;
+    if last == "type" {
+        obj.clear();
+    }
+    obj.insert(last.clone(), v);
+    Ok(())
+}
+
+/// The grid: every combination of the `--set` values applied to `base`.
+pub fn grid(base: &Value, sets: &[(Vec<String>, Vec<Value>)]) -> Result<Vec<Value>> {
+    let mut points = vec![base.clone()];
+    for (path, vals) in sets {
+        let mut next = Vec::with_capacity(points.len() * vals.len());
+        for p in &points {
+            for v in vals {
+                let mut q = p.clone();
+                set_path(&mut q, path, v.clone())?;
+                next.push(q);
+            }
+        }
+        points = next;
+    }
+    Ok(points)
+}
+
+fn hash(v: &Value) -> String {
+    let h = Sha256::digest(serde_json::to_string(v).expect("json").as_bytes());
+    h.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Keys of the rows already in `out`; cuts a torn last line (killed mid-write).
+pub fn finished_keys(out: &Path) -> Result<HashSet<String>> {
+    let Ok(text) = std::fs::read_to_string(out) else {
+        return Ok(HashSet::new());
+    };
+    let mut keys = HashSet::new();
+    let mut good = 0usize;
+    for line in text.split_inclusive('\n') {
+        match serde_json::from_str::<Value>(line.trim_end()) {
+            Ok(v) if line.ends_with('\n') => {
+                if let Some(k) = v["key"].as_str() {
+                    keys.insert(k.to_owned());
+                }
+                good += line.len();
+            }
+            _ => break,
+        }
+    }
+    if good < text.len() {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(out)
+            .map_err(|e| Error::io(out, e))?;
+        f.set_len(good as u64).map_err(|e| Error::io(out, e))?;
+    }
+    Ok(keys)
+}
+
+pub fn sweep(a: &SweepArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&a.base).map_err(|e| Error::io(&a.base, e))?;
+    let json_in = a.base.extension().is_some_and(|e| e == "json");
+    let base: Value = if json_in {
+        serde_json::from_str(&text)
+            .map_err(|e| Error::Parse(format!("{}: {e}", a.base.display())))?
+    } else {
+        let t: toml::Value = toml::from_str(&text)
+            .map_err(|e| Error::Parse(format!("{}: {e}", a.base.display())))?;
+        serde_json::to_value(t).expect("toml to json")
+    };
+    let sets = a
+        .sets
+        .iter()
+        .map(|s| parse_set(s))
+        .collect::<Result<Vec<_>>>()?;
+    // Resolve and validate every grid point before running anything.
+    let mut points = Vec::new();
+    for (i, p) in grid(&base, &sets)?.into_iter().enumerate() {
+        let mut cfg: RunConfig =
+            serde_json::from_value(p).map_err(|e| Error::Parse(format!("grid point {i}: {e}")))?;
+        cfg.resolve()?;
+        cfg.validate(None)
+            .map_err(|e| Error::Input(format!("grid point {i}: {e}")))?;
+        points.push(cfg);
+    }
+    for t in &a.tasks {
+        if !["perplexity", "fidelity", "generation", "passkey"].contains(&t.as_str()) {
+            return Err(Error::Input(format!(
+                "unknown task `{t}` (perplexity, fidelity, generation, passkey)"
+            )));
+        }
+    }
+    let l: Loaded = load_model(&crate::ModelArg {
+        model: a.model.clone(),
+    })?;
+    let model_sha = sha256_file(&l.path)?;
+    let rev = git_rev();
+    let text_path = a.text.clone().unwrap_or_else(default_text);
+    // Rows: (point, seed, task) with a key over everything that determines the result.
+    let mut rows = Vec::new();
+    for cfg in &points {
+        let cv = serde_json::to_value(cfg).expect("json");
+        let chash = hash(&cv);
+        for s in 0..a.seeds {
+            let seed = cfg.seed + s;
+            for task in &a.tasks {
+                let spec = TaskSpec {
+                    task: task.clone(),
+                    context: a.context,
+                    tokens: a.tokens,
+                    trials: a.trials,
+                    depth: None,
+                    text: text_path.clone(),
+                };
+                let key =
+                    hash(&json!({"config": chash, "seed": seed, "task": spec, "model": model_sha}));
+                rows.push((key, cfg, cv.clone(), chash.clone(), seed, spec));
+            }
+        }
+    }
+    let done = finished_keys(&a.out)?;
+    let todo: Vec<_> = rows.iter().filter(|r| !done.contains(&r.0)).collect();
+    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&a.out)
+        .map_err(|e| Error::io(&a.out, e))?;
+    let file = Mutex::new(file);
+    let pb = if a.quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(todo.len() as u64)
+    };
+    pb.set_style(
+        ProgressStyle::with_template("sweep {bar:30} {pos}/{len} rows, eta {eta} {msg}")
+            .expect("template"),
+    );
+    pb.println(format!(
+        "{} rows ({} grid points x {} seeds x {} tasks), {} already done",
+        rows.len(),
+        points.len(),
+        a.seeds,
+        a.tasks.len(),
+        rows.len() - todo.len()
+    ));
+    let next = Mutex::new(todo.into_iter());
+    let failed: Mutex<Option<Error>> = Mutex::new(None);
+    std::thread::scope(|sc| {
+        for _ in 0..a.jobs.max(1) {
+            sc.spawn(|| {
+                loop {
+                    if failed.lock().expect("lock").is_some() {
+                        return;
+                    }
+                    let Some((key, cfg, cv, chash, seed, spec)) = next.lock().expect("lock").next()
+                    else {
+                        return;
+                    };
+                    let res = run_task(&l, cfg, spec, *seed).and_then(|mut row| {
+                        row["key"] = json!(key);
+                        row["config"] = cv.clone();
+                        row["config_hash"] = json!(chash);
+                        row["seed"] = json!(seed);
+                        row["model_sha256"] = json!(model_sha);
+                        row["git_rev"] = json!(rev);
+                        let mut f = file.lock().expect("lock");
+                        writeln!(f, "{}", serde_json::to_string(&row).expect("json"))
+                            .and_then(|_| f.flush())
+                            .map_err(|e| Error::io(&a.out, e))
+                    });
+                    match res {
+                        Ok(()) => pb.inc(1),
+                        Err(e) => *failed.lock().expect("lock") = Some(e),
+                    }
+                }
+            });
+        }
+    });
+    pb.finish_and_clear();
+    if let Some(e) = failed.into_inner().expect("lock") {
+        return Err(e);
+    }
+    if !a.quiet {
+        eprintln!("sweep: {} rows in {}", rows.len(), a.out.display());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grid_is_the_cartesian_product_and_type_replaces_the_component() {
+        let base = json!({"cache": {"heavy": 0.5, "policy": {"type": "var_prop", "statistic": "cumul_std"}}});
+        let sets = vec![
+            parse_set("cache.policy.type=uniform,pyramid").unwrap(),
+            parse_set("cache.heavy=0.1,0.25,0.5").unwrap(),
+        ];
+        let g = grid(&base, &sets).unwrap();
+        assert_eq!(g.len(), 6);
+        assert_eq!(g[0]["cache"]["policy"], json!({"type": "uniform"}));
+        assert_eq!(g[5]["cache"]["heavy"], json!(0.5));
+        assert_eq!(g[4]["cache"]["policy"]["type"], "pyramid");
+        let (p, v) = parse_set("cache.quant.keys.bits=2,4").unwrap();
+        assert_eq!((p.len(), v), (4, vec![json!(2), json!(4)]));
+        assert!(parse_set("cache.heavy").is_err());
+        assert!(parse_set("cache..heavy=1").is_err());
+    }
+}
