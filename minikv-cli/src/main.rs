@@ -23,6 +23,7 @@ use minikv_quant as _;
 mod bench;
 mod commands;
 mod provenance;
+mod report;
 mod sweep;
 
 #[derive(Parser)]
@@ -61,6 +62,8 @@ enum Cmd {
     Eval(EvalArgs),
     /// Grid of configs x seeds x tasks into a resumable JSONL file.
     Sweep(sweep::SweepArgs),
+    /// Tables and plots from sweep results.
+    Report(report::ReportArgs),
     /// Quantize rows of a JSON file and show codes, packing, scales, error.
     Quantize(QuantizeArgs),
     /// Per-layer (and per-head) token budgets a config gives.
@@ -260,6 +263,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Perplexity(a) => commands::perplexity(&a),
         Cmd::Eval(a) => commands::eval(&a),
         Cmd::Sweep(a) => sweep::sweep(&a),
+        Cmd::Report(a) => report::report(&a),
         Cmd::Quantize(a) => commands::quantize(&a),
         Cmd::Budgets(a) => commands::budgets(&a),
         Cmd::Bench {

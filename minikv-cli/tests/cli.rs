@@ -340,3 +340,23 @@ fn sweep_is_resumable_and_never_duplicates() {
     assert!(!ok && err.contains("cache.heavy"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Report of a committed sweep fixture: tables and leaderboard as snapshots, a plot.
+#[test]
+fn report_tables_and_plot() {
+    let dir = std::env::temp_dir().join(format!("minikv-report-{}", std::process::id()));
+    let (ok, _, err) = minikv(&[
+        "report",
+        "minikv-cli/tests/fixtures/sweep_fidelity.jsonl",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+    insta::assert_snapshot!("report_md", read("report.md"));
+    insta::assert_snapshot!("report_leaderboard_csv", read("leaderboard.csv"));
+    assert!(read("results.csv").starts_with("task,method,metric,mean,ci95"));
+    let svg = read("fidelity_vs_kv_bytes.svg");
+    assert!(svg.starts_with("<svg") && svg.contains("kivi K2ch V2"));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,0 +1,352 @@
+//! `minikv report`: tables (Markdown, CSV, kvpress leaderboard columns) and SVG
+//! plots from sweep results, with mean and a Student-t 95% interval over seeds.
+
+use clap::Args;
+use minikv_core::{Error, Result};
+use plotters::prelude::*;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+#[derive(Args)]
+pub struct ReportArgs {
+    /// Sweep results (JSONL).
+    pub results: PathBuf,
+    /// Output folder (report.md, results.csv, leaderboard.csv, *.svg).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Dataset name for the leaderboard columns.
+    #[arg(long, default_value = "paul_graham")]
+    pub dataset: String,
+}
+
+/// The score a task is ranked by, and whether higher is better.
+pub fn primary_metric(task: &str) -> (&'static str, bool) {
+    match task {
+        "fidelity" => ("kl", false),
+        "perplexity" => ("ppl", false),
+        "passkey" => ("accuracy", true),
+        "generation" => ("token_f1", true),
+        _ => ("", true),
+    }
+}
+
+/// Two-sided 97.5% Student-t quantile for `df` degrees of freedom.
+pub fn t975(df: usize) -> f64 {
+    const T: [f64; 30] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042,
+    ];
+    if df == 0 {
+        f64::NAN
+    } else {
+        T.get(df - 1).copied().unwrap_or(1.96)
+    }
+}
+
+/// Mean and 95% half-width (Student t) of `xs`; the half-width is 0 for one value.
+pub fn mean_ci(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    if xs.len() < 2 {
+        return (mean, 0.0);
+    }
+    let sd = (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
+    (mean, t975(xs.len() - 1) * sd / n.sqrt())
+}
+
+/// A short method name from a resolved config.
+pub fn method_name(cfg: &Value) -> String {
+    let c = &cfg["cache"];
+    let mut parts = Vec::new();
+    match c["scorer"]["type"].as_str() {
+        Some(s) => {
+            parts.push(s.to_string());
+            if let Some(p) = c["policy"]["type"].as_str().filter(|p| *p != "uniform") {
+                parts.push(p.to_string());
+            }
+            if let Some(sel) = c["selector"]["type"].as_str().filter(|s| *s != "top_k") {
+                parts.push(sel.to_string());
+            }
+            let b = |r: &str, t: &str| {
+                c[r].as_f64()
+                    .map(|x| format!("{x}"))
+                    .or_else(|| c[t].as_u64().map(|x| format!("{x}t")))
+            };
+            parts.push(format!(
+                "h{}/r{}",
+                b("heavy", "heavy_tokens").unwrap_or("0".into()),
+                b("recent", "recent_tokens").unwrap_or("0".into())
+            ));
+        }
+        None => parts.push(if c["quant"].is_object() {
+            "kivi".into()
+        } else {
+            "full".into()
+        }),
+    }
+    if let Some(k) = c["quant"]["keys"]["bits"].as_u64() {
+        let ax = if c["quant"]["keys"]["axis"] == "token" {
+            "tok"
+        } else {
+            "ch"
+        };
+        parts.push(format!("K{k}{ax}"));
+    }
+    if let Some(v) = c["quant"]["values"]["bits"].as_u64() {
+        parts.push(format!("V{v}"));
+    }
+    parts.join(" ")
+}
+
+/// One aggregated row.
+#[derive(Debug, Clone)]
+pub struct Agg {
+    pub task: String,
+    pub method: String,
+    pub config_hash: String,
+    pub metric: &'static str,
+    pub mean: f64,
+    pub ci: f64,
+    pub seeds: usize,
+    pub ratio: f64,
+    pub kv_bytes: f64,
+}
+
+/// Groups rows by (task, config) and aggregates over seeds.
+pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
+    let mut groups: BTreeMap<(String, String), Vec<&Value>> = BTreeMap::new();
+    for r in rows {
+        let task = r["task"].as_str().unwrap_or("?").to_string();
+        let h = r["config_hash"].as_str().unwrap_or("?").to_string();
+        groups.entry((task, h)).or_default().push(r);
+    }
+    let mut out = Vec::new();
+    for ((task, h), rs) in groups {
+        let (metric, _) = primary_metric(&task);
+        let xs: Vec<f64> = rs
+            .iter()
+            .filter_map(|r| r["metrics"][metric].as_f64())
+            .collect();
+        if xs.is_empty() {
+            continue;
+        }
+        let (mean, ci) = mean_ci(&xs);
+        let avg = |f: &str| {
+            rs.iter()
+                .filter_map(|r| r["memory"][f].as_f64())
+                .sum::<f64>()
+                / rs.len() as f64
+        };
+        out.push(Agg {
+            method: method_name(&rs[0]["config"]),
+            task,
+            config_hash: h,
+            metric,
+            mean,
+            ci,
+            seeds: xs.len(),
+            ratio: avg("compression_ratio"),
+            kv_bytes: avg("kv_bytes"),
+        });
+    }
+    out
+}
+
+/// Points on the Pareto frontier (fewer bytes and a better score), by index.
+pub fn pareto(points: &[(f64, f64)], higher_better: bool) -> Vec<usize> {
+    let better = |a: f64, b: f64| if higher_better { a > b } else { a < b };
+    (0..points.len())
+        .filter(|&i| {
+            !points.iter().enumerate().any(|(j, q)| {
+                j != i
+                    && q.0 <= points[i].0
+                    && !better(points[i].1, q.1)
+                    && (q.0 < points[i].0 || better(q.1, points[i].1))
+            })
+        })
+        .collect()
+}
+
+/// Markdown report text.
+pub fn markdown(aggs: &[Agg]) -> String {
+    let mut s = String::from(
+        "# minikv report\n\nMean and Student-t 95% interval over seeds; `kv/fp16` is KV bytes actually allocated over the full fp16 cache.\n",
+    );
+    let mut task = "";
+    for a in aggs {
+        if a.task != task {
+            task = &a.task;
+            let (m, hb) = primary_metric(task);
+            let _ = write!(
+                s,
+                "\n## {task} ({m}, {} is better)\n\n| method | {m} | ±95% | seeds | kv/fp16 | config |\n|---|---|---|---|---|---|\n",
+                if hb { "higher" } else { "lower" }
+            );
+        }
+        let _ = writeln!(
+            s,
+            "| {} | {:.4} | {:.4} | {} | {:.3} | `{}` |",
+            a.method, a.mean, a.ci, a.seeds, a.ratio, a.config_hash
+        );
+    }
+    s
+}
+
+fn plot(
+    path: &Path,
+    title: &str,
+    pts: &[(f64, f64, String)],
+    higher_better: bool,
+    y_label: &str,
+) -> Result<()> {
+    let err = |e: String| Error::Input(format!("plot {}: {e}", path.display()));
+    let root = SVGBackend::new(path, (720, 480)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let (x0, x1) = pts
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    let (y0, y1) = pts
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    let pad = |a: f64, b: f64| {
+        let d = ((b - a) * 0.1).max(1e-6);
+        (a - d, b + d)
+    };
+    let ((x0, x1), (y0, y1)) = (pad(x0, x1), pad(y0, y1));
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(x0..x1, y0..y1)
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc("KV bytes / full fp16")
+        .y_desc(y_label)
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .draw_series(
+            pts.iter()
+                .map(|p| Circle::new((p.0, p.1), 4, BLUE.filled())),
+        )
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .draw_series(
+            pts.iter()
+                .map(|p| Text::new(p.2.clone(), (p.0, p.1), ("sans-serif", 11))),
+        )
+        .map_err(|e| err(e.to_string()))?;
+    let xy: Vec<(f64, f64)> = pts.iter().map(|p| (p.0, p.1)).collect();
+    let mut front: Vec<(f64, f64)> = pareto(&xy, higher_better)
+        .into_iter()
+        .map(|i| xy[i])
+        .collect();
+    front.sort_by(|a, b| a.0.total_cmp(&b.0));
+    chart
+        .draw_series(LineSeries::new(front, RED.stroke_width(2)))
+        .map_err(|e| err(e.to_string()))?;
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
+pub fn report(a: &ReportArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&a.results).map_err(|e| Error::io(&a.results, e))?;
+    let rows: Vec<Value> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .enumerate()
+        .map(|(i, l)| {
+            serde_json::from_str(l)
+                .map_err(|e| Error::Input(format!("{} line {}: {e}", a.results.display(), i + 1)))
+        })
+        .collect::<Result<_>>()?;
+    if rows.is_empty() {
+        return Err(Error::Input(format!("{}: no rows", a.results.display())));
+    }
+    std::fs::create_dir_all(&a.out).map_err(|e| Error::io(&a.out, e))?;
+    let aggs = aggregate(&rows);
+    let write = |name: &str, s: String| {
+        let p = a.out.join(name);
+        std::fs::write(&p, s).map_err(|e| Error::io(&p, e))
+    };
+    write("report.md", markdown(&aggs))?;
+    let mut csv =
+        String::from("task,method,metric,mean,ci95,seeds,compression_ratio,kv_bytes,config_hash\n");
+    let mut lb = String::from("dataset,model,method,compression_ratio,score\n");
+    let model = rows[0]["provenance"]["model"]
+        .as_str()
+        .or(rows[0]["model_sha256"].as_str())
+        .map(|m| m.chars().take(16).collect::<String>())
+        .unwrap_or_default();
+    for g in &aggs {
+        let _ = writeln!(
+            csv,
+            "{},\"{}\",{},{},{},{},{},{},{}",
+            g.task, g.method, g.metric, g.mean, g.ci, g.seeds, g.ratio, g.kv_bytes, g.config_hash
+        );
+        // kvpress columns: compression_ratio = fraction of the KV cache removed.
+        let _ = writeln!(
+            lb,
+            "{}/{},SmolLM2-135M-Instruct ({model}),\"{}\",{},{}",
+            a.dataset,
+            g.task,
+            g.method,
+            1.0 - g.ratio,
+            g.mean
+        );
+    }
+    write("results.csv", csv)?;
+    write("leaderboard.csv", lb)?;
+    let mut tasks: Vec<&str> = aggs.iter().map(|g| g.task.as_str()).collect();
+    tasks.dedup();
+    for t in tasks {
+        let (m, hb) = primary_metric(t);
+        let pts: Vec<(f64, f64, String)> = aggs
+            .iter()
+            .filter(|g| g.task == t)
+            .map(|g| (g.ratio, g.mean, g.method.clone()))
+            .collect();
+        plot(
+            &a.out.join(format!("{t}_vs_kv_bytes.svg")),
+            &format!("{t}: {m} vs KV bytes"),
+            &pts,
+            hb,
+            m,
+        )?;
+    }
+    eprintln!(
+        "report: {} rows, {} configs -> {}",
+        rows.len(),
+        aggs.len(),
+        a.out.display()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn intervals_on_known_numbers() {
+        // [1, 2, 3]: mean 2, sd 1, t(2) = 4.303 -> half-width 4.303 / sqrt(3) = 2.4843.
+        let (m, h) = mean_ci(&[1.0, 2.0, 3.0]);
+        assert_eq!(m, 2.0);
+        assert!((h - 2.484_33).abs() < 1e-4, "{h}");
+        assert_eq!(mean_ci(&[5.0]), (5.0, 0.0));
+        assert_eq!(t975(40), 1.96);
+    }
+
+    #[test]
+    fn pareto_frontier() {
+        // (bytes, kl), lower kl better: (0.5, 0.2) is dominated by (0.4, 0.1).
+        let p = [(1.0, 0.0), (0.5, 0.2), (0.4, 0.1), (0.2, 0.5)];
+        assert_eq!(pareto(&p, false), vec![0, 2, 3]);
+        assert_eq!(pareto(&[(1.0, 0.9), (0.5, 0.95)], true), vec![1]);
+    }
+}
