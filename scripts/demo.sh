@@ -1,14 +1,38 @@
 #!/usr/bin/env bash
-# Fresh machine -> assets, release build, and the main job on SmolLM2-135M:
-# generation, then perplexity through the full cache and the compressed caches.
+# The main job, on a fresh machine: fetch the model and texts, build, generate,
+# then the default ablation on SmolLM2-135M (perplexity, fidelity against the
+# full cache, passkey retrieval) and its report (table, CSV, plots).
+#
+# Budgets are set so that the compressed caches hold comparable KV bytes
+# (about 20-40% of the fp16 cache at the default context). Knobs (env):
+# CONTEXT (512), TOKENS (64), SEEDS (1), PASSKEY_TRIALS (10), OUT (results/main).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ctx=${CONTEXT:-512}; toks=${TOKENS:-64}; seeds=${SEEDS:-1}; trials=${PASSKEY_TRIALS:-10}; out=${OUT:-results/main}
 ./scripts/fetch-assets.sh
 cargo build --release -p minikv-cli
 bin=./target/release/minikv
+mkdir -p "$out"
 $bin generate --chat --prompt "What is the capital of France?" --max-tokens 32
-printf "\n%-18s %8s %10s %10s\n" config ppl decode_ppl kv/fp16
-for c in full kivi-2bit kivi-4bit h2o snapkv-kvpress minikv minikv-pyramid minikv-4bit; do
-  $bin perplexity --text assets/paul_graham/addiction.txt --tokens 768 --prefill 512 --config configs/$c.toml --json \
-    | python3 -c "import json,sys; d=json.load(sys.stdin); print('%-18s %8.3f %10.3f %10.3f' % ('$c', d['ppl'], d['decode_ppl'], d['memory']['compression_ratio']))"
-done
+
+run() { # config [--set ...]
+  local cfg=$1; shift
+  $bin sweep "configs/$cfg.toml" "$@" --seeds "$seeds" --task perplexity --task fidelity \
+    --context "$ctx" --tokens "$toks" --out "$out/results.jsonl" --quiet
+  $bin sweep "configs/$cfg.toml" "$@" --seeds "$seeds" --task passkey --trials "$trials" \
+    --context "$ctx" --out "$out/results.jsonl" --quiet
+  echo "done: $cfg $*" >&2
+}
+run full
+run kivi-2bit --set cache.quant.residual=32
+run kivi-4bit --set cache.quant.residual=32
+run h2o --set cache.heavy=0.15 --set cache.recent=0.15
+run snapkv-kvpress --set cache.heavy=0.25 --set cache.recent_tokens=32 --set cache.scorer.type=snapkv
+run streamingllm --set cache.recent_tokens=$((ctx * 3 / 10))
+run minikv
+run minikv-pyramid
+run minikv-4bit
+run minikv-4bit --set cache.policy.type=pyramid
+$bin report "$out/results.jsonl" --out "$out"
+cat "$out/report.md"
+echo "plots: $out/*_vs_kv_bytes.svg; rows: $out/results.jsonl" >&2

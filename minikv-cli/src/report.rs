@@ -152,6 +152,13 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
             kv_bytes: avg("kv_bytes"),
         });
     }
+    // Per task, largest caches first.
+    out.sort_by(|a, b| {
+        a.task
+            .cmp(&b.task)
+            .then(b.ratio.total_cmp(&a.ratio))
+            .then(a.method.cmp(&b.method))
+    });
     out
 }
 
@@ -186,10 +193,15 @@ pub fn markdown(aggs: &[Agg]) -> String {
                 if hb { "higher" } else { "lower" }
             );
         }
+        let ci = if a.seeds > 1 {
+            format!("{:.4}", a.ci)
+        } else {
+            "n/a (1 seed)".into()
+        };
         let _ = writeln!(
             s,
-            "| {} | {:.4} | {:.4} | {} | {:.3} | `{}` |",
-            a.method, a.mean, a.ci, a.seeds, a.ratio, a.config_hash
+            "| {} | {:.4} | {ci} | {} | {:.3} | `{}` |",
+            a.method, a.mean, a.seeds, a.ratio, a.config_hash
         );
     }
     s
