@@ -332,7 +332,7 @@ pub fn report(a: &ReportArgs) -> Result<()> {
         )?;
     }
     eprintln!(
-        "report: {} rows, {} configs -> {}",
+        "report: {} rows, {} (task, config) groups -> {}",
         rows.len(),
         aggs.len(),
         a.out.display()
