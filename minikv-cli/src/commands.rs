@@ -580,11 +580,11 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
     let l = load_model(&a.model)?;
     let spec = TaskSpec {
         task: a.task.clone(),
-        context: a.context,
-        tokens: a.tokens,
-        trials: a.trials,
+        context: a.opts.context,
+        tokens: a.opts.tokens,
+        trials: a.opts.trials,
         depth: a.depth,
-        text: a.text.clone().unwrap_or_else(default_text),
+        text: a.opts.text.clone().unwrap_or_else(default_text),
     };
     let mut out = run_task(&l, &cfg, &spec, seed)?;
     out["provenance"] = serde_json::to_value(provenance(

@@ -171,16 +171,9 @@ pub struct PplArgs {
     pub json: bool,
 }
 
-#[derive(Args)]
-pub struct EvalArgs {
-    #[command(flatten)]
-    pub model: ModelArg,
-    /// Cache config to evaluate (default: full cache).
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Task.
-    #[arg(long, value_parser = ["perplexity", "fidelity", "generation", "passkey"])]
-    pub task: String,
+/// Options shared by `eval` and `sweep`.
+#[derive(Args, Clone)]
+pub struct TaskOpts {
     /// Text file or directory (default: the fetched Paul Graham essays).
     #[arg(long)]
     pub text: Option<PathBuf>,
@@ -193,6 +186,20 @@ pub struct EvalArgs {
     /// Trials (passkey) or text windows (other tasks).
     #[arg(long, default_value_t = 1)]
     pub trials: usize,
+}
+
+#[derive(Args)]
+pub struct EvalArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Cache config to evaluate (default: full cache).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Task.
+    #[arg(long, value_parser = ["perplexity", "fidelity", "generation", "passkey"])]
+    pub task: String,
+    #[command(flatten)]
+    pub opts: TaskOpts,
     /// Passkey depth in [0, 1] (default: uniform per trial).
     #[arg(long)]
     pub depth: Option<f64>,

@@ -35,18 +35,8 @@ pub struct SweepArgs {
     /// Model (default: the fetched SmolLM2).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Text (default: the Paul Graham essays).
-    #[arg(long)]
-    pub text: Option<PathBuf>,
-    /// Context tokens.
-    #[arg(long, default_value_t = 512)]
-    pub context: usize,
-    /// Tokens after the context.
-    #[arg(long, default_value_t = 128)]
-    pub tokens: usize,
-    /// Trials per row.
-    #[arg(long, default_value_t = 1)]
-    pub trials: usize,
+    #[command(flatten)]
+    pub opts: crate::TaskOpts,
     /// Rows evaluated at once (each uses the shared thread pool).
     #[arg(long, default_value_t = 1)]
     pub jobs: usize,
@@ -190,7 +180,8 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
     })?;
     let model_sha = sha256_file(&l.path)?;
     let rev = git_rev();
-    let text_path = a.text.clone().unwrap_or_else(default_text);
+    let o = &a.opts;
+    let text_path = o.text.clone().unwrap_or_else(default_text);
     // Rows: (point, seed, task) with a key over everything that determines the result.
     let mut rows = Vec::new();
     for cfg in &points {
@@ -201,9 +192,9 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
             for task in &a.tasks {
                 let spec = TaskSpec {
                     task: task.clone(),
-                    context: a.context,
-                    tokens: a.tokens,
-                    trials: a.trials,
+                    context: o.context,
+                    tokens: o.tokens,
+                    trials: o.trials,
                     depth: None,
                     text: text_path.clone(),
                 };
