@@ -485,7 +485,8 @@ pub fn run_task(l: &Loaded, cfg: &RunConfig, t: &TaskSpec, seed: u64) -> Result<
     let text = read_text(&t.text)?;
     let all = l.tok.encode(&text)?;
     let max = m.spec().max_seq_len;
-    let need = t.context + if t.task == "passkey" { 0 } else { t.tokens };
+    let retrieval = minikv_models::eval::Retrieval::from_task(&t.task).is_some();
+    let need = t.context + if retrieval { 0 } else { t.tokens };
     if need > max {
         return Err(Error::ContextOverflow { len: need, max });
     }
@@ -508,14 +509,15 @@ pub fn run_task(l: &Loaded, cfg: &RunConfig, t: &TaskSpec, seed: u64) -> Result<
     let t0 = std::time::Instant::now();
     let mut mem = None;
     let metrics = match t.task.as_str() {
-        "passkey" => {
+        "passkey" | "needle" | "kv-retrieval" => {
+            let kind = eval::Retrieval::from_task(&t.task).expect("retrieval task");
             let spec = eval::PasskeySpec {
                 context: t.context,
                 depth: t.depth,
                 trials: t.trials,
                 seed,
             };
-            let r = eval::passkey(m, &l.tok, &all, spec, || build_cache(m, cfg))?;
+            let r = eval::retrieval(kind, m, &l.tok, &all, spec, || build_cache(m, cfg))?;
             serde_json::to_value(&r).expect("json")
         }
         task @ ("perplexity" | "fidelity" | "generation") => {
@@ -555,7 +557,7 @@ pub fn run_task(l: &Loaded, cfg: &RunConfig, t: &TaskSpec, seed: u64) -> Result<
         }
         other => {
             return Err(Error::Input(format!(
-                "unknown task `{other}` (perplexity, fidelity, generation, passkey)"
+                "unknown task `{other}` (perplexity, fidelity, generation, passkey, needle, kv-retrieval)"
             )));
         }
     };

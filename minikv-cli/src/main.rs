@@ -196,7 +196,7 @@ pub struct EvalArgs {
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Task.
-    #[arg(long, value_parser = ["perplexity", "fidelity", "generation", "passkey"])]
+    #[arg(long, value_parser = ["perplexity", "fidelity", "generation", "passkey", "needle", "kv-retrieval"])]
     pub task: String,
     #[command(flatten)]
     pub opts: TaskOpts,

@@ -26,7 +26,7 @@ pub fn primary_metric(task: &str) -> (&'static str, bool) {
     match task {
         "fidelity" => ("kl", false),
         "perplexity" => ("ppl", false),
-        "passkey" => ("accuracy", true),
+        "passkey" | "needle" | "kv-retrieval" => ("accuracy", true),
         "generation" => ("token_f1", true),
         _ => ("", true),
     }

@@ -26,7 +26,7 @@ pub struct SweepArgs {
     /// Number of seeds (base seed, base seed + 1, ...).
     #[arg(long, default_value_t = 1)]
     pub seeds: u64,
-    /// Tasks (repeatable): perplexity, fidelity, generation, passkey.
+    /// Tasks (repeatable): perplexity, fidelity, generation, passkey, needle, kv-retrieval.
     #[arg(long = "task", required = true)]
     pub tasks: Vec<String>,
     /// Output JSONL (appended; finished rows are skipped on rerun).
@@ -169,9 +169,18 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
         points.push(cfg);
     }
     for t in &a.tasks {
-        if !["perplexity", "fidelity", "generation", "passkey"].contains(&t.as_str()) {
+        if ![
+            "perplexity",
+            "fidelity",
+            "generation",
+            "passkey",
+            "needle",
+            "kv-retrieval",
+        ]
+        .contains(&t.as_str())
+        {
             return Err(Error::Input(format!(
-                "unknown task `{t}` (perplexity, fidelity, generation, passkey)"
+                "unknown task `{t}` (perplexity, fidelity, generation, passkey, needle, kv-retrieval)"
             )));
         }
     }

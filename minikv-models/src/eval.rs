@@ -95,9 +95,117 @@ pub fn wilson95(k: usize, n: usize) -> (f64, f64) {
     ((c - h).max(0.0), (c + h).min(1.0))
 }
 
-/// One passkey trial's prompt: `context` tokens of filler from `haystack` (at a
-/// seeded offset), the needle sentence inserted at relative `depth`, and the
-/// question. Returns the prompt ids and the key.
+/// Retrieval tasks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Retrieval {
+    /// A random 5-digit pass key hidden in essay text.
+    Passkey,
+    /// The classic needle sentence ("the best thing to do in San Francisco ...").
+    Needle,
+    /// Synthetic `key: value` lines; one key is asked for.
+    KvRetrieval,
+}
+
+impl Retrieval {
+    /// From a task name.
+    pub fn from_task(task: &str) -> Option<Self> {
+        match task {
+            "passkey" => Some(Self::Passkey),
+            "needle" => Some(Self::Needle),
+            "kv-retrieval" => Some(Self::KvRetrieval),
+            _ => None,
+        }
+    }
+    fn answer_tokens(self) -> usize {
+        match self {
+            Self::Passkey => 8,
+            Self::Needle => 16,
+            Self::KvRetrieval => 10,
+        }
+    }
+}
+
+fn hex(rng: &mut StdRng, n: usize) -> String {
+    (0..n)
+        .map(|_| char::from_digit(rng.random_range(0..16u32), 16).expect("digit"))
+        .collect()
+}
+
+/// One trial's prompt of exactly `context` tokens and the answer that must
+/// appear in the greedy continuation. Essay filler comes from `haystack` at a
+/// seeded offset; the fact sits at relative `depth`.
+pub fn retrieval_prompt(
+    kind: Retrieval,
+    tok: &Tokenizer,
+    haystack: &[u32],
+    context: usize,
+    depth: f64,
+    rng: &mut StdRng,
+) -> Result<(Vec<u32>, String)> {
+    let (fact, question, answer, filler_src): (Vec<u32>, Vec<u32>, String, Vec<u32>) = match kind {
+        Retrieval::Passkey => {
+            let key = format!("{}", rng.random_range(10000..100000u32));
+            (
+                tok.encode(&format!(" The pass key is {key}. Remember it. {key} is the pass key. "))?,
+                tok.encode("\n\nWhat is the pass key? The pass key is")?,
+                key,
+                Vec::new(),
+            )
+        }
+        Retrieval::Needle => (
+            tok.encode(" The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day. ")?,
+            tok.encode("\n\nWhat is the best thing to do in San Francisco? The best thing to do in San Francisco is")?,
+            "sandwich".into(),
+            Vec::new(),
+        ),
+        Retrieval::KvRetrieval => {
+            // Lines `k-xxxxxx: v-yyyyyy` fill the context; the asked key is at `depth`.
+            let (k, v) = (hex(rng, 6), hex(rng, 6));
+            let mut filler = Vec::new();
+            while filler.len() < context {
+                filler.extend(tok.encode(&format!("k-{}: v-{}\n", hex(rng, 6), hex(rng, 6)))?);
+            }
+            (tok.encode(&format!("k-{k}: v-{v}\n"))?, tok.encode(&format!("\nk-{k}:"))?, format!("v-{v}"), filler)
+        }
+    };
+    let filler = context
+        .checked_sub(fact.len() + question.len())
+        .filter(|&f| f > 0)
+        .ok_or_else(|| {
+            Error::Input(format!(
+                "context {context} is too short for the {kind:?} fact and question"
+            ))
+        })?;
+    let body: Vec<u32> = if kind == Retrieval::KvRetrieval {
+        filler_src[..filler].to_vec()
+    } else {
+        if haystack.len() < filler {
+            return Err(Error::Input(format!(
+                "the haystack has {} tokens, fewer than the {filler} needed",
+                haystack.len()
+            )));
+        }
+        let start = rng.random_range(0..=haystack.len() - filler);
+        haystack[start..start + filler].to_vec()
+    };
+    let mut at = ((filler as f64) * depth.clamp(0.0, 1.0)) as usize;
+    if kind == Retrieval::KvRetrieval {
+        // Insert at a line boundary so the fact stays one line.
+        let nl = tok.encode("\n")?;
+        while at > 0 && !nl.contains(&body[at - 1]) {
+            at -= 1;
+        }
+    }
+    let mut ids = Vec::with_capacity(context);
+    ids.extend_from_slice(&body[..at]);
+    ids.extend_from_slice(&fact);
+    ids.extend_from_slice(&body[at..]);
+    ids.extend_from_slice(&question);
+    Ok((ids, answer))
+}
+
+/// One passkey trial's prompt (see [`retrieval_prompt`]).
 pub fn passkey_prompt(
     tok: &Tokenizer,
     haystack: &[u32],
@@ -105,42 +213,15 @@ pub fn passkey_prompt(
     depth: f64,
     rng: &mut StdRng,
 ) -> Result<(Vec<u32>, String)> {
-    let key = format!("{}", rng.random_range(10000..100000u32));
-    let needle = tok.encode(&format!(
-        " The pass key is {key}. Remember it. {key} is the pass key. "
-    ))?;
-    let question = tok.encode("\n\nWhat is the pass key? The pass key is")?;
-    let filler = context
-        .checked_sub(needle.len() + question.len())
-        .filter(|&f| f > 0)
-        .ok_or_else(|| {
-            Error::Input(format!(
-                "context {context} is too short for the passkey needle and question"
-            ))
-        })?;
-    if haystack.len() < filler {
-        return Err(Error::Input(format!(
-            "the haystack has {} tokens, fewer than the {filler} needed",
-            haystack.len()
-        )));
-    }
-    let start = rng.random_range(0..=haystack.len() - filler);
-    let body = &haystack[start..start + filler];
-    let at = ((filler as f64) * depth.clamp(0.0, 1.0)) as usize;
-    let mut ids = Vec::with_capacity(context);
-    ids.extend_from_slice(&body[..at]);
-    ids.extend_from_slice(&needle);
-    ids.extend_from_slice(&body[at..]);
-    ids.extend_from_slice(&question);
-    Ok((ids, key))
+    retrieval_prompt(Retrieval::Passkey, tok, haystack, context, depth, rng)
 }
 
-/// What a passkey run tests.
+/// What a retrieval run tests.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct PasskeySpec {
     /// Prompt length in tokens.
     pub context: usize,
-    /// Needle depth in [0, 1]; `None` = uniform per trial.
+    /// Fact depth in [0, 1]; `None` = uniform per trial.
     pub depth: Option<f64>,
     /// Number of trials.
     pub trials: usize,
@@ -148,12 +229,12 @@ pub struct PasskeySpec {
     pub seed: u64,
 }
 
-/// Result of [`passkey`].
+/// Result of [`retrieval`].
 #[derive(Debug, Clone, Serialize)]
 pub struct Passkey {
     /// Trials run.
     pub trials: usize,
-    /// Trials whose greedy answer contains the key.
+    /// Trials whose greedy answer contains the expected answer.
     pub correct: usize,
     /// `correct / trials`.
     pub accuracy: f64,
@@ -165,10 +246,21 @@ pub struct Passkey {
     pub full_fp16_bytes: usize,
 }
 
-/// Passkey retrieval: `trials` seeded prompts of `context` tokens, needle depth
-/// uniform in [0, 1) (or fixed), greedy answer of 8 tokens through a fresh cache
-/// from `new_cache` per trial.
+/// Passkey retrieval (see [`retrieval`]).
 pub fn passkey(
+    model: &dyn LanguageModel,
+    tok: &Tokenizer,
+    haystack: &[u32],
+    spec: PasskeySpec,
+    new_cache: impl FnMut() -> Result<Box<dyn KvCache>>,
+) -> Result<Passkey> {
+    retrieval(Retrieval::Passkey, model, tok, haystack, spec, new_cache)
+}
+
+/// Retrieval accuracy: `trials` seeded prompts, greedy answer through a fresh
+/// cache from `new_cache` per trial, Wilson 95% interval.
+pub fn retrieval(
+    kind: Retrieval,
     model: &dyn LanguageModel,
     tok: &Tokenizer,
     haystack: &[u32],
@@ -179,18 +271,18 @@ pub fn passkey(
     let (mut correct, mut kv_bytes, mut full_fp16_bytes) = (0, 0, 0);
     for _ in 0..spec.trials {
         let d = spec.depth.unwrap_or_else(|| rng.random::<f64>());
-        let (ids, key) = passkey_prompt(tok, haystack, spec.context, d, &mut rng)?;
+        let (ids, answer) = retrieval_prompt(kind, tok, haystack, spec.context, d, &mut rng)?;
         let mut cache = new_cache()?;
         let g = crate::generate(
             model,
             tok,
             cache.as_mut(),
             &ids,
-            8,
+            kind.answer_tokens(),
             crate::SamplingConfig::default(),
             |_| {},
         )?;
-        correct += usize::from(g.text.contains(&key));
+        correct += usize::from(g.text.contains(&answer));
         let m = cache.memory();
         (kv_bytes, full_fp16_bytes) = (m.total_bytes(), m.full_fp16_bytes);
     }

@@ -412,6 +412,35 @@ fn fidelity_and_passkey_on_the_real_model() {
         s.contains(&format!("The pass key is {key}.")) && s.ends_with("The pass key is"),
         "{s}"
     );
+    for kind in [eval::Retrieval::Needle, eval::Retrieval::KvRetrieval] {
+        let (p, answer) = eval::retrieval_prompt(kind, t, &hay, 300, 0.3, &mut rng).unwrap();
+        assert_eq!(p.len(), 300, "{kind:?}");
+        let s = t.decode(&p).unwrap();
+        let fact_at = s
+            .find(&answer)
+            .unwrap_or_else(|| panic!("{kind:?}: answer {answer} not in the prompt"));
+        assert!(
+            fact_at > 0 && fact_at < s.len() * 3 / 4,
+            "{kind:?}: fact at {fact_at} of {}",
+            s.len()
+        );
+        if kind == eval::Retrieval::KvRetrieval {
+            // The asked key appears twice (fact and question); the fact is a whole line.
+            let key = s
+                .rsplit('\n')
+                .next()
+                .unwrap()
+                .trim_end_matches(':')
+                .to_string();
+            assert!(
+                s.contains(&format!("\n{key}: {answer}\n"))
+                    || s.starts_with(&format!("{key}: {answer}\n")),
+                "{s}"
+            );
+        } else {
+            assert!(s.ends_with("The best thing to do in San Francisco is"));
+        }
+    }
     let spec = eval::PasskeySpec {
         context: 160,
         depth: None,
