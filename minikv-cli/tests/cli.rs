@@ -360,3 +360,59 @@ fn report_tables_and_plot() {
     assert!(svg.starts_with("<svg") && svg.contains("kivi K2ch V2"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--emit slurm` writes one validated config per grid point, an array job and a merge script.
+#[test]
+fn sweep_emits_a_slurm_array_job() {
+    let dir = std::env::temp_dir().join(format!("minikv-slurm-{}", std::process::id()));
+    let d = dir.to_str().unwrap();
+    let (ok, _, err) = minikv(&[
+        "sweep",
+        "configs/minikv.toml",
+        "--set",
+        "cache.policy.type=uniform,pyramid",
+        "--set",
+        "cache.heavy=0.1,0.25,0.5",
+        "--seeds",
+        "2",
+        "--task",
+        "fidelity",
+        "--out",
+        "unused.jsonl",
+        "--emit",
+        "slurm",
+        d,
+    ]);
+    assert!(ok, "{err}");
+    let mut points: Vec<_> = std::fs::read_dir(dir.join("configs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    points.sort();
+    assert_eq!(points.len(), 6);
+    for p in &points {
+        let (ok, out, err) = minikv(&["config", "check", p.to_str().unwrap()]);
+        assert!(ok && out.contains("[cache.policy]"), "{err}");
+    }
+    let sb = std::fs::read_to_string(dir.join("run.sbatch")).unwrap();
+    assert!(
+        sb.contains("#SBATCH --array=0-5")
+            && sb.contains("--seeds 2")
+            && sb.contains("--task 'fidelity'"),
+        "{sb}"
+    );
+    assert!(
+        sb.contains(&format!("#SBATCH --output={d}/results/")),
+        "{sb}"
+    );
+    assert!(
+        std::fs::read_to_string(dir.join("merge.sh"))
+            .unwrap()
+            .contains("report")
+    );
+    assert!(
+        !root().join("unused.jsonl").exists(),
+        "--emit must not run the sweep"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
