@@ -361,28 +361,18 @@ mod tests {
     /// Wilson intervals from the closed form (e.g. Newcombe 1998, table values).
     #[test]
     fn wilson_known_values() {
-        let close =
-            |(a, b): (f64, f64), (x, y): (f64, f64)| (a - x).abs() < 1e-4 && (b - y).abs() < 1e-4;
-        assert!(
-            close(wilson95(5, 10), (0.2366, 0.7634)),
-            "{:?}",
-            wilson95(5, 10)
-        );
-        assert!(
-            close(wilson95(0, 10), (0.0, 0.2775)),
-            "{:?}",
-            wilson95(0, 10)
-        );
-        assert!(
-            close(wilson95(10, 10), (0.7225, 1.0)),
-            "{:?}",
-            wilson95(10, 10)
-        );
-        assert!(
-            close(wilson95(81, 263), (0.2553, 0.3662)),
-            "{:?}",
-            wilson95(81, 263)
-        );
+        for (k, n, lo, hi) in [
+            (5, 10, 0.2366, 0.7634),
+            (0, 10, 0.0, 0.2775),
+            (10, 10, 0.7225, 1.0),
+            (81, 263, 0.2553, 0.3662),
+        ] {
+            let (a, b) = wilson95(k, n);
+            assert!(
+                (a - lo).abs() < 1e-4 && (b - hi).abs() < 1e-4,
+                "{k}/{n}: ({a}, {b})"
+            );
+        }
     }
 
     #[test]

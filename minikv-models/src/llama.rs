@@ -1,7 +1,6 @@
 //! Llama-family decoder (SmolLM2): RMSNorm, RoPE, grouped-query attention through
 //! the [`KvCache`] trait only, SwiGLU, tied or separate output head.
 
-use crate::blocks::GgmlType;
 use crate::gguf::Gguf;
 use crate::matrix::QMatrix;
 use crate::{LanguageModel, Logits, Workspace};
@@ -501,13 +500,3 @@ impl LanguageModel for Llama {
         Ok(out)
     }
 }
-
-/// Element types of the supported weights, for error messages.
-pub const SUPPORTED_TYPES: [GgmlType; 6] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::Bf16,
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-];

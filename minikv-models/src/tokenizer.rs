@@ -151,15 +151,12 @@ impl Tokenizer {
             .map(|v| v as u32)
             .into_iter()
             .collect();
-        if let Some(&id) = vocab_lookup(&tokens, "<|im_end|>").as_ref()
-            && !stop.contains(&id)
-        {
-            stop.push(id);
-        }
-        if let Some(&id) = vocab_lookup(&tokens, "<|endoftext|>").as_ref()
-            && !stop.contains(&id)
-        {
-            stop.push(id);
+        for name in ["<|im_end|>", "<|endoftext|>"] {
+            if let Some(id) = vocab_lookup(&tokens, name)
+                && !stop.contains(&id)
+            {
+                stop.push(id);
+            }
         }
         let add_bos = matches!(
             g.metadata.get("tokenizer.ggml.add_bos_token"),

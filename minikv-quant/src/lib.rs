@@ -102,12 +102,7 @@ impl Quantizer for MinMax {
         self.axis
     }
     fn validate(&self, head_dim: usize) -> Result<()> {
-        if ![2, 4, 8].contains(&self.bits) {
-            return Err(Error::config(
-                "bits",
-                format!("must be 2, 4 or 8, got {}", self.bits),
-            ));
-        }
+        check_bits(self.bits)?;
         if self.group == 0 {
             return Err(Error::config("group", "must be positive"));
         }
@@ -234,13 +229,7 @@ pub struct QuantizedRow {
 
 /// Quantizes a row along its length in groups of `group`, storing scale/min as `dtype`.
 pub fn quantize_row(x: &[f32], bits: u32, group: usize, dtype: ScaleDtype) -> Result<QuantizedRow> {
-    MinMax {
-        bits,
-        group,
-        axis: Axis::Token,
-        scale_dtype: dtype,
-    }
-    .validate_bits()?;
+    check_bits(bits)?;
     if group == 0 || !x.len().is_multiple_of(group) {
         return Err(Error::config(
             "group",
@@ -278,16 +267,15 @@ pub fn quantize_row(x: &[f32], bits: u32, group: usize, dtype: ScaleDtype) -> Re
     })
 }
 
-impl MinMax {
-    fn validate_bits(&self) -> Result<()> {
-        if ![2, 4, 8].contains(&self.bits) {
-            return Err(Error::config(
-                "bits",
-                format!("must be 2, 4 or 8, got {}", self.bits),
-            ));
-        }
-        Ok(())
+/// Bits must be 2, 4 or 8.
+fn check_bits(bits: u32) -> Result<()> {
+    if ![2, 4, 8].contains(&bits) {
+        return Err(Error::config(
+            "bits",
+            format!("must be 2, 4 or 8, got {bits}"),
+        ));
     }
+    Ok(())
 }
 
 /// Rounds scale and min to the storage dtype; f16 overflow is an error, never inf.
