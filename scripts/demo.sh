@@ -18,7 +18,7 @@ $bin generate --chat --prompt "What is the capital of France?" --max-tokens 32
 run() { # config [--set ...]
   local cfg=$1; shift
   $bin sweep "configs/$cfg.toml" "$@" --seeds "$seeds" --task perplexity --task fidelity \
-    --context "$ctx" --tokens "$toks" --out "$out/results.jsonl" --quiet
+    --task attention-error --context "$ctx" --tokens "$toks" --out "$out/results.jsonl" --quiet
   $bin sweep "configs/$cfg.toml" "$@" --seeds "$seeds" --task passkey --trials "$trials" \
     --context "$ctx" --out "$out/results.jsonl" --quiet
   echo "done: $cfg $*" >&2
@@ -33,6 +33,7 @@ run minikv
 run minikv-pyramid
 run minikv-4bit
 run minikv-4bit --set cache.policy.type=pyramid
-$bin report "$out/results.jsonl" --out "$out"
+$bin report "$out/results.jsonl" --out "$out" --pair "minikv-pyramid vs minikv" \
+  --pair "kivi-2bit quant.residual=32 vs kivi-4bit quant.residual=32"
 cat "$out/report.md"
-echo "plots: $out/*_vs_kv_bytes.svg; rows: $out/results.jsonl" >&2
+echo "plots: $out/*.svg (score vs KV bytes, per-layer budgets and errors); rows: $out/results.jsonl" >&2

@@ -68,6 +68,18 @@ pub struct Loaded {
     pub model: Box<Llama>,
     pub tok: Tokenizer,
     pub path: PathBuf,
+    sha: std::sync::OnceLock<String>,
+}
+
+impl Loaded {
+    /// The model file's sha256 (computed once).
+    pub fn sha256(&self) -> Result<String> {
+        if let Some(s) = self.sha.get() {
+            return Ok(s.clone());
+        }
+        let s = crate::provenance::sha256_file(&self.path)?;
+        Ok(self.sha.get_or_init(|| s).clone())
+    }
 }
 
 pub fn load_model(m: &ModelArg) -> Result<Loaded> {
@@ -76,7 +88,12 @@ pub fn load_model(m: &ModelArg) -> Result<Loaded> {
         None => default_model()?,
     };
     let (model, tok) = minikv_models::load(&path)?;
-    Ok(Loaded { model, tok, path })
+    Ok(Loaded {
+        model,
+        tok,
+        path,
+        sha: Default::default(),
+    })
 }
 
 pub fn build_cache(model: &dyn LanguageModel, cfg: &RunConfig) -> Result<Box<dyn KvCache>> {
@@ -99,6 +116,8 @@ pub fn memory_json(m: &MemoryReport) -> serde_json::Value {
         "quant_scales": m.sum(|h| h.quant_scales),
         "fp16": m.sum(|h| h.fp),
         "indices": m.sum(|h| h.indices),
+        "per_layer_tokens": m.layers.iter().map(|l| l.heads.iter().map(|h| h.tokens).sum::<usize>()).collect::<Vec<_>>(),
+        "per_layer_bytes": m.layers.iter().map(|l| l.staging + l.heads.iter().map(|h| h.total()).sum::<usize>()).collect::<Vec<_>>(),
     })
 }
 
@@ -455,6 +474,128 @@ pub fn default_text() -> PathBuf {
     assets_dir().join("paul_graham")
 }
 
+/// Every evaluation task, as `--task` spells it.
+pub const TASKS: [&str; 7] = [
+    "perplexity",
+    "fidelity",
+    "generation",
+    "passkey",
+    "needle",
+    "kv-retrieval",
+    "attention-error",
+];
+
+/// Checks a task name against [`TASKS`].
+pub fn check_task(t: &str) -> Result<()> {
+    if TASKS.contains(&t) {
+        Ok(())
+    } else {
+        Err(Error::Input(format!(
+            "unknown task `{t}` ({})",
+            TASKS.join(", ")
+        )))
+    }
+}
+
+type RefLogits = std::sync::Arc<Vec<Vec<f32>>>;
+
+/// Full-cache reference logits of `fidelity` windows, shared by every row of
+/// one process: a sweep computes the full cache once per (window, context,
+/// backend, model) instead of once per config. Bounded in memory (oldest
+/// entries dropped); optionally also kept on disk (`--reference-cache DIR`),
+/// so that separate sweeps and reruns share them too.
+#[derive(Default)]
+pub struct RefMemo {
+    dir: Option<PathBuf>,
+    inner: std::sync::Mutex<(
+        std::collections::HashMap<String, RefLogits>,
+        std::collections::VecDeque<String>,
+    )>,
+}
+
+impl RefMemo {
+    /// Entries kept in memory (each is `tokens x vocab` f32).
+    const CAP: usize = 32;
+
+    /// A memo that also reads and writes `dir`.
+    pub fn on_disk(dir: Option<PathBuf>) -> Self {
+        Self {
+            dir,
+            ..Self::default()
+        }
+    }
+
+    fn load(path: &Path) -> Option<Vec<Vec<f32>>> {
+        let b = std::fs::read(path).ok()?;
+        let word = |i: usize| -> Option<usize> {
+            Some(u32::from_le_bytes(b.get(4 * i..4 * i + 4)?.try_into().ok()?) as usize)
+        };
+        let (n, v) = (word(0)?, word(1)?);
+        if b.len() != 8 + n.checked_mul(v)?.checked_mul(4)? {
+            return None;
+        }
+        Some(
+            b[8..]
+                .chunks_exact(4 * v)
+                .map(|r| {
+                    r.chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                        .collect()
+                })
+                .collect(),
+        )
+    }
+
+    fn store(path: &Path, rows: &[Vec<f32>]) -> Result<()> {
+        let v = rows.first().map_or(0, Vec::len);
+        let mut b = Vec::with_capacity(8 + rows.len() * v * 4);
+        b.extend_from_slice(&(rows.len() as u32).to_le_bytes());
+        b.extend_from_slice(&(v as u32).to_le_bytes());
+        for x in rows.iter().flatten() {
+            b.extend_from_slice(&x.to_le_bytes());
+        }
+        // Write then rename: a killed run never leaves a torn file behind.
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        std::fs::write(&tmp, &b).map_err(|e| Error::io(&tmp, e))?;
+        std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+    }
+
+    fn get_or(&self, key: &str, f: impl FnOnce() -> Result<Vec<Vec<f32>>>) -> Result<RefLogits> {
+        use sha2::{Digest, Sha256};
+        let h: String = Sha256::digest(key.as_bytes())
+            .iter()
+            .take(16)
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        if let Some(v) = self.inner.lock().expect("lock").0.get(&h) {
+            return Ok(v.clone());
+        }
+        let file = self.dir.as_ref().map(|d| d.join(format!("{h}.f32")));
+        let v = match file.as_deref().and_then(Self::load) {
+            Some(v) => v,
+            None => {
+                let v = f()?;
+                if let (Some(d), Some(p)) = (&self.dir, &file) {
+                    std::fs::create_dir_all(d).map_err(|e| Error::io(d, e))?;
+                    Self::store(p, &v)?;
+                }
+                v
+            }
+        };
+        let v = std::sync::Arc::new(v);
+        let mut g = self.inner.lock().expect("lock");
+        if !g.0.contains_key(&h) {
+            g.1.push_back(h.clone());
+            if g.1.len() > Self::CAP {
+                let old = g.1.pop_front().expect("non-empty");
+                g.0.remove(&old);
+            }
+        }
+        g.0.insert(h, v.clone());
+        Ok(v)
+    }
+}
+
 /// What one evaluation runs (shared by `eval` and `sweep`).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct TaskSpec {
@@ -474,7 +615,14 @@ pub struct TaskSpec {
 
 /// Runs one task for one config and seed on a loaded model; returns the result
 /// row (task, metrics, memory, wall time). Texts are tokenized once per call.
-pub fn run_task(l: &Loaded, cfg: &RunConfig, t: &TaskSpec, seed: u64) -> Result<serde_json::Value> {
+pub fn run_task(
+    l: &Loaded,
+    cfg: &RunConfig,
+    t: &TaskSpec,
+    seed: u64,
+    memo: &RefMemo,
+) -> Result<serde_json::Value> {
+    check_task(&t.task)?;
     use minikv_models::eval;
     use rand::{Rng, SeedableRng};
     let m = l.model.as_ref();
@@ -520,10 +668,22 @@ pub fn run_task(l: &Loaded, cfg: &RunConfig, t: &TaskSpec, seed: u64) -> Result<
             let r = eval::retrieval(kind, m, &l.tok, &all, spec, || build_cache(m, cfg))?;
             serde_json::to_value(&r).expect("json")
         }
-        task @ ("perplexity" | "fidelity" | "generation") => {
+        task @ ("perplexity" | "fidelity" | "generation" | "attention-error") => {
             let mut rows = Vec::new();
             for _ in 0..t.trials {
                 let ids = window()?;
+                if task == "attention-error" {
+                    let (e, shadow_mem) = eval::attention_error(
+                        m,
+                        build_cache(m, &full_cfg)?,
+                        build_cache(m, cfg)?,
+                        &ids,
+                        t.context,
+                    )?;
+                    mem = Some(shadow_mem);
+                    rows.push(serde_json::to_value(e).expect("json"));
+                    continue;
+                }
                 let mut comp = build_cache(m, cfg)?;
                 let v = match task {
                     "perplexity" => serde_json::to_value(minikv_models::perplexity(
@@ -533,13 +693,30 @@ pub fn run_task(l: &Loaded, cfg: &RunConfig, t: &TaskSpec, seed: u64) -> Result<
                         t.context,
                         |_| {},
                     )?),
-                    "fidelity" => serde_json::to_value(eval::fidelity(
-                        m,
-                        build_cache(m, &full_cfg)?.as_mut(),
-                        comp.as_mut(),
-                        &ids,
-                        t.context,
-                    )?),
+                    "fidelity" => {
+                        let key = format!(
+                            "{}/{:?}/{}/{}",
+                            l.sha256()?,
+                            full_cfg.backend,
+                            t.context,
+                            ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+                        );
+                        let reference = memo.get_or(&key, || {
+                            eval::reference_logits(
+                                m,
+                                build_cache(m, &full_cfg)?.as_mut(),
+                                &ids,
+                                t.context,
+                            )
+                        })?;
+                        serde_json::to_value(eval::fidelity_against(
+                            m,
+                            comp.as_mut(),
+                            &ids,
+                            t.context,
+                            &reference,
+                        )?)
+                    }
                     _ => serde_json::to_value(eval::generation_agreement(
                         m,
                         &l.tok,
@@ -555,11 +732,7 @@ pub fn run_task(l: &Loaded, cfg: &RunConfig, t: &TaskSpec, seed: u64) -> Result<
             }
             mean_rows(&rows)
         }
-        other => {
-            return Err(Error::Input(format!(
-                "unknown task `{other}` (perplexity, fidelity, generation, passkey, needle, kv-retrieval)"
-            )));
-        }
+        other => unreachable!("checked task `{other}`"),
     };
     let wall_s = t0.elapsed().as_secs_f64();
     let mut out = json!({"task": t.task, "context": t.context, "tokens": t.tokens, "trials": t.trials, "metrics": metrics, "wall_s": wall_s});
@@ -588,7 +761,7 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
         depth: a.depth,
         text: a.opts.text.clone().unwrap_or_else(default_text),
     };
-    let mut out = run_task(&l, &cfg, &spec, seed)?;
+    let mut out = run_task(&l, &cfg, &spec, seed, &RefMemo::default())?;
     out["provenance"] = serde_json::to_value(provenance(
         Some(&l.path),
         seed,
@@ -619,6 +792,24 @@ fn mean_rows(rows: &[serde_json::Value]) -> serde_json::Value {
     let mut out = serde_json::Map::new();
     if let Some(first) = rows.first().and_then(|r| r.as_object()) {
         for k in first.keys() {
+            // Numeric arrays of one length (per-layer figures): element-wise mean.
+            let arrays: Vec<Vec<f64>> = rows
+                .iter()
+                .filter_map(|r| r[k].as_array())
+                .map(|a| a.iter().filter_map(|x| x.as_f64()).collect::<Vec<_>>())
+                .collect();
+            if arrays.len() == rows.len()
+                && let Some(n) = arrays.first().map(Vec::len).filter(|&n| n > 0)
+                && arrays.iter().all(|a| a.len() == n)
+                && first[k].as_array().is_some_and(|a| a.len() == n)
+            {
+                let m = rows.len() as f64;
+                let mean: Vec<f64> = (0..n)
+                    .map(|i| arrays.iter().map(|a| a[i]).sum::<f64>() / m)
+                    .collect();
+                out.insert(k.clone(), json!(mean));
+                continue;
+            }
             let xs: Vec<f64> = rows.iter().filter_map(|r| r[k].as_f64()).collect();
             if xs.len() != rows.len() {
                 continue;

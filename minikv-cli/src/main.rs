@@ -180,7 +180,7 @@ pub struct TaskOpts {
     /// Context (prompt) length in tokens; compression happens after it.
     #[arg(long, default_value_t = 512)]
     pub context: usize,
-    /// Tokens after the context (perplexity, fidelity, generation).
+    /// Tokens after the context (perplexity, fidelity, generation, attention-error).
     #[arg(long, default_value_t = 128)]
     pub tokens: usize,
     /// Trials (passkey) or text windows (other tasks).
@@ -196,7 +196,7 @@ pub struct EvalArgs {
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Task.
-    #[arg(long, value_parser = ["perplexity", "fidelity", "generation", "passkey", "needle", "kv-retrieval"])]
+    #[arg(long, value_parser = crate::commands::TASKS)]
     pub task: String,
     #[command(flatten)]
     pub opts: TaskOpts,

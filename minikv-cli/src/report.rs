@@ -19,6 +19,12 @@ pub struct ReportArgs {
     /// Dataset name for the leaderboard columns.
     #[arg(long, default_value = "paul_graham")]
     pub dataset: String,
+    /// Paired comparison `A vs B` (repeatable): per-unit differences A - B of the
+    /// primary metric over the text windows / trials both configs saw (same
+    /// seeds), with a Student-t 95% interval. A and B are row labels (see
+    /// `minikv sweep --label`), method names or config-hash prefixes.
+    #[arg(long = "pair", value_name = "A vs B")]
+    pub pairs: Vec<String>,
 }
 
 /// The score a task is ranked by, and whether higher is better.
@@ -28,6 +34,7 @@ pub fn primary_metric(task: &str) -> (&'static str, bool) {
         "perplexity" => ("ppl", false),
         "passkey" | "needle" | "kv-retrieval" => ("accuracy", true),
         "generation" => ("token_f1", true),
+        "attention-error" => ("rel_error", false),
         _ => ("", true),
     }
 }
@@ -109,13 +116,64 @@ pub struct Agg {
     pub config_hash: String,
     pub metric: &'static str,
     pub mean: f64,
-    pub ci: f64,
+    /// 95% interval.
+    pub lo: f64,
+    pub hi: f64,
+    /// Units behind the interval (text windows or trials), and seeds.
+    pub n: usize,
     pub seeds: usize,
+    /// How the interval was computed.
+    pub interval: &'static str,
     pub ratio: f64,
     pub kv_bytes: f64,
 }
 
-/// Groups rows by (task, config) and aggregates over seeds.
+fn is_retrieval(task: &str) -> bool {
+    matches!(task, "passkey" | "needle" | "kv-retrieval")
+}
+
+/// A row's label: `label` written by the sweep, else a name derived from the config.
+pub fn row_label(r: &Value) -> String {
+    r["label"]
+        .as_str()
+        .map(str::to_owned)
+        .unwrap_or_else(|| method_name(&r["config"]))
+}
+
+/// The primary metric of a row per unit: `((seed, index), value)` for every
+/// text window (per-trial rows) or retrieval trial (outcomes); rows without
+/// per-unit data give one unit, their mean.
+pub fn units(r: &Value) -> Vec<((u64, usize), f64)> {
+    let task = r["task"].as_str().unwrap_or("");
+    let (metric, _) = primary_metric(task);
+    let seed = r["seed"].as_u64().unwrap_or(0);
+    let m = &r["metrics"];
+    if let Some(o) = m["outcomes"].as_array() {
+        return o
+            .iter()
+            .enumerate()
+            .map(|(i, b)| ((seed, i), f64::from(u8::from(b.as_bool().unwrap_or(false)))))
+            .collect();
+    }
+    if let Some(t) = m["per_trial"].as_array() {
+        let v: Vec<_> = t
+            .iter()
+            .enumerate()
+            .filter_map(|(i, x)| x[metric].as_f64().map(|y| ((seed, i), y)))
+            .collect();
+        if v.len() == t.len() && !v.is_empty() {
+            return v;
+        }
+    }
+    m[metric]
+        .as_f64()
+        .map(|y| vec![((seed, 0), y)])
+        .unwrap_or_default()
+}
+
+/// Groups rows by (task, config) and aggregates: mean and Student-t 95%
+/// interval over every text window (seeds x trials); for retrieval tasks the
+/// accuracy over all trials with its Wilson 95% interval.
 pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
     let mut groups: BTreeMap<(String, String), Vec<&Value>> = BTreeMap::new();
     for r in rows {
@@ -126,28 +184,42 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
     let mut out = Vec::new();
     for ((task, h), rs) in groups {
         let (metric, _) = primary_metric(&task);
-        let xs: Vec<f64> = rs
-            .iter()
-            .filter_map(|r| r["metrics"][metric].as_f64())
-            .collect();
+        let xs: Vec<f64> = rs.iter().flat_map(|r| units(r)).map(|u| u.1).collect();
         if xs.is_empty() {
             continue;
         }
-        let (mean, ci) = mean_ci(&xs);
+        let (mean, lo, hi, interval) = if is_retrieval(&task) {
+            let k = xs.iter().filter(|&&x| x > 0.5).count();
+            let (lo, hi) = minikv_models::eval::wilson95(k, xs.len());
+            (k as f64 / xs.len() as f64, lo, hi, "Wilson")
+        } else {
+            let (m, h) = mean_ci(&xs);
+            if xs.len() > 1 {
+                (m, m - h, m + h, "t")
+            } else {
+                (m, f64::NAN, f64::NAN, "n/a")
+            }
+        };
         let avg = |f: &str| {
             rs.iter()
                 .filter_map(|r| r["memory"][f].as_f64())
                 .sum::<f64>()
                 / rs.len() as f64
         };
+        let mut seeds: Vec<u64> = rs.iter().filter_map(|r| r["seed"].as_u64()).collect();
+        seeds.sort_unstable();
+        seeds.dedup();
         out.push(Agg {
-            method: method_name(&rs[0]["config"]),
+            method: row_label(rs[0]),
             task,
             config_hash: h,
             metric,
             mean,
-            ci,
-            seeds: xs.len(),
+            lo,
+            hi,
+            n: xs.len(),
+            seeds: seeds.len().max(1),
+            interval,
             ratio: avg("compression_ratio"),
             kv_bytes: avg("kv_bytes"),
         });
@@ -160,6 +232,93 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
             .then(a.method.cmp(&b.method))
     });
     out
+}
+
+/// A paired comparison of two configs on one task.
+#[derive(Debug, Clone)]
+pub struct Paired {
+    pub task: String,
+    pub a: String,
+    pub b: String,
+    pub metric: &'static str,
+    /// Mean of A - B over the shared units, and its Student-t 95% interval.
+    pub diff: f64,
+    pub lo: f64,
+    pub hi: f64,
+    pub n: usize,
+}
+
+impl Paired {
+    /// "A better", "B better" or "no difference" at 95%.
+    pub fn verdict(&self) -> &'static str {
+        let (_, hb) = primary_metric(&self.task);
+        if self.n < 2 || !(self.lo > 0.0 || self.hi < 0.0) {
+            "no significant difference"
+        } else if (self.lo > 0.0) == hb {
+            "A better"
+        } else {
+            "B better"
+        }
+    }
+}
+
+fn matches(r: &Value, sel: &str) -> bool {
+    row_label(r) == sel
+        || method_name(&r["config"]) == sel
+        || r["config_hash"]
+            .as_str()
+            .is_some_and(|h| sel.len() >= 4 && h.starts_with(sel))
+}
+
+/// Paired differences `A - B` per task over the units (seed, window or trial)
+/// both have; errors name a side that matches no row.
+pub fn paired(rows: &[Value], a: &str, b: &str) -> Result<Vec<Paired>> {
+    for side in [a, b] {
+        if !rows.iter().any(|r| matches(r, side)) {
+            return Err(Error::Input(format!(
+                "--pair: `{side}` matches no row (labels: {})",
+                {
+                    let mut l: Vec<String> = rows.iter().map(row_label).collect();
+                    l.sort();
+                    l.dedup();
+                    l.join(", ")
+                }
+            )));
+        }
+    }
+    let mut tasks: Vec<&str> = rows.iter().filter_map(|r| r["task"].as_str()).collect();
+    tasks.sort_unstable();
+    tasks.dedup();
+    let mut out = Vec::new();
+    for t in tasks {
+        let side = |sel: &str| -> BTreeMap<(u64, usize), f64> {
+            rows.iter()
+                .filter(|r| r["task"] == t && matches(r, sel))
+                .flat_map(units)
+                .collect()
+        };
+        let (ua, ub) = (side(a), side(b));
+        let d: Vec<f64> = ua
+            .iter()
+            .filter_map(|(k, x)| ub.get(k).map(|y| x - y))
+            .collect();
+        if d.is_empty() {
+            continue;
+        }
+        let (m, h) = mean_ci(&d);
+        let h = if d.len() > 1 { h } else { f64::NAN };
+        out.push(Paired {
+            task: t.to_string(),
+            a: a.to_string(),
+            b: b.to_string(),
+            metric: primary_metric(t).0,
+            diff: m,
+            lo: m - h,
+            hi: m + h,
+            n: d.len(),
+        });
+    }
+    Ok(out)
 }
 
 /// Points on the Pareto frontier (fewer bytes and a better score), by index.
@@ -178,9 +337,9 @@ pub fn pareto(points: &[(f64, f64)], higher_better: bool) -> Vec<usize> {
 }
 
 /// Markdown report text.
-pub fn markdown(aggs: &[Agg]) -> String {
+pub fn markdown(aggs: &[Agg], pairs: &[Paired]) -> String {
     let mut s = String::from(
-        "# minikv report\n\nMean and Student-t 95% interval over seeds; `kv/fp16` is KV bytes actually allocated over the full fp16 cache.\n",
+        "# minikv report\n\nMean and 95% interval: Student-t over every text window (seeds x trials), Wilson over all trials for retrieval accuracy. `kv/fp16` is KV bytes actually allocated over the full fp16 cache.\n",
     );
     let mut task = "";
     for a in aggs {
@@ -189,20 +348,41 @@ pub fn markdown(aggs: &[Agg]) -> String {
             let (m, hb) = primary_metric(task);
             let _ = write!(
                 s,
-                "\n## {task} ({m}, {} is better)\n\n| method | {m} | ±95% | seeds | kv/fp16 | config |\n|---|---|---|---|---|---|\n",
+                "\n## {task} ({m}, {} is better)\n\n| method | {m} | 95% CI | n | seeds | kv/fp16 | config |\n|---|---|---|---|---|---|---|\n",
                 if hb { "higher" } else { "lower" }
             );
         }
-        let ci = if a.seeds > 1 {
-            format!("{:.4}", a.ci)
+        let ci = if a.lo.is_finite() {
+            format!("[{:.4}, {:.4}]", a.lo, a.hi)
         } else {
-            "n/a (1 seed)".into()
+            "n/a (1 unit)".into()
         };
         let _ = writeln!(
             s,
-            "| {} | {:.4} | {ci} | {} | {:.3} | `{}` |",
-            a.method, a.mean, a.seeds, a.ratio, a.config_hash
+            "| {} | {:.4} | {ci} | {} | {} | {:.3} | `{}` |",
+            a.method, a.mean, a.n, a.seeds, a.ratio, a.config_hash
         );
+    }
+    if !pairs.is_empty() {
+        s.push_str("\n## Paired differences (A - B over the same windows / trials, Student-t 95%)\n\n| task | A | B | metric | A - B | 95% CI | n | verdict |\n|---|---|---|---|---|---|---|---|\n");
+        for p in pairs {
+            let ci = if p.lo.is_finite() {
+                format!("[{:.4}, {:.4}]", p.lo, p.hi)
+            } else {
+                "n/a".into()
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {:+.4} | {ci} | {} | {} |",
+                p.task,
+                p.a,
+                p.b,
+                p.metric,
+                p.diff,
+                p.n,
+                p.verdict()
+            );
+        }
     }
     s
 }
@@ -266,6 +446,87 @@ fn plot(
     Ok(())
 }
 
+/// One line per series over the layers (per-layer budgets, per-layer errors).
+fn line_plot(path: &Path, title: &str, y_label: &str, series: &[(String, Vec<f64>)]) -> Result<()> {
+    let err = |e: String| Error::Input(format!("plot {}: {e}", path.display()));
+    let n = series.iter().map(|s| s.1.len()).max().unwrap_or(0).max(1);
+    let y1 = series
+        .iter()
+        .flat_map(|s| s.1.iter().copied())
+        .filter(|v| v.is_finite())
+        .fold(0.0f64, f64::max)
+        .max(1e-6)
+        * 1.08;
+    let root = SVGBackend::new(path, (820, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..(n - 1).max(1) as f64, 0f64..y1)
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc("layer")
+        .y_desc(y_label)
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    for (i, (name, ys)) in series.iter().enumerate() {
+        let c = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(
+                ys.iter().enumerate().map(|(l, &y)| (l as f64, y)),
+                c.stroke_width(2),
+            ))
+            .map_err(|e| err(e.to_string()))?
+            .label(name.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 11))
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
+/// Element-wise mean of numeric arrays at `field` (a JSON pointer) over rows,
+/// per label, in first-seen order.
+fn per_layer_series(rows: &[&Value], field: &str) -> Vec<(String, Vec<f64>)> {
+    let mut order: Vec<String> = Vec::new();
+    let mut acc: BTreeMap<String, (Vec<f64>, usize)> = BTreeMap::new();
+    for r in rows {
+        let Some(a) = r.pointer(field).and_then(Value::as_array) else {
+            continue;
+        };
+        let v: Vec<f64> = a.iter().filter_map(Value::as_f64).collect();
+        if v.is_empty() || v.len() != a.len() {
+            continue;
+        }
+        let name = row_label(r);
+        let e = acc.entry(name.clone()).or_insert_with(|| {
+            order.push(name);
+            (vec![0.0; v.len()], 0)
+        });
+        if e.0.len() == v.len() {
+            e.0.iter_mut().zip(&v).for_each(|(s, x)| *s += x);
+            e.1 += 1;
+        }
+    }
+    order
+        .into_iter()
+        .map(|n| {
+            let (s, k) = &acc[&n];
+            (n.clone(), s.iter().map(|x| x / *k as f64).collect())
+        })
+        .collect()
+}
+
 pub fn report(a: &ReportArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.results).map_err(|e| Error::io(&a.results, e))?;
     let rows: Vec<Value> = text
@@ -286,9 +547,17 @@ pub fn report(a: &ReportArgs) -> Result<()> {
         let p = a.out.join(name);
         std::fs::write(&p, s).map_err(|e| Error::io(&p, e))
     };
-    write("report.md", markdown(&aggs))?;
-    let mut csv =
-        String::from("task,method,metric,mean,ci95,seeds,compression_ratio,kv_bytes,config_hash\n");
+    let mut pairs = Vec::new();
+    for p in &a.pairs {
+        let (x, y) = p
+            .split_once(" vs ")
+            .ok_or_else(|| Error::Input(format!("--pair `{p}`: expected `A vs B`")))?;
+        pairs.extend(paired(&rows, x.trim(), y.trim())?);
+    }
+    write("report.md", markdown(&aggs, &pairs))?;
+    let mut csv = String::from(
+        "task,method,metric,mean,ci95_lo,ci95_hi,interval,n,seeds,compression_ratio,kv_bytes,config_hash\n",
+    );
     let mut lb = String::from("dataset,model,method,compression_ratio,score\n");
     let model = rows[0]["provenance"]["model"]
         .as_str()
@@ -298,8 +567,19 @@ pub fn report(a: &ReportArgs) -> Result<()> {
     for g in &aggs {
         let _ = writeln!(
             csv,
-            "{},\"{}\",{},{},{},{},{},{},{}",
-            g.task, g.method, g.metric, g.mean, g.ci, g.seeds, g.ratio, g.kv_bytes, g.config_hash
+            "{},\"{}\",{},{},{},{},{},{},{},{},{},{}",
+            g.task,
+            g.method,
+            g.metric,
+            g.mean,
+            g.lo,
+            g.hi,
+            g.interval,
+            g.n,
+            g.seeds,
+            g.ratio,
+            g.kv_bytes,
+            g.config_hash
         );
         // kvpress columns: compression_ratio = fraction of the KV cache removed.
         let _ = writeln!(
@@ -329,6 +609,46 @@ pub fn report(a: &ReportArgs) -> Result<()> {
             &pts,
             hb,
             m,
+        )?;
+    }
+    // Per-layer figures: budgets (tokens held per layer, all KV heads) from one
+    // task's rows, and per-layer attention-output error.
+    let with_layers: Vec<&Value> = {
+        let mut tasks: Vec<&str> = rows
+            .iter()
+            .filter(|r| r.pointer("/memory/per_layer_tokens").is_some())
+            .filter_map(|r| r["task"].as_str())
+            .collect();
+        tasks.sort_unstable();
+        tasks.dedup();
+        let pick = ["attention-error", "fidelity", "perplexity", "generation"]
+            .into_iter()
+            .find(|t| tasks.contains(t))
+            .or(tasks.first().copied());
+        rows.iter()
+            .filter(|r| Some(r["task"].as_str().unwrap_or("")) == pick)
+            .collect()
+    };
+    let budgets = per_layer_series(&with_layers, "/memory/per_layer_tokens");
+    if !budgets.is_empty() {
+        line_plot(
+            &a.out.join("per_layer_budgets.svg"),
+            "tokens held per layer (all KV heads) after compression",
+            "tokens",
+            &budgets,
+        )?;
+    }
+    let err_rows: Vec<&Value> = rows
+        .iter()
+        .filter(|r| r["task"] == "attention-error")
+        .collect();
+    let errs = per_layer_series(&err_rows, "/metrics/per_layer");
+    if !errs.is_empty() {
+        line_plot(
+            &a.out.join("attention_error_per_layer.svg"),
+            "per-layer attention-output error vs the full cache",
+            "|o - o_full| / |o_full|",
+            &errs,
         )?;
     }
     eprintln!(

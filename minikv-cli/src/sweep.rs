@@ -3,8 +3,8 @@
 //! skipped; every finished row is appended and flushed at once, so a killed run
 //! loses nothing finished, and a torn last line is cut before appending.
 
-use crate::commands::{Loaded, TaskSpec, default_text, load_model, run_task};
-use crate::provenance::{git_rev, sha256_file};
+use crate::commands::{Loaded, RefMemo, TaskSpec, default_text, load_model, run_task};
+use crate::provenance::git_rev;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use minikv_core::{Error, Result, RunConfig};
@@ -26,7 +26,8 @@ pub struct SweepArgs {
     /// Number of seeds (base seed, base seed + 1, ...).
     #[arg(long, default_value_t = 1)]
     pub seeds: u64,
-    /// Tasks (repeatable): perplexity, fidelity, generation, passkey, needle, kv-retrieval.
+    /// Tasks (repeatable): perplexity, fidelity, generation, passkey, needle,
+    /// kv-retrieval, attention-error.
     #[arg(long = "task", required = true)]
     pub tasks: Vec<String>,
     /// Output JSONL (appended; finished rows are skipped on rerun).
@@ -43,6 +44,18 @@ pub struct SweepArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Progress as JSON lines on stdout (`start`, one `row` per finished row
+    /// with done/total/ETA, `end`) instead of the progress bar.
+    #[arg(long)]
+    pub json: bool,
+    /// Keep the full cache's fidelity reference logits in DIR (raw f32, one
+    /// file per text window), shared by separate sweeps and reruns.
+    #[arg(long, value_name = "DIR")]
+    pub reference_cache: Option<PathBuf>,
+    /// Label of the base config in the results (default: its file stem); the
+    /// `--set` values of each grid point are appended to it.
+    #[arg(long)]
+    pub label: Option<String>,
     /// Instead of running, write a Slurm array job to DIR: one resolved config
     /// per grid point, `run.sbatch`, and `merge.sh` (see docs/sweeps.md).
     #[arg(long, num_args = 2, value_names = ["slurm", "DIR"])]
@@ -96,21 +109,42 @@ pub fn set_path(cfg: &mut Value, path: &[String], v: Value) -> Result<()> {
     Ok(())
 }
 
-/// The grid: every combination of the `--set` values applied to `base`.
-pub fn grid(base: &Value, sets: &[(Vec<String>, Vec<Value>)]) -> Result<Vec<Value>> {
-    let mut points = vec![base.clone()];
+/// The grid: every combination of the `--set` values applied to `base`, each
+/// point with the settings that made it (`heavy=0.1`, `policy.type=pyramid`;
+/// the leading `cache.` is dropped) for its label.
+pub fn grid(base: &Value, sets: &[(Vec<String>, Vec<Value>)]) -> Result<Vec<(Value, Vec<String>)>> {
+    let mut points = vec![(base.clone(), Vec::new())];
     for (path, vals) in sets {
         let mut next = Vec::with_capacity(points.len() * vals.len());
-        for p in &points {
+        let short = path
+            .strip_prefix(&["cache".to_string()])
+            .unwrap_or(path)
+            .join(".");
+        for (p, applied) in &points {
             for v in vals {
                 let mut q = p.clone();
                 set_path(&mut q, path, v.clone())?;
-                next.push(q);
+                let shown = v.as_str().map_or_else(|| v.to_string(), str::to_owned);
+                let mut a = applied.clone();
+                a.push(format!("{short}={shown}"));
+                next.push((q, a));
             }
         }
         points = next;
     }
     Ok(points)
+}
+
+/// A point's label: the base config's file stem and the settings applied.
+pub fn label(base: &Path, applied: &[String]) -> String {
+    let stem = base
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    std::iter::once(stem)
+        .chain(applied.iter().cloned())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn hash(v: &Value) -> String {
@@ -164,13 +198,21 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     // Resolve and validate every grid point before running anything.
     let mut points = Vec::new();
-    for (i, p) in grid(&base, &sets)?.into_iter().enumerate() {
+    let mut labels = Vec::new();
+    for (i, (p, applied)) in grid(&base, &sets)?.into_iter().enumerate() {
         let mut cfg: RunConfig =
             serde_json::from_value(p).map_err(|e| Error::Parse(format!("grid point {i}: {e}")))?;
         cfg.resolve()?;
         cfg.validate(None)
             .map_err(|e| Error::Input(format!("grid point {i}: {e}")))?;
         points.push(cfg);
+        labels.push(match &a.label {
+            Some(l) => std::iter::once(l.clone())
+                .chain(applied)
+                .collect::<Vec<_>>()
+                .join(" "),
+            None => label(&a.base, &applied),
+        });
     }
     if let Some(e) = &a.emit {
         if e[0] != "slurm" {
@@ -179,34 +221,21 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
                 e[0]
             )));
         }
-        return emit_slurm(a, &points, Path::new(&e[1]));
+        return emit_slurm(a, &points, &labels, Path::new(&e[1]));
     }
     for t in &a.tasks {
-        if ![
-            "perplexity",
-            "fidelity",
-            "generation",
-            "passkey",
-            "needle",
-            "kv-retrieval",
-        ]
-        .contains(&t.as_str())
-        {
-            return Err(Error::Input(format!(
-                "unknown task `{t}` (perplexity, fidelity, generation, passkey, needle, kv-retrieval)"
-            )));
-        }
+        crate::commands::check_task(t)?;
     }
     let l: Loaded = load_model(&crate::ModelArg {
         model: a.model.clone(),
     })?;
-    let model_sha = sha256_file(&l.path)?;
+    let model_sha = l.sha256()?;
     let rev = git_rev();
     let o = &a.opts;
     let text_path = o.text.clone().unwrap_or_else(default_text);
     // Rows: (point, seed, task) with a key over everything that determines the result.
     let mut rows = Vec::new();
-    for cfg in &points {
+    for (cfg, name) in points.iter().zip(&labels) {
         let cv = serde_json::to_value(cfg).expect("json");
         let chash = hash(&cv);
         for s in 0..a.seeds {
@@ -222,7 +251,7 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
                 };
                 let key =
                     hash(&json!({"config": chash, "seed": seed, "task": spec, "model": model_sha}));
-                rows.push((key, cfg, cv.clone(), chash.clone(), seed, spec));
+                rows.push((key, cfg, name, cv.clone(), chash.clone(), seed, spec));
             }
         }
     }
@@ -237,7 +266,7 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
         .open(&a.out)
         .map_err(|e| Error::io(&a.out, e))?;
     let file = Mutex::new(file);
-    let pb = if a.quiet {
+    let pb = if a.quiet || a.json {
         ProgressBar::hidden()
     } else {
         ProgressBar::new(todo.len() as u64)
@@ -254,6 +283,19 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
         a.tasks.len(),
         rows.len() - todo.len()
     ));
+    let total = todo.len();
+    let t_start = std::time::Instant::now();
+    let done_n = Mutex::new(0usize);
+    let emit = |v: Value| {
+        if a.json {
+            let mut o = std::io::stdout().lock();
+            let _ = writeln!(o, "{v}").and_then(|_| o.flush());
+        }
+    };
+    emit(
+        json!({"event": "start", "rows": rows.len(), "todo": total, "grid_points": points.len(), "seeds": a.seeds, "tasks": a.tasks, "out": a.out}),
+    );
+    let memo = RefMemo::on_disk(a.reference_cache.clone());
     let next = Mutex::new(todo.into_iter());
     let failed: Mutex<Option<Error>> = Mutex::new(None);
     std::thread::scope(|sc| {
@@ -263,12 +305,16 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
                     if failed.lock().expect("lock").is_some() {
                         return;
                     }
-                    let Some((key, cfg, cv, chash, seed, spec)) = next.lock().expect("lock").next()
+                    let Some((key, cfg, name, cv, chash, seed, spec)) =
+                        next.lock().expect("lock").next()
                     else {
                         return;
                     };
-                    let res = run_task(&l, cfg, spec, *seed).and_then(|mut row| {
+                    let mut wall = 0.0;
+                    let res = run_task(&l, cfg, spec, *seed, &memo).and_then(|mut row| {
+                        wall = row["wall_s"].as_f64().unwrap_or(0.0);
                         row["key"] = json!(key);
+                        row["label"] = json!(name);
                         row["config"] = cv.clone();
                         row["config_hash"] = json!(chash);
                         row["seed"] = json!(seed);
@@ -280,8 +326,18 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
                             .map_err(|e| Error::io(&a.out, e))
                     });
                     match res {
-                        Ok(()) => pb.inc(1),
-                        Err(e) => *failed.lock().expect("lock") = Some(e),
+                        Ok(()) => {
+                            pb.inc(1);
+                            let mut d = done_n.lock().expect("lock");
+                            *d += 1;
+                            let el = t_start.elapsed().as_secs_f64();
+                            let eta = el / *d as f64 * (total - *d) as f64;
+                            emit(json!({"event": "row", "done": *d, "total": total, "label": name, "task": spec.task, "seed": seed, "key": key, "wall_s": wall, "elapsed_s": el, "eta_s": eta}));
+                        }
+                        Err(e) => {
+                            emit(json!({"event": "error", "label": name, "task": spec.task, "seed": seed, "error": e.to_string()}));
+                            *failed.lock().expect("lock") = Some(e);
+                        }
                     }
                 }
             });
@@ -291,7 +347,10 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
     if let Some(e) = failed.into_inner().expect("lock") {
         return Err(e);
     }
-    if !a.quiet {
+    emit(
+        json!({"event": "end", "rows": rows.len(), "ran": total, "elapsed_s": t_start.elapsed().as_secs_f64(), "out": a.out}),
+    );
+    if !a.quiet && !a.json {
         eprintln!("sweep: {} rows in {}", rows.len(), a.out.display());
     }
     Ok(())
@@ -299,13 +358,15 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
 
 /// Writes `DIR/configs/point_NNNN.toml`, `DIR/run.sbatch` (array job, one task
 /// per grid point, each a resumable single-point sweep) and `DIR/merge.sh`.
-fn emit_slurm(a: &SweepArgs, points: &[RunConfig], dir: &Path) -> Result<()> {
+fn emit_slurm(a: &SweepArgs, points: &[RunConfig], labels: &[String], dir: &Path) -> Result<()> {
     let cfgs = dir.join("configs");
     std::fs::create_dir_all(&cfgs).map_err(|e| Error::io(&cfgs, e))?;
     std::fs::create_dir_all(dir.join("results")).map_err(|e| Error::io(dir, e))?;
     for (i, p) in points.iter().enumerate() {
         let f = cfgs.join(format!("point_{i:04}.toml"));
         std::fs::write(&f, p.to_toml()?).map_err(|e| Error::io(&f, e))?;
+        let f = cfgs.join(format!("point_{i:04}.label"));
+        std::fs::write(&f, &labels[i]).map_err(|e| Error::io(&f, e))?;
     }
     let o = &a.opts;
     let q = |s: &str| format!("'{}'", s.replace('\'', "'\\''"));
@@ -323,7 +384,7 @@ fn emit_slurm(a: &SweepArgs, points: &[RunConfig], dir: &Path) -> Result<()> {
         args.push(format!("--text {}", q(&t.display().to_string())));
     }
     let sbatch = format!(
-        "#!/usr/bin/env bash\n#SBATCH --job-name=minikv-sweep\n#SBATCH --array=0-{last}\n#SBATCH --cpus-per-task=8\n#SBATCH --time=04:00:00\n#SBATCH --output={raw}/results/slurm_%A_%a.log\n# Generated by `minikv sweep --emit slurm`: {n} grid points. Each array task runs a\n# resumable single-point sweep; resubmitting reruns only unfinished rows.\nset -euo pipefail\nMINIKV=${{MINIKV:-minikv}}\nid=$(printf %04d \"$SLURM_ARRAY_TASK_ID\")\n\"$MINIKV\" sweep {dir}/configs/point_$id.toml {args} --quiet --out {dir}/results/point_$id.jsonl\n",
+        "#!/usr/bin/env bash\n#SBATCH --job-name=minikv-sweep\n#SBATCH --array=0-{last}\n#SBATCH --cpus-per-task=8\n#SBATCH --time=04:00:00\n#SBATCH --output={raw}/results/slurm_%A_%a.log\n# Generated by `minikv sweep --emit slurm`: {n} grid points. Each array task runs a\n# resumable single-point sweep; resubmitting reruns only unfinished rows.\nset -euo pipefail\nMINIKV=${{MINIKV:-minikv}}\nid=$(printf %04d \"$SLURM_ARRAY_TASK_ID\")\n\"$MINIKV\" sweep {dir}/configs/point_$id.toml --label \"$(cat {dir}/configs/point_$id.label)\" {args} --quiet --out {dir}/results/point_$id.jsonl\n",
         last = points.len().saturating_sub(1),
         n = points.len(),
         dir = q(&dir.display().to_string()),
@@ -366,8 +427,13 @@ mod tests {
             parse_set("cache.policy.type=uniform,pyramid").unwrap(),
             parse_set("cache.heavy=0.1,0.25,0.5").unwrap(),
         ];
-        let g = grid(&base, &sets).unwrap();
+        let (g, applied): (Vec<_>, Vec<_>) = grid(&base, &sets).unwrap().into_iter().unzip();
         assert_eq!(g.len(), 6);
+        assert_eq!(applied[4], vec!["policy.type=pyramid", "heavy=0.25"]);
+        assert_eq!(
+            label(Path::new("configs/minikv.toml"), &applied[4]),
+            "minikv policy.type=pyramid heavy=0.25"
+        );
         assert_eq!(g[0]["cache"]["policy"], json!({"type": "uniform"}));
         assert_eq!(g[5]["cache"]["heavy"], json!(0.5));
         assert_eq!(g[4]["cache"]["policy"]["type"], "pyramid");

@@ -341,6 +341,48 @@ fn sweep_is_resumable_and_never_duplicates() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Report of a committed sweep with labels, per-trial outcomes and per-layer
+/// figures (attention-error, fidelity, passkey; 2 configs x 2 seeds x 2 trials):
+/// tables with intervals and paired differences as a snapshot, per-layer plots.
+#[test]
+fn report_pairs_and_per_layer_plots() {
+    let dir = std::env::temp_dir().join(format!("minikv-report2-{}", std::process::id()));
+    let (ok, _, err) = minikv(&[
+        "report",
+        "minikv-cli/tests/fixtures/sweep_tasks.jsonl",
+        "--out",
+        dir.to_str().unwrap(),
+        "--pair",
+        "minikv policy.type=pyramid vs minikv policy.type=uniform",
+    ]);
+    assert!(ok, "{err}");
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+    insta::assert_snapshot!("report_tasks_md", read("report.md"));
+    for f in ["per_layer_budgets.svg", "attention_error_per_layer.svg"] {
+        let svg = read(f);
+        assert!(
+            svg.contains("minikv policy.type=pyramid")
+                && svg.contains("minikv policy.type=uniform"),
+            "{f}"
+        );
+        assert_eq!(
+            svg.matches("stroke-width=\"2\" points").count(),
+            2 + 2,
+            "{f}: two lines, two legend marks"
+        );
+    }
+    let (ok, _, err) = minikv(&[
+        "report",
+        "minikv-cli/tests/fixtures/sweep_tasks.jsonl",
+        "--out",
+        dir.to_str().unwrap(),
+        "--pair",
+        "nope vs minikv policy.type=uniform",
+    ]);
+    assert!(!ok && err.contains("`nope` matches no row"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Report of a committed sweep fixture: tables and leaderboard as snapshots, a plot.
 #[test]
 fn report_tables_and_plot() {
@@ -358,6 +400,117 @@ fn report_tables_and_plot() {
     assert!(read("results.csv").starts_with("task,method,metric,mean,ci95"));
     let svg = read("fidelity_vs_kv_bytes.svg");
     assert!(svg.starts_with("<svg") && svg.contains("kivi K2ch V2"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `sweep --json` progress lines; the shared full-cache reference (in memory
+/// and on disk) gives exactly the numbers of a plain `eval`; attention-error
+/// rows carry per-layer errors (0 for the full cache, > 0 for 2-bit MiniKV)
+/// and per-layer budgets.
+#[test]
+fn sweep_json_progress_shared_reference_and_attention_error() {
+    let dir = std::env::temp_dir().join(format!("minikv-sweep-json-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("r.jsonl");
+    let refs = dir.join("refs");
+    let (ok, stdout, err) = minikv(&[
+        "sweep",
+        "configs/minikv.toml",
+        "--set",
+        "cache.heavy=0.1,0.25",
+        "--task",
+        "fidelity",
+        "--task",
+        "attention-error",
+        "--context",
+        "96",
+        "--tokens",
+        "4",
+        "--trials",
+        "2",
+        "--json",
+        "--reference-cache",
+        refs.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let events: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(events.len(), 1 + 4 + 1, "{stdout}");
+    assert_eq!(
+        (events[0]["event"].as_str(), events[0]["todo"].as_u64()),
+        (Some("start"), Some(4))
+    );
+    for (i, e) in events[1..5].iter().enumerate() {
+        assert_eq!(e["event"], "row");
+        assert_eq!(
+            (e["done"].as_u64(), e["total"].as_u64()),
+            (Some(i as u64 + 1), Some(4))
+        );
+        assert!(e["eta_s"].as_f64().unwrap() >= 0.0);
+    }
+    assert_eq!(events[5]["event"], "end");
+    // Two text windows: two reference files, shared by both grid points.
+    assert_eq!(std::fs::read_dir(&refs).unwrap().count(), 2);
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let fid = rows
+        .iter()
+        .find(|r| r["task"] == "fidelity" && r["label"] == "minikv heavy=0.25")
+        .unwrap();
+    // The same windows through `eval` (no shared reference): identical numbers.
+    let (ok, plain, err) = minikv(&[
+        "eval",
+        "--config",
+        "configs/minikv.toml",
+        "--task",
+        "fidelity",
+        "--context",
+        "96",
+        "--tokens",
+        "4",
+        "--trials",
+        "2",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let plain: serde_json::Value = serde_json::from_str(&plain).unwrap();
+    assert_eq!(plain["metrics"]["kl"], fid["metrics"]["kl"]);
+    assert_eq!(plain["metrics"]["top1"], fid["metrics"]["top1"]);
+    for r in rows.iter().filter(|r| r["task"] == "attention-error") {
+        let pl = r["metrics"]["per_layer"].as_array().unwrap();
+        assert_eq!(pl.len(), 30);
+        assert!(
+            pl.iter()
+                .all(|x| x.as_f64().unwrap() > 0.0 && x.as_f64().unwrap() < 2.0),
+            "{pl:?}"
+        );
+        let toks = r["memory"]["per_layer_tokens"].as_array().unwrap();
+        assert_eq!(toks.len(), 30);
+        let held: u64 = toks.iter().map(|x| x.as_u64().unwrap()).sum();
+        // 3 KV heads x 30 layers, at most the 100 tokens seen, fewer when evicting.
+        assert!(held > 0 && held < 3 * 30 * 100, "{held}");
+    }
+    // The full cache shadowing the full cache: no error at all.
+    let (ok, full, err) = minikv(&[
+        "eval",
+        "--task",
+        "attention-error",
+        "--context",
+        "96",
+        "--tokens",
+        "2",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let full: serde_json::Value = serde_json::from_str(&full).unwrap();
+    assert_eq!(full["metrics"]["rel_error"].as_f64(), Some(0.0), "{full}");
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -387,6 +540,7 @@ fn sweep_emits_a_slurm_array_job() {
     let mut points: Vec<_> = std::fs::read_dir(dir.join("configs"))
         .unwrap()
         .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
         .collect();
     points.sort();
     assert_eq!(points.len(), 6);
@@ -394,6 +548,10 @@ fn sweep_emits_a_slurm_array_job() {
         let (ok, out, err) = minikv(&["config", "check", p.to_str().unwrap()]);
         assert!(ok && out.contains("[cache.policy]"), "{err}");
     }
+    assert_eq!(
+        std::fs::read_to_string(dir.join("configs/point_0004.label")).unwrap(),
+        "minikv policy.type=pyramid heavy=0.25"
+    );
     let sb = std::fs::read_to_string(dir.join("run.sbatch")).unwrap();
     assert!(
         sb.contains("#SBATCH --array=0-5")

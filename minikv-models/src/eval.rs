@@ -49,26 +49,68 @@ pub fn fidelity(
     ids: &[u32],
     context: usize,
 ) -> Result<Fidelity> {
+    let reference = reference_logits(model, full, ids, context)?;
+    fidelity_against(model, comp, ids, context, &reference)
+}
+
+/// The full cache's next-token logits at every compared position of
+/// [`fidelity`]: after the context, then after each teacher-forced token
+/// (`ids.len() - context` rows). Compute once, compare many caches.
+pub fn reference_logits(
+    model: &dyn LanguageModel,
+    full: &mut dyn KvCache,
+    ids: &[u32],
+    context: usize,
+) -> Result<Vec<Vec<f32>>> {
+    check_context(ids, context)?;
+    let mut w = Workspace::default();
+    let mut rows = Vec::with_capacity(ids.len() - context);
+    rows.push(model.forward(&ids[..context], full, &mut w, Logits::Last)?);
+    full.end_prefill()?;
+    for i in context..ids.len() - 1 {
+        rows.push(model.forward(&ids[i..i + 1], full, &mut w, Logits::Last)?);
+    }
+    Ok(rows)
+}
+
+fn check_context(ids: &[u32], context: usize) -> Result<()> {
     if context == 0 || context >= ids.len() {
         return Err(Error::Input(format!(
             "fidelity needs 0 < context < {} tokens, got {context}",
             ids.len()
         )));
     }
-    let (mut wf, mut wc) = (Workspace::default(), Workspace::default());
-    let mut lf = model.forward(&ids[..context], full, &mut wf, Logits::Last)?;
+    Ok(())
+}
+
+/// [`fidelity`] of `comp` against precomputed [`reference_logits`] of the same
+/// `ids` and `context`.
+pub fn fidelity_against(
+    model: &dyn LanguageModel,
+    comp: &mut dyn KvCache,
+    ids: &[u32],
+    context: usize,
+    reference: &[Vec<f32>],
+) -> Result<Fidelity> {
+    check_context(ids, context)?;
+    let n = ids.len() - context;
+    if reference.len() != n {
+        return Err(Error::Input(format!(
+            "fidelity: {} reference rows for {n} positions",
+            reference.len()
+        )));
+    }
+    let mut wc = Workspace::default();
     let mut lc = model.forward(&ids[..context], comp, &mut wc, Logits::Last)?;
-    full.end_prefill()?;
     comp.end_prefill()?;
     let (mut kl, mut agree, mut nf, mut nc) = (0.0, 0usize, 0.0, 0.0);
-    let n = ids.len() - context;
-    for i in context..ids.len() {
-        kl += kl_divergence(&lf, &lc);
-        agree += usize::from(argmax(&lf) == argmax(&lc));
-        nf += nll_of(&lf, ids[i]);
+    for (j, i) in (context..ids.len()).enumerate() {
+        let lf = &reference[j];
+        kl += kl_divergence(lf, &lc);
+        agree += usize::from(argmax(lf) == argmax(&lc));
+        nf += nll_of(lf, ids[i]);
         nc += nll_of(&lc, ids[i]);
         if i + 1 < ids.len() {
-            lf = model.forward(&ids[i..i + 1], full, &mut wf, Logits::Last)?;
             lc = model.forward(&ids[i..i + 1], comp, &mut wc, Logits::Last)?;
         }
     }
@@ -80,6 +122,57 @@ pub fn fidelity(
         nll_full: nf / k,
         nll_compressed: nc / k,
     })
+}
+
+/// Per-layer attention-output error of a compressed cache (see
+/// [`minikv_core::AttentionProbe`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct AttentionError {
+    /// Decode steps compared.
+    pub steps: usize,
+    /// Mean over layers of the relative L2 error.
+    pub rel_error: f64,
+    /// Mean over layers of the per-head cosine similarity.
+    pub cosine: f64,
+    /// Per layer: relative L2 error `|o_c - o_full| / |o_full|` over all
+    /// decode-time query heads.
+    pub per_layer: Vec<f64>,
+    /// Per layer: mean cosine similarity per query head.
+    pub per_layer_cosine: Vec<f64>,
+}
+
+/// Prefills `ids[..context]` through the full cache with `comp` shadowing it,
+/// compresses, then teacher-forces the rest; every layer's decode attention is
+/// computed on both caches with the full model's queries, so the per-layer
+/// error is that layer's own (no propagation from earlier layers).
+pub fn attention_error(
+    model: &dyn LanguageModel,
+    full: Box<dyn KvCache>,
+    comp: Box<dyn KvCache>,
+    ids: &[u32],
+    context: usize,
+) -> Result<(AttentionError, minikv_core::MemoryReport)> {
+    check_context(ids, context)?;
+    let mut probe = minikv_core::AttentionProbe::new(full, comp)?;
+    let mut w = Workspace::default();
+    model.forward(&ids[..context], &mut probe, &mut w, Logits::None)?;
+    probe.end_prefill()?;
+    for i in context..ids.len() {
+        model.forward(&ids[i..i + 1], &mut probe, &mut w, Logits::None)?;
+    }
+    let per_layer = probe.relative_errors();
+    let per_layer_cosine = probe.cosines();
+    let l = per_layer.len().max(1) as f64;
+    Ok((
+        AttentionError {
+            steps: ids.len() - context,
+            rel_error: per_layer.iter().sum::<f64>() / l,
+            cosine: per_layer_cosine.iter().sum::<f64>() / l,
+            per_layer,
+            per_layer_cosine,
+        },
+        probe.shadow().memory(),
+    ))
 }
 
 /// Wilson score interval (95%) for `k` successes in `n` trials.
@@ -240,6 +333,11 @@ pub struct Passkey {
     pub accuracy: f64,
     /// Wilson 95% interval.
     pub ci95: (f64, f64),
+    /// Per trial, in order: whether the answer was retrieved (for paired
+    /// comparisons: every config sees the same trials for a seed).
+    pub outcomes: Vec<bool>,
+    /// Per trial: the depth of the fact in the context.
+    pub depths: Vec<f64>,
     /// KV bytes allocated after the last trial.
     pub kv_bytes: usize,
     /// Full fp16 bytes for the same tokens.
@@ -269,6 +367,7 @@ pub fn retrieval(
 ) -> Result<Passkey> {
     let mut rng = StdRng::seed_from_u64(spec.seed);
     let (mut correct, mut kv_bytes, mut full_fp16_bytes) = (0, 0, 0);
+    let (mut outcomes, mut depths) = (Vec::new(), Vec::new());
     for _ in 0..spec.trials {
         let d = spec.depth.unwrap_or_else(|| rng.random::<f64>());
         let (ids, answer) = retrieval_prompt(kind, tok, haystack, spec.context, d, &mut rng)?;
@@ -282,7 +381,10 @@ pub fn retrieval(
             crate::SamplingConfig::default(),
             |_| {},
         )?;
-        correct += usize::from(g.text.contains(&answer));
+        let ok = g.text.contains(&answer);
+        correct += usize::from(ok);
+        outcomes.push(ok);
+        depths.push(d);
         let m = cache.memory();
         (kv_bytes, full_fp16_bytes) = (m.total_bytes(), m.full_fp16_bytes);
     }
@@ -292,6 +394,8 @@ pub fn retrieval(
         correct,
         accuracy: correct as f64 / trials.max(1) as f64,
         ci95: wilson95(correct, trials),
+        outcomes,
+        depths,
         kv_bytes,
         full_fp16_bytes,
     })
