@@ -674,6 +674,57 @@ mod tests {
         assert_eq!(t975(40), 1.96);
     }
 
+    fn row(label: &str, task: &str, seed: u64, metrics: Value) -> Value {
+        serde_json::json!({"label": label, "task": task, "seed": seed, "config_hash": label,
+            "config": {}, "metrics": metrics, "memory": {"compression_ratio": 0.5, "kv_bytes": 10}})
+    }
+
+    #[test]
+    fn paired_differences_on_known_numbers() {
+        // Per-window KL: A = B + [1, 2, 3] on seeds 0 (two windows) and 1 (one).
+        let kl = |v: &[f64]| serde_json::json!({"kl": 0.0, "per_trial": v.iter().map(|x| serde_json::json!({"kl": x})).collect::<Vec<_>>()});
+        let rows = vec![
+            row("A", "fidelity", 0, kl(&[1.5, 2.5])),
+            row("A", "fidelity", 1, kl(&[3.5])),
+            row("B", "fidelity", 0, kl(&[0.5, 0.5])),
+            row("B", "fidelity", 1, kl(&[0.5])),
+            // A unit B lacks (seed 2) is not paired.
+            row("A", "fidelity", 2, kl(&[9.0])),
+        ];
+        let p = paired(&rows, "A", "B").unwrap();
+        assert_eq!(p.len(), 1);
+        assert_eq!((p[0].n, p[0].diff), (3, 2.0));
+        // mean 2, sd 1, t(2) = 4.303: half-width 2.4843 -> interval spans 0.
+        assert!((p[0].hi - 4.48433).abs() < 1e-4, "{:?}", p[0]);
+        assert_eq!(p[0].verdict(), "no significant difference");
+        let tight = vec![
+            row("A", "fidelity", 0, kl(&[1.0, 1.1, 0.9, 1.0])),
+            row("B", "fidelity", 0, kl(&[0.0, 0.0, 0.0, 0.0])),
+        ];
+        // KL: lower is better, so A (higher) loses.
+        assert_eq!(paired(&tight, "A", "B").unwrap()[0].verdict(), "B better");
+        assert_eq!(paired(&tight, "B", "A").unwrap()[0].verdict(), "A better");
+        assert!(paired(&tight, "C", "A").is_err());
+    }
+
+    #[test]
+    fn retrieval_accuracy_pools_trials_with_wilson() {
+        let pk = |o: &[bool]| serde_json::json!({"accuracy": 0.0, "outcomes": o});
+        let rows = vec![
+            row("A", "passkey", 0, pk(&[true, false, true, true, true])),
+            row("A", "passkey", 1, pk(&[true, true, false, true, true])),
+        ];
+        let a = aggregate(&rows);
+        // 8 of 10: Wilson 95% = [0.4902, 0.9433].
+        assert_eq!((a[0].n, a[0].seeds, a[0].mean), (10, 2, 0.8));
+        assert!(
+            (a[0].lo - 0.4902).abs() < 1e-4 && (a[0].hi - 0.9433).abs() < 1e-4,
+            "{:?}",
+            a[0]
+        );
+        assert_eq!(a[0].interval, "Wilson");
+    }
+
     #[test]
     fn pareto_frontier() {
         // (bytes, kl), lower kl better: (0.5, 0.2) is dominated by (0.4, 0.1).
