@@ -115,6 +115,7 @@ pub fn memory_json(m: &MemoryReport) -> serde_json::Value {
         "quant_codes": m.sum(|h| h.quant_codes),
         "quant_scales": m.sum(|h| h.quant_scales),
         "fp16": m.sum(|h| h.fp),
+        "clusters": m.sum(|h| h.clusters),
         "indices": m.sum(|h| h.indices),
         "per_layer_tokens": m.layers.iter().map(|l| l.heads.iter().map(|h| h.tokens).sum::<usize>()).collect::<Vec<_>>(),
         "per_layer_bytes": m.layers.iter().map(|l| l.staging + l.heads.iter().map(|h| h.total()).sum::<usize>()).collect::<Vec<_>>(),
@@ -673,7 +674,7 @@ pub fn run_task(
             for _ in 0..t.trials {
                 let ids = window()?;
                 if task == "attention-error" {
-                    let (e, shadow_mem) = eval::attention_error(
+                    let (e, shadow_mem, diag) = eval::attention_error(
                         m,
                         build_cache(m, &full_cfg)?,
                         build_cache(m, cfg)?,
@@ -681,7 +682,9 @@ pub fn run_task(
                         t.context,
                     )?;
                     mem = Some(shadow_mem);
-                    rows.push(serde_json::to_value(e).expect("json"));
+                    let mut v = serde_json::to_value(e).expect("json");
+                    add_diagnostics(&mut v, &diag);
+                    rows.push(v);
                     continue;
                 }
                 let mut comp = build_cache(m, cfg)?;
@@ -727,6 +730,8 @@ pub fn run_task(
                     )?),
                 }
                 .expect("json");
+                let mut v = v;
+                add_diagnostics(&mut v, &comp.diagnostics());
                 mem = Some(comp.memory());
                 rows.push(v);
             }
@@ -788,6 +793,22 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
 
 /// Mean of each numeric field over rows (with the per-row values kept), plus a
 /// 95% normal interval when there are several rows.
+/// Flattens a cache's diagnostics into a trial's metrics (`reskv_eta`, ...,
+/// and `reskv_output_error_per_layer`), so that trials average them.
+fn add_diagnostics(v: &mut serde_json::Value, diag: &serde_json::Value) {
+    let r = &diag["reskv"];
+    if let Some(m) = r["mean"].as_object() {
+        for (k, x) in m {
+            v[format!("reskv_{k}")] = x.clone();
+        }
+    }
+    if let Some(pl) = r["per_layer"].as_array() {
+        for k in ["output_error", "output_error_dropped", "eta"] {
+            v[format!("reskv_{k}_per_layer")] = pl.iter().map(|x| x[k].clone()).collect();
+        }
+    }
+}
+
 fn mean_rows(rows: &[serde_json::Value]) -> serde_json::Value {
     let mut out = serde_json::Map::new();
     if let Some(first) = rows.first().and_then(|r| r.as_object()) {

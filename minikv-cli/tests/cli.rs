@@ -240,6 +240,51 @@ fn every_preset_generates_and_scores() {
     }
 }
 
+/// ResKV on the real model: the proxy gives some heads cluster entries, which
+/// reconstruct the held-out attention better than dropping the evicted tokens;
+/// the diagnostics the review asks for (eta, numerator / denominator error)
+/// are in the row; cluster bytes are counted.
+#[test]
+fn reskv_runs_on_the_real_model_and_reports_its_statistics() {
+    let v = ok_json(&[
+        "eval",
+        "--config",
+        "configs/reskv-snapkv.toml",
+        "--task",
+        "fidelity",
+        "--context",
+        "384",
+        "--tokens",
+        "4",
+        "--json",
+    ]);
+    let m = &v["metrics"];
+    let f = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("{k}: {m}"));
+    assert!(f("reskv_clusters") > 0.0, "{m}");
+    assert!(
+        f("reskv_output_error") < f("reskv_output_error_dropped"),
+        "{m}"
+    );
+    for k in [
+        "reskv_eta",
+        "reskv_denominator_error",
+        "reskv_numerator_error",
+        "kl",
+    ] {
+        assert!(f(k).is_finite() && f(k) >= 0.0, "{k}");
+    }
+    assert_eq!(
+        m["reskv_output_error_per_layer"].as_array().unwrap().len(),
+        30
+    );
+    let mem = &v["memory"];
+    let b = |k: &str| mem[k].as_u64().unwrap();
+    assert!(
+        b("clusters") > 0 && b("kv_bytes") == b("fp16") + b("clusters") + b("indices"),
+        "{mem}"
+    );
+}
+
 #[test]
 fn eval_reports_metrics_memory_and_provenance() {
     let v = ok_json(&[

@@ -41,6 +41,11 @@ pub trait KvCache: Send + Debug {
     fn budgets(&self) -> Vec<crate::LayerBudget>;
     /// Empties the cache for a new sequence.
     fn reset(&mut self);
+    /// Method-specific measurements taken at compression (e.g. ResKV's
+    /// cluster statistics), as JSON; `null` when there are none.
+    fn diagnostics(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
 }
 
 /// Bytes held by one storage head.

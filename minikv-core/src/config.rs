@@ -148,6 +148,9 @@ pub struct CacheConfig {
     /// Quantized storage; none means fp16.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quant: Option<QuantConfig>,
+    /// ResKV residual clusters of the evicted tokens; none means they are dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reskv: Option<crate::reskv::ResKvConfig>,
 }
 
 impl Clone for CacheConfig {
@@ -250,6 +253,20 @@ impl CacheConfig {
                         ));
                     }
                 }
+            }
+        }
+        if let Some(r) = &self.reskv {
+            r.validate()?;
+            if self.scorer.is_none() {
+                return Err(Error::config(
+                    "cache.reskv",
+                    "residual clusters summarize evicted tokens: set cache.scorer and a budget",
+                ));
+            }
+            if self.decode == DecodeMode::Evict {
+                return Err(Error::Unsupported(
+                    "cache.reskv with cache.decode = \"evict\": clusters are built at the end of prefill only".into(),
+                ));
             }
         }
         if let Some(q) = &self.quant {

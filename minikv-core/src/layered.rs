@@ -2,10 +2,11 @@
 //! quantized part, a full-precision residual and (for dynamic policies) positions
 //! and scores. Heads hold ragged lengths: per-head budgets really free memory.
 
-use crate::attention::{AttentionBackend, DecodeArgs, HeadView, PrefillArgs};
+use crate::attention::{AttentionBackend, ClusterView, DecodeArgs, HeadView, PrefillArgs};
 use crate::cache::{HeadMemory, KvCache, LayerMemory, MemoryReport, Phase};
 use crate::config::{CacheConfig, DecodeMode, HeadMode, ResidualMode};
 use crate::quant::QuantStore;
+use crate::reskv::{Clusters, RatioSelect, ResidualStats};
 use crate::scoring::{DynamicRule, GqaReduce, Needs, ScoreInputs, reduce_gqa};
 use crate::select::SelectionInput;
 use crate::storage::FpStore;
@@ -29,6 +30,8 @@ struct Head {
     cap: usize,
     /// Recent window protected from decode-time eviction.
     recent: usize,
+    /// ResKV residual clusters of the evicted tokens.
+    clusters: Clusters,
 }
 
 #[derive(Debug, Default)]
@@ -58,6 +61,10 @@ pub struct LayeredCache {
     budgets: Vec<LayerBudget>,
     n_store: usize,
     scratch: Vec<f32>,
+    /// Prompt queries the scorer sees (the window may hold more for ResKV).
+    scorer_window: usize,
+    /// ResKV statistics per layer and head (empty without ResKV).
+    res_stats: Vec<Vec<ResidualStats>>,
 }
 
 impl LayeredCache {
@@ -71,6 +78,10 @@ impl LayeredCache {
         cfg.resolve()?;
         cfg.validate(Some(&spec))?;
         let mut needs = cfg.scorer.as_ref().map(|s| s.needs()).unwrap_or_default();
+        let scorer_window = needs.query_window;
+        if let Some(r) = &cfg.reskv {
+            needs.query_window = needs.query_window.max(r.held_out);
+        }
         let stat = cfg.policy.as_ref().and_then(|p| p.layer_statistic());
         if stat.is_some() {
             needs.cumulative_attention = true;
@@ -90,6 +101,8 @@ impl LayeredCache {
             budgets: Vec::new(),
             n_store,
             scratch: Vec::new(),
+            scorer_window,
+            res_stats: Vec::new(),
         };
         c.reset_layers()?;
         Ok(c)
@@ -125,6 +138,7 @@ impl LayeredCache {
             score: Vec::new(),
             cap: usize::MAX,
             recent: 0,
+            clusters: Clusters::default(),
         })
     }
 
@@ -144,6 +158,7 @@ impl LayeredCache {
         }
         self.layers = layers;
         self.budgets.clear();
+        self.res_stats.clear();
         self.phase = Phase::Prefill;
         Ok(())
     }
@@ -261,6 +276,7 @@ impl LayeredCache {
         let rule = self.cfg.scorer.as_ref().and_then(|s| s.dynamic_rule());
         let backend = self.backend.clone();
         let (r, mode) = self.residual();
+        let gate = self.cfg.reskv.as_ref().and_then(|c| c.gate());
         let l = &mut self.layers[layer];
         let mut probs = std::mem::take(&mut l.probs);
         {
@@ -272,7 +288,12 @@ impl LayeredCache {
                     quant_values: h.qv.as_deref(),
                     fp_keys: h.fk.as_ref(),
                     fp_values: h.fv.as_ref(),
-                    clusters: None,
+                    clusters: (!h.clusters.is_empty()).then(|| ClusterView {
+                        keys: &h.clusters.keys,
+                        values: &h.clusters.values,
+                        bias: &h.clusters.bias,
+                        gate,
+                    }),
                 })
                 .collect();
             backend.decode(DecodeArgs {
@@ -364,6 +385,116 @@ impl LayeredCache {
         Ok(())
     }
 
+    /// ResKV for one layer (§7): per storage head, demotes the `r` lowest-scored
+    /// kept tokens outside sinks and the recent window, clusters every evicted
+    /// token, and measures the result on the held-out prompt queries.
+    fn residual_clusters(
+        &self,
+        layer: usize,
+        kept: Vec<Vec<u32>>,
+        scores: &[f32],
+        budget: LayerBudget,
+        rc: &crate::reskv::ResKvConfig,
+    ) -> (Vec<Vec<u32>>, Vec<Clusters>, Vec<ResidualStats>) {
+        use rayon::prelude::*;
+        let (hq, d) = (self.spec.n_q_heads, self.spec.head_dim);
+        let l = &self.layers[layer];
+        let t = l.seen;
+        let staged = l.window.len() / (hq * d);
+        let w = staged.min(rc.held_out);
+        let g = hq / self.n_store;
+        let gate = rc.gate();
+        let sinks = self.cfg.sinks;
+        let recent_start = t.saturating_sub(budget.recent);
+        kept.into_par_iter()
+            .enumerate()
+            .map(|(s, kept)| {
+                let kv = s * self.spec.n_kv_heads / self.n_store;
+                let rows = crate::reskv::HeadRows {
+                    keys: &l.k[kv],
+                    values: &l.v[kv],
+                    d,
+                };
+                // Held-out queries of the query heads reading this head, `[w*g][d]`.
+                let mut qs = Vec::with_capacity(w * g * d);
+                for i in staged - w..staged {
+                    for h in s * g..(s + 1) * g {
+                        qs.extend_from_slice(&l.window[(i * hq + h) * d..(i * hq + h + 1) * d]);
+                    }
+                }
+                // Kept tokens that may be demoted, lowest score first.
+                let mut demotable: Vec<u32> = kept
+                    .iter()
+                    .copied()
+                    .filter(|&p| (p as usize) >= sinks && (p as usize) < recent_start)
+                    .collect();
+                demotable.sort_by(|&a, &b| {
+                    scores[s * t + a as usize]
+                        .total_cmp(&scores[s * t + b as usize])
+                        .then(b.cmp(&a))
+                });
+                let b = kept.len();
+                let split = |ratio: f64| {
+                    let r = ((ratio * b as f64).round() as usize).min(demotable.len());
+                    let mut main: Vec<u32> = kept.clone();
+                    let gone: std::collections::HashSet<u32> =
+                        demotable[..r].iter().copied().collect();
+                    main.retain(|p| !gone.contains(p));
+                    let mut in_main = vec![false; t];
+                    main.iter().for_each(|&p| in_main[p as usize] = true);
+                    let evicted: Vec<u32> =
+                        (0..t as u32).filter(|&p| !in_main[p as usize]).collect();
+                    let c = Clusters::build(rows, &evicted, r, rc.iters, rc.beta);
+                    (main, evicted, c)
+                };
+                let stats_of = |(main, evicted, c): &(Vec<u32>, Vec<u32>, Clusters)| {
+                    crate::reskv::residual_stats(&qs, rows, main, evicted, c, gate)
+                };
+                let chosen = match rc.select {
+                    RatioSelect::Fixed => split(rc.ratio),
+                    RatioSelect::Proxy => {
+                        let base = split(0.0);
+                        let e0 = stats_of(&base).output_error;
+                        let mut best = (e0, base);
+                        for &c in rc.candidates.iter().filter(|&&c| c > 0.0) {
+                            let cand = split(c);
+                            let e = stats_of(&cand).output_error;
+                            if e < best.0 {
+                                best = (e, cand);
+                            }
+                        }
+                        // Keep r = 0 unless the best is `delta` better.
+                        if best.0 <= (1.0 - rc.delta) * e0 {
+                            best.1
+                        } else {
+                            split(0.0)
+                        }
+                    }
+                };
+                let st = if w > 0 {
+                    stats_of(&chosen)
+                } else {
+                    ResidualStats {
+                        evicted: chosen.1.len(),
+                        clusters: chosen.2.len(),
+                        ..Default::default()
+                    }
+                };
+                (chosen.0, chosen.2, st)
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .fold(
+                (Vec::new(), Vec::new(), Vec::new()),
+                |mut acc, (m, c, st)| {
+                    acc.0.push(m);
+                    acc.1.push(c);
+                    acc.2.push(st);
+                    acc
+                },
+            )
+    }
+
     /// Selection + quantization of one layer's prompt.
     fn compress_layer(
         &mut self,
@@ -371,6 +502,7 @@ impl LayeredCache {
         kept: &[Vec<u32>],
         scores: Option<&[f32]>,
         budget: LayerBudget,
+        mut clusters: Vec<Clusters>,
     ) -> Result<()> {
         let d = self.spec.head_dim;
         let (r, mode) = self.residual();
@@ -406,6 +538,9 @@ impl LayeredCache {
                 (Some(_), ResidualMode::Kivi) => (n - n % r, n.saturating_sub(r)),
             };
             let h = &mut l.heads[s];
+            if let Some(c) = clusters.get_mut(s) {
+                h.clusters = std::mem::take(c);
+            }
             let nqk = if h.qk.is_some() { nqk } else { 0 };
             let nqv = if h.qv.is_some() { nqv } else { 0 };
             if let Some(q) = h.qk.as_mut() {
@@ -567,6 +702,7 @@ impl KvCache for LayeredCache {
                         heavy: t,
                         recent: 0,
                     },
+                    Vec::new(),
                 )?;
             }
             self.phase = Phase::Decode;
@@ -600,12 +736,15 @@ impl KvCache for LayeredCache {
         let selector = self.cfg.selector.as_ref().expect("resolved");
         let mut plans = Vec::with_capacity(self.spec.n_layers);
         for (layer, (l, &budget)) in self.layers.iter().zip(&budgets).enumerate() {
-            let w = l.window.len() / (hq * d);
+            let staged = l.window.len() / (hq * d);
+            // The scorer sees its own window (ResKV may stage more queries).
+            let w = staged.min(self.scorer_window);
             let mut wq = vec![0.0f32; hq * w * d];
             for i in 0..w {
+                let src = staged - w + i;
                 for h in 0..hq {
                     wq[(h * w + i) * d..(h * w + i + 1) * d]
-                        .copy_from_slice(&l.window[(i * hq + h) * d..(i * hq + h + 1) * d]);
+                        .copy_from_slice(&l.window[(src * hq + h) * d..(src * hq + h + 1) * d]);
                 }
             }
             let keys: Vec<&[f32]> = l.k.iter().map(|x| x.as_slice()).collect();
@@ -651,10 +790,17 @@ impl KvCache for LayeredCache {
                     ));
                 }
             }
-            plans.push((kept, scores));
+            let (kept, clusters, stats) = match &self.cfg.reskv {
+                Some(rc) => self.residual_clusters(layer, kept, &scores, budget, rc),
+                None => (kept, Vec::new(), Vec::new()),
+            };
+            if self.cfg.reskv.is_some() {
+                self.res_stats.push(stats);
+            }
+            plans.push((kept, scores, clusters));
         }
-        for (layer, (kept, scores)) in plans.into_iter().enumerate() {
-            self.compress_layer(layer, &kept, Some(&scores), budgets[layer])?;
+        for (layer, (kept, scores, clusters)) in plans.into_iter().enumerate() {
+            self.compress_layer(layer, &kept, Some(&scores), budgets[layer], clusters)?;
         }
         self.budgets = budgets;
         self.phase = Phase::Decode;
@@ -688,7 +834,7 @@ impl KvCache for LayeredCache {
                             quant_scales: scales,
                             fp: h.fk.bytes() + h.fv.bytes(),
                             indices: h.pos.capacity() * 4 + h.score.capacity() * 4,
-                            clusters: 0,
+                            clusters: h.clusters.bytes(),
                         }
                     })
                     .collect();
@@ -705,6 +851,34 @@ impl KvCache for LayeredCache {
 
     fn budgets(&self) -> Vec<LayerBudget> {
         self.budgets.clone()
+    }
+
+    /// With ResKV: per layer, the head-averaged [`ResidualStats`] on the
+    /// held-out prompt queries, and their mean over layers.
+    fn diagnostics(&self) -> serde_json::Value {
+        if self.res_stats.is_empty() {
+            return serde_json::Value::Null;
+        }
+        let avg = |xs: &mut dyn Iterator<Item = &ResidualStats>| {
+            let v: Vec<&ResidualStats> = xs.collect();
+            let n = v.len().max(1) as f64;
+            let f = |g: fn(&ResidualStats) -> f64| v.iter().map(|s| g(s)).sum::<f64>() / n;
+            serde_json::json!({
+                "evicted": f(|s| s.evicted as f64),
+                "clusters": f(|s| s.clusters as f64),
+                "eta": f(|s| s.eta),
+                "denominator_error": f(|s| s.denominator_error),
+                "numerator_error": f(|s| s.numerator_error),
+                "output_error": f(|s| s.output_error),
+                "output_error_dropped": f(|s| s.output_error_dropped),
+            })
+        };
+        let per_layer: Vec<_> = self.res_stats.iter().map(|l| avg(&mut l.iter())).collect();
+        serde_json::json!({"reskv": {
+            "held_out_queries": self.cfg.reskv.as_ref().map_or(0, |r| r.held_out),
+            "mean": avg(&mut self.res_stats.iter().flatten()),
+            "per_layer": per_layer,
+        }})
     }
 
     fn reset(&mut self) {

@@ -47,6 +47,7 @@ pub mod kernels;
 pub mod layered;
 pub mod probe;
 pub mod quant;
+pub mod reskv;
 pub mod scoring;
 pub mod select;
 mod spec;

@@ -145,6 +145,10 @@ impl KvCache for AttentionProbe {
     fn budgets(&self) -> Vec<LayerBudget> {
         self.shadow.budgets()
     }
+    /// The shadow cache's diagnostics.
+    fn diagnostics(&self) -> serde_json::Value {
+        self.shadow.diagnostics()
+    }
     fn reset(&mut self) {
         self.reference.reset();
         self.shadow.reset();

@@ -225,7 +225,8 @@ fn worked_example_section_4() {
     }
 }
 
-/// Decode over fp16 rows plus cluster entries: tiled (fused) equals reference.
+/// Decode over fp16 rows plus cluster entries (gated and not): tiled (fused)
+/// equals reference (f64, the gate computed independently).
 #[test]
 fn decode_tiled_equals_reference_with_clusters() {
     let mut rng = StdRng::seed_from_u64(11);
@@ -253,6 +254,12 @@ fn decode_tiled_equals_reference_with_clusters() {
                 keys: &ck,
                 values: &cv,
                 bias: &bias,
+                // Head 0 gated (ResKV's max-prob gate), head 2 not.
+                gate: (s == 0).then_some(minikv_core::reskv::Gate {
+                    tau: 0.25,
+                    alpha: 12.0,
+                    g_min: 0.0,
+                }),
             }),
         })
         .collect();

@@ -151,7 +151,7 @@ pub fn attention_error(
     comp: Box<dyn KvCache>,
     ids: &[u32],
     context: usize,
-) -> Result<(AttentionError, minikv_core::MemoryReport)> {
+) -> Result<(AttentionError, minikv_core::MemoryReport, serde_json::Value)> {
     check_context(ids, context)?;
     let mut probe = minikv_core::AttentionProbe::new(full, comp)?;
     let mut w = Workspace::default();
@@ -172,6 +172,7 @@ pub fn attention_error(
             per_layer_cosine,
         },
         probe.shadow().memory(),
+        probe.diagnostics(),
     ))
 }
 

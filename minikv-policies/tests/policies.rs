@@ -339,3 +339,101 @@ fn ada_kv_heads_are_ragged_and_memory_shrinks() {
     let bytes: Vec<usize> = m.layers[0].heads.iter().map(|h| h.fp).collect();
     assert!(bytes.iter().min() < bytes.iter().max(), "{bytes:?}");
 }
+
+/// Runs a 1-layer prompt of `t` tokens plus 3 decode steps; returns the decode
+/// outputs and the cache.
+fn run_reskv(toml: &str, t: usize) -> (Vec<f32>, Box<dyn KvCache>) {
+    let spec = ModelSpec {
+        n_layers: 1,
+        n_q_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+        max_seq_len: 256,
+    };
+    let mut c = tiny(spec, toml);
+    let (kv, qd) = (16, 32);
+    let mut out = vec![0.0; t * qd];
+    c.append(0, &noise(t * kv, 1), &noise(t * kv, 2), t)
+        .unwrap();
+    c.attend(0, &noise(t * qd, 3), t, &mut out).unwrap();
+    c.end_prefill().unwrap();
+    let mut outs = Vec::new();
+    for step in 0..3 {
+        c.append(0, &noise(kv, 10 + step), &noise(kv, 20 + step), 1)
+            .unwrap();
+        c.attend(0, &noise(qd, 30 + step), 1, &mut out[..qd])
+            .unwrap();
+        outs.extend_from_slice(&out[..qd]);
+    }
+    (outs, c)
+}
+
+/// ResKV (§7): with r = 0 (ratio 0, or a proxy that never clears `delta`) it
+/// is exactly plain selection; with r > 0 each head holds b - r exact tokens
+/// plus r cluster entries whose counts cover every evicted token, the memory
+/// report counts the cluster bytes, and the decode output changes.
+#[test]
+fn reskv_splits_the_budget_and_reduces_to_plain_selection_at_r0() {
+    let base = "[cache]\nheavy_tokens = 12\nrecent_tokens = 4\nscorer = { type = \"snapkv\", window = 4, kernel = 3, pooling = \"max\" }\n";
+    let t = 64;
+    let (plain, _) = run_reskv(base, t);
+    let (r0, c0) = run_reskv(&format!("{base}[cache.reskv]\nratio = 0.0\n"), t);
+    assert_eq!(plain, r0);
+    assert!(c0.memory().layers[0].heads.iter().all(|h| h.clusters == 0));
+    let (never, _) = run_reskv(
+        &format!("{base}[cache.reskv]\nselect = \"proxy\"\ndelta = 0.999\nheld_out = 4\n"),
+        t,
+    );
+    assert_eq!(plain, never, "a proxy that needs 99.9% gain keeps r = 0");
+    let (with, c) = run_reskv(&format!("{base}[cache.reskv]\nratio = 0.25\n"), t);
+    assert_ne!(plain, with);
+    assert!(with.iter().all(|x| x.is_finite()));
+    let m = c.memory();
+    for h in &m.layers[0].heads {
+        // b = 16 slots: 12 exact tokens (+3 decoded) and 4 cluster entries.
+        assert_eq!(h.tokens, 12 + 3);
+        // f32 mean key + mean value + bias, u32 count.
+        assert_eq!(h.clusters, 4 * (8 + 8 + 1 + 1) * 4);
+    }
+    let d = c.diagnostics();
+    let st = &d["reskv"]["mean"];
+    assert_eq!(st["clusters"], 4.0);
+    assert_eq!(st["evicted"], (t - 12) as f64);
+    for k in [
+        "eta",
+        "denominator_error",
+        "numerator_error",
+        "output_error",
+    ] {
+        assert!(st[k].as_f64().unwrap().is_finite(), "{k}: {d}");
+    }
+}
+
+/// ResKV config errors name the field.
+#[test]
+fn reskv_config_errors() {
+    for (toml, want) in [
+        ("[cache.reskv]\nratio = 0.1\n", "cache.reskv"),
+        (
+            "[cache]\nheavy = 0.2\nscorer = { type = \"h2o\" }\n[cache.reskv]\nratio = 1.2\n",
+            "cache.reskv.ratio",
+        ),
+        (
+            "[cache]\nheavy = 0.2\nscorer = { type = \"h2o\" }\n[cache.reskv]\nratoi = 0.1\n",
+            "ratoi",
+        ),
+        (
+            "[cache]\nheavy = 0.2\ndecode = \"evict\"\nscorer = { type = \"h2o\" }\n[cache.reskv]\n",
+            "evict",
+        ),
+    ] {
+        let err = RunConfig::parse(toml, false)
+            .and_then(|mut c| {
+                c.resolve()?;
+                c.validate(None)
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(want), "{toml}: {err}");
+    }
+}

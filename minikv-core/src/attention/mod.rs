@@ -46,8 +46,11 @@ pub struct ClusterView<'a> {
     pub keys: &'a [f32],
     /// Mean values `[c][d]`.
     pub values: &'a [f32],
-    /// Logit bias per entry `[c]`.
+    /// Logit bias per entry `[c]` (`beta * log(count)`).
     pub bias: &'a [f32],
+    /// Dynamic gate: `log g(q)` is added to every entry's logit, with `g`
+    /// computed from the query's attention over the head's exact tokens.
+    pub gate: Option<crate::reskv::Gate>,
 }
 
 /// One storage head of a compressed layer, as decode attention sees it.

@@ -81,8 +81,22 @@ impl AttentionBackend for ReferenceBackend {
                     .map(|t| dot64(q, &keys[t * d..(t + 1) * d]) * scale)
                     .collect();
                 if let Some(c) = head.clusters {
+                    // Gate: largest exact-token probability s, g = max(g_min, sigmoid(alpha (tau - s))).
+                    let log_g = c.gate.map_or(0.0, |gt| {
+                        let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+                        let s = if n == 0 { 0.0 } else { 1.0 / z };
+                        let g = (1.0 / (1.0 + (-(gt.alpha as f64) * (gt.tau as f64 - s)).exp()))
+                            .max(gt.g_min as f64)
+                            .max(1e-30);
+                        g.ln()
+                    });
                     for e in 0..nc {
-                        sc.push(dot64(q, &c.keys[e * d..(e + 1) * d]) * scale + c.bias[e] as f64);
+                        sc.push(
+                            dot64(q, &c.keys[e * d..(e + 1) * d]) * scale
+                                + c.bias[e] as f64
+                                + log_g,
+                        );
                     }
                 }
                 let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);

@@ -254,9 +254,12 @@ impl AttentionBackend for TiledBackend {
                 if let Some(c) = head.clusters {
                     for j in 0..g {
                         let qj = &qs[j * d..(j + 1) * d];
+                        let log_g = c.gate.map_or(0.0, |gt| {
+                            gt.log_g_of_logits(&sc[j * stride..j * stride + n])
+                        });
                         for e in 0..nc {
                             sc[j * stride + n + e] =
-                                dot(qj, &c.keys[e * d..(e + 1) * d]) + c.bias[e];
+                                dot(qj, &c.keys[e * d..(e + 1) * d]) + c.bias[e] + log_g;
                         }
                     }
                 }
