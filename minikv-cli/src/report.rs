@@ -249,10 +249,13 @@ pub struct Paired {
 }
 
 impl Paired {
-    /// "A better", "B better" or "no difference" at 95%.
+    /// "A better", "B better" or "no significant difference" at 95%
+    /// ("n/a" with a single unit).
     pub fn verdict(&self) -> &'static str {
         let (_, hb) = primary_metric(&self.task);
-        if self.n < 2 || !(self.lo > 0.0 || self.hi < 0.0) {
+        if self.n < 2 {
+            "n/a (1 unit)"
+        } else if !(self.lo > 0.0 || self.hi < 0.0) {
             "no significant difference"
         } else if (self.lo > 0.0) == hb {
             "A better"
