@@ -342,7 +342,7 @@ pub fn pareto(points: &[(f64, f64)], higher_better: bool) -> Vec<usize> {
 /// Markdown report text.
 pub fn markdown(aggs: &[Agg], pairs: &[Paired]) -> String {
     let mut s = String::from(
-        "# minikv report\n\nMean and 95% interval: Student-t over every text window (seeds x trials), Wilson over all trials for retrieval accuracy. `kv/fp16` is KV bytes actually allocated over the full fp16 cache.\n",
+        "# minikv report\n\nMean and 95% interval: Student-t over every text window (seeds x trials), Wilson over all trials for retrieval accuracy. `kv/fp16` is KV bytes actually allocated (codes, scales, fp16 rows, indices, clusters and allocation slack: the full cache itself reads slightly above 1) over the bytes of a full fp16 cache of the same tokens.\n",
     );
     let mut task = "";
     for a in aggs {
