@@ -30,8 +30,12 @@ struct Head {
     cap: usize,
     /// Recent window protected from decode-time eviction.
     recent: usize,
-    /// ResKV residual clusters of the evicted tokens.
-    clusters: Clusters,
+    /// ResKV residual clusters of the evicted tokens: mean keys and values in
+    /// fp16 stores, `beta * ln(count)` biases and counts.
+    ck: Box<dyn FpStore>,
+    cv: Box<dyn FpStore>,
+    cbias: Vec<f32>,
+    ccount: Vec<u32>,
 }
 
 #[derive(Debug, Default)]
@@ -46,6 +50,8 @@ struct Layer {
     window: Vec<f32>,
     heads: Vec<Head>,
     probs: Vec<Vec<f32>>,
+    /// Per head: cluster keys then values as f32 for decode (filled once).
+    cbuf: Vec<Vec<f32>>,
 }
 
 /// The cache built from a [`CacheConfig`].
@@ -138,7 +144,10 @@ impl LayeredCache {
             score: Vec::new(),
             cap: usize::MAX,
             recent: 0,
-            clusters: Clusters::default(),
+            ck: st.fp_store(d),
+            cv: st.fp_store(d),
+            cbias: Vec::new(),
+            ccount: Vec::new(),
         })
     }
 
@@ -279,20 +288,36 @@ impl LayeredCache {
         let gate = self.cfg.reskv.as_ref().and_then(|c| c.gate());
         let l = &mut self.layers[layer];
         let mut probs = std::mem::take(&mut l.probs);
+        // Cluster entries are stored in fp16; decode reads an f32 copy made
+        // once per head (they never change after prefill).
+        l.cbuf.resize_with(l.heads.len(), Vec::new);
+        for (h, buf) in l.heads.iter().zip(&mut l.cbuf) {
+            let nc = h.ccount.len();
+            if buf.len() != 2 * nc * d {
+                buf.resize(2 * nc * d, 0.0);
+                let (k, v) = buf.split_at_mut(nc * d);
+                h.ck.to_f32(k);
+                h.cv.to_f32(v);
+            }
+        }
         {
             let views: Vec<HeadView<'_>> = l
                 .heads
                 .iter()
-                .map(|h| HeadView {
+                .zip(&l.cbuf)
+                .map(|(h, buf)| HeadView {
                     quant_keys: h.qk.as_deref(),
                     quant_values: h.qv.as_deref(),
                     fp_keys: h.fk.as_ref(),
                     fp_values: h.fv.as_ref(),
-                    clusters: (!h.clusters.is_empty()).then(|| ClusterView {
-                        keys: &h.clusters.keys,
-                        values: &h.clusters.values,
-                        bias: &h.clusters.bias,
-                        gate,
+                    clusters: (!h.ccount.is_empty()).then(|| {
+                        let (keys, values) = buf.split_at(buf.len() / 2);
+                        ClusterView {
+                            keys,
+                            values,
+                            bias: &h.cbias,
+                            gate,
+                        }
                     }),
                 })
                 .collect();
@@ -539,7 +564,12 @@ impl LayeredCache {
             };
             let h = &mut l.heads[s];
             if let Some(c) = clusters.get_mut(s) {
-                h.clusters = std::mem::take(c);
+                let c = std::mem::take(c);
+                h.ck.push(&c.keys);
+                h.cv.push(&c.values);
+                h.ck.shrink();
+                h.cv.shrink();
+                (h.cbias, h.ccount) = (c.bias, c.counts);
             }
             let nqk = if h.qk.is_some() { nqk } else { 0 };
             let nqv = if h.qv.is_some() { nqv } else { 0 };
@@ -834,7 +864,9 @@ impl KvCache for LayeredCache {
                             quant_scales: scales,
                             fp: h.fk.bytes() + h.fv.bytes(),
                             indices: h.pos.capacity() * 4 + h.score.capacity() * 4,
-                            clusters: h.clusters.bytes(),
+                            clusters: h.ck.bytes()
+                                + h.cv.bytes()
+                                + 4 * (h.cbias.capacity() + h.ccount.capacity()),
                         }
                     })
                     .collect();

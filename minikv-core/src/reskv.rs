@@ -312,9 +312,9 @@ impl HeadRows<'_> {
 /// Cluster entries of one head.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Clusters {
-    /// Mean keys `[c][d]`.
+    /// Mean keys `[c][d]` (rounded to fp16, as stored).
     pub keys: Vec<f32>,
-    /// Mean values `[c][d]`.
+    /// Mean values `[c][d]` (rounded to fp16, as stored).
     pub values: Vec<f32>,
     /// Members per cluster.
     pub counts: Vec<u32>,
@@ -339,6 +339,11 @@ impl Clusters {
             let inv = 1.0 / n as f32;
             cv[j * d..(j + 1) * d].iter_mut().for_each(|x| *x *= inv);
         }
+        // Entries are stored in fp16: use the stored values from here on.
+        let mut ck = ck;
+        for x in ck.iter_mut().chain(cv.iter_mut()) {
+            *x = half::f16::from_f32(*x).to_f32();
+        }
         let bias = counts.iter().map(|&n| beta * (n as f32).ln()).collect();
         Self {
             keys: ck,
@@ -358,12 +363,9 @@ impl Clusters {
         self.counts.is_empty()
     }
 
-    /// Bytes allocated (f32 keys, values, bias; u32 counts).
+    /// Bytes as a cache stores them: fp16 keys and values, f32 bias, u32 counts.
     pub fn bytes(&self) -> usize {
-        4 * (self.keys.capacity()
-            + self.values.capacity()
-            + self.bias.capacity()
-            + self.counts.capacity())
+        2 * (self.keys.len() + self.values.len()) + 4 * (self.bias.len() + self.counts.len())
     }
 }
 
@@ -567,7 +569,7 @@ mod tests {
     #[test]
     fn one_cluster_per_evicted_token_is_exact() {
         // Every evicted token its own cluster (count 1, bias 0), no gate: the
-        // same softmax as the full prompt.
+        // same softmax as the full prompt, up to fp16 storage.
         let (t, d) = (40, 8);
         let (k, v) = data(t, d);
         let main: Vec<u32> = (0..t as u32).filter(|p| p % 3 == 0).collect();
@@ -581,9 +583,10 @@ mod tests {
         assert_eq!(c.len(), ev.len());
         let q: Vec<f32> = (0..4 * d).map(|i| (i as f32 * 0.3).sin()).collect();
         let s = residual_stats(&q, rows, &main, &ev, &c, None);
-        assert!(s.eta < 1e-6 && s.denominator_error < 1e-5, "{s:?}");
-        assert!(s.numerator_error < 1e-5 && s.output_error < 1e-6, "{s:?}");
-        assert!(s.output_error_dropped > 1e-3, "{s:?}");
+        // Up to the fp16 rounding of the stored entries (2^-11 relative).
+        assert!(s.eta < 1e-3 && s.denominator_error < 1e-3, "{s:?}");
+        assert!(s.numerator_error < 2e-3 && s.output_error < 2e-3, "{s:?}");
+        assert!(s.output_error_dropped > 0.1, "{s:?}");
     }
 
     #[test]
@@ -606,7 +609,8 @@ mod tests {
                 .map(|j| c.values[j * d + ch] * c.counts[j] as f32)
                 .sum::<f32>()
                 / 55.0;
-            assert!((direct - via).abs() < 1e-5);
+            // fp16 storage of the means: |error| <= 2^-11 |mean| per cluster.
+            assert!((direct - via).abs() < 1e-3, "{direct} vs {via}");
         }
         for (b, &n) in c.bias.iter().zip(&c.counts) {
             assert_eq!(*b, (n as f32).ln());

@@ -392,8 +392,8 @@ fn reskv_splits_the_budget_and_reduces_to_plain_selection_at_r0() {
     for h in &m.layers[0].heads {
         // b = 16 slots: 12 exact tokens (+3 decoded) and 4 cluster entries.
         assert_eq!(h.tokens, 12 + 3);
-        // f32 mean key + mean value + bias, u32 count.
-        assert_eq!(h.clusters, 4 * (8 + 8 + 1 + 1) * 4);
+        // fp16 mean key + mean value, f32 bias, u32 count.
+        assert_eq!(h.clusters, 4 * ((8 + 8) * 2 + 4 + 4));
     }
     let d = c.diagnostics();
     let st = &d["reskv"]["mean"];
