@@ -321,7 +321,10 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
                         row["model_sha256"] = json!(model_sha);
                         row["git_rev"] = json!(rev);
                         let mut f = file.lock().expect("lock");
-                        writeln!(f, "{}", serde_json::to_string(&row).expect("json"))
+                        // One write per row (line and newline together): appends from
+                        // several processes to one file never interleave within a line.
+                        let line = format!("{}\n", serde_json::to_string(&row).expect("json"));
+                        f.write_all(line.as_bytes())
                             .and_then(|_| f.flush())
                             .map_err(|e| Error::io(&a.out, e))
                     });
