@@ -339,6 +339,15 @@ pub fn pareto(points: &[(f64, f64)], higher_better: bool) -> Vec<usize> {
         .collect()
 }
 
+/// `[lo, hi]` to 4 decimals, or `none` when there is no interval.
+fn interval(lo: f64, hi: f64, none: &str) -> String {
+    if lo.is_finite() {
+        format!("[{lo:.4}, {hi:.4}]")
+    } else {
+        none.to_string()
+    }
+}
+
 /// Markdown report text.
 pub fn markdown(aggs: &[Agg], pairs: &[Paired]) -> String {
     let mut s = String::from(
@@ -355,11 +364,7 @@ pub fn markdown(aggs: &[Agg], pairs: &[Paired]) -> String {
                 if hb { "higher" } else { "lower" }
             );
         }
-        let ci = if a.lo.is_finite() {
-            format!("[{:.4}, {:.4}]", a.lo, a.hi)
-        } else {
-            "n/a (1 unit)".into()
-        };
+        let ci = interval(a.lo, a.hi, "n/a (1 unit)");
         let _ = writeln!(
             s,
             "| {} | {:.4} | {ci} | {} | {} | {:.3} | `{}` |",
@@ -369,11 +374,7 @@ pub fn markdown(aggs: &[Agg], pairs: &[Paired]) -> String {
     if !pairs.is_empty() {
         s.push_str("\n## Paired differences (A - B over the same windows / trials, Student-t 95%)\n\n| task | A | B | metric | A - B | 95% CI | n | verdict |\n|---|---|---|---|---|---|---|---|\n");
         for p in pairs {
-            let ci = if p.lo.is_finite() {
-                format!("[{:.4}, {:.4}]", p.lo, p.hi)
-            } else {
-                "n/a".into()
-            };
+            let ci = interval(p.lo, p.hi, "n/a");
             let _ = writeln!(
                 s,
                 "| {} | {} | {} | {} | {:+.4} | {ci} | {} | {} |",

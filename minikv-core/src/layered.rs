@@ -472,40 +472,46 @@ impl LayeredCache {
                     let c = Clusters::build(rows, &evicted, r, rc.iters, rc.beta);
                     (main, evicted, c)
                 };
-                let stats_of = |(main, evicted, c): &(Vec<u32>, Vec<u32>, Clusters)| {
-                    crate::reskv::residual_stats(&qs, rows, main, evicted, c, gate)
-                };
-                let chosen = match rc.select {
-                    RatioSelect::Fixed => split(rc.ratio),
-                    RatioSelect::Proxy => {
-                        let base = split(0.0);
-                        let e0 = stats_of(&base).output_error;
-                        let mut best = (e0, base);
-                        for &c in rc.candidates.iter().filter(|&&c| c > 0.0) {
-                            let cand = split(c);
-                            let e = stats_of(&cand).output_error;
-                            if e < best.0 {
-                                best = (e, cand);
-                            }
-                        }
-                        // Keep r = 0 unless the best is `delta` better.
-                        if best.0 <= (1.0 - rc.delta) * e0 {
-                            best.1
-                        } else {
-                            split(0.0)
-                        }
-                    }
-                };
-                let st = if w > 0 {
-                    stats_of(&chosen)
+                // The full-prompt reference outputs, once per head.
+                let full = if w > 0 {
+                    crate::reskv::full_outputs(&qs, rows, t)
                 } else {
-                    ResidualStats {
-                        evicted: chosen.1.len(),
-                        clusters: chosen.2.len(),
-                        ..Default::default()
-                    }
+                    Vec::new()
                 };
-                (chosen.0, chosen.2, st)
+                let with_stats = |ratio: f64| {
+                    let (main, evicted, c) = split(ratio);
+                    let st = if w > 0 {
+                        crate::reskv::residual_stats(&qs, &full, rows, &main, &evicted, &c, gate)
+                    } else {
+                        ResidualStats {
+                            evicted: evicted.len(),
+                            clusters: c.len(),
+                            ..Default::default()
+                        }
+                    };
+                    (main, c, st)
+                };
+                match rc.select {
+                    RatioSelect::Fixed => with_stats(rc.ratio),
+                    RatioSelect::Proxy => {
+                        let base = with_stats(0.0);
+                        let best = rc
+                            .candidates
+                            .iter()
+                            .filter(|&&c| c > 0.0)
+                            .map(|&c| with_stats(c))
+                            .min_by(|a, b| a.2.output_error.total_cmp(&b.2.output_error));
+                        // Keep r = 0 unless the best is `delta` better.
+                        match best {
+                            Some(b)
+                                if b.2.output_error <= (1.0 - rc.delta) * base.2.output_error =>
+                            {
+                                b
+                            }
+                            _ => base,
+                        }
+                    }
+                }
             })
             .collect::<Vec<_>>()
             .into_iter()

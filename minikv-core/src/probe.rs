@@ -110,9 +110,9 @@ impl KvCache for AttentionProbe {
         self.shadow.attend(layer, q, n, &mut self.scratch)?;
         if self.shadow.phase() == Phase::Decode {
             let d = self.spec().head_dim;
-            let a = self.acc.get_mut(layer).ok_or(Error::Input(format!(
-                "attention probe: layer {layer} out of range"
-            )))?;
+            let a = self.acc.get_mut(layer).ok_or_else(|| {
+                Error::Input(format!("attention probe: layer {layer} out of range"))
+            })?;
             for (r, s) in out.chunks_exact(d).zip(self.scratch.chunks_exact(d)) {
                 let (mut dd, mut rr, mut ss, mut rs) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
                 for (&x, &y) in r.iter().zip(s) {

@@ -320,6 +320,9 @@ pub struct Clusters {
     pub counts: Vec<u32>,
     /// `beta * ln(count)` per cluster.
     pub bias: Vec<f32>,
+    /// The cluster of each summarized token, in the order given to
+    /// [`Clusters::build`] (not stored by caches).
+    pub assign: Vec<u32>,
 }
 
 impl Clusters {
@@ -350,6 +353,7 @@ impl Clusters {
             values: cv,
             counts,
             bias,
+            assign,
         }
     }
 
@@ -436,10 +440,26 @@ pub struct ResidualStats {
     pub output_error_dropped: f64,
 }
 
-/// [`ResidualStats`] of one head on `queries` (`[w][d]`, unscaled); `main`
-/// and `evicted` partition the `t` prompt rows.
+/// Attention outputs (`[w][d]`, f64) of `queries` over all `t` prompt rows:
+/// the reference of [`residual_stats`], computed once per head.
+pub fn full_outputs(queries: &[f32], rows: HeadRows<'_>, t: usize) -> Vec<f64> {
+    let all: Vec<u32> = (0..t as u32).collect();
+    let empty = Clusters::default();
+    let mut out = vec![0.0; queries.len()];
+    for (q, o) in queries
+        .chunks_exact(rows.d)
+        .zip(out.chunks_exact_mut(rows.d))
+    {
+        attend_one(q, rows, &all, &empty, None, o);
+    }
+    out
+}
+
+/// [`ResidualStats`] of one head on `queries` (`[w][d]`, unscaled), against
+/// their [`full_outputs`]; `clusters` must be built from `evicted`.
 pub fn residual_stats(
     queries: &[f32],
+    full: &[f64],
     rows: HeadRows<'_>,
     main: &[u32],
     evicted: &[u32],
@@ -447,38 +467,14 @@ pub fn residual_stats(
     gate: Option<Gate>,
 ) -> ResidualStats {
     let d = rows.d;
-    let t = main.len() + evicted.len();
     let scale = 1.0 / (d as f32).sqrt();
     let ck = &clusters.keys;
-    // Each evicted token's cluster: the nearest mean key.
-    let assign: Vec<usize> = evicted
-        .iter()
-        .map(|&p| {
-            let k = rows.key(p);
-            (0..clusters.len())
-                .min_by(|&a, &b| {
-                    let da: f32 = k
-                        .iter()
-                        .zip(&ck[a * d..(a + 1) * d])
-                        .map(|(x, y)| (x - y) * (x - y))
-                        .sum();
-                    let db: f32 = k
-                        .iter()
-                        .zip(&ck[b * d..(b + 1) * d])
-                        .map(|(x, y)| (x - y) * (x - y))
-                        .sum();
-                    da.total_cmp(&db)
-                })
-                .unwrap_or(0)
-        })
-        .collect();
-    let all: Vec<u32> = (0..t as u32).collect();
     let empty = Clusters::default();
     let (mut eta, mut neta) = (0.0f64, 0usize);
     let (mut den, mut num, mut nq) = (0.0f64, 0.0f64, 0usize);
     let (mut e_c, mut e_d, mut ref_n) = (0.0f64, 0.0f64, 0.0f64);
-    let (mut o_full, mut o_c, mut o_d) = (vec![0.0; d], vec![0.0; d], vec![0.0; d]);
-    for q in queries.chunks_exact(d) {
+    let (mut o_c, mut o_d) = (vec![0.0; d], vec![0.0; d]);
+    for (q, o_full) in queries.chunks_exact(d).zip(full.chunks_exact(d)) {
         let lmain: Vec<f32> = main
             .iter()
             .map(|&p| crate::kernels::dot(q, rows.key(p)) * scale)
@@ -493,7 +489,7 @@ pub fn residual_stats(
             .collect();
         for (i, &l) in le.iter().enumerate() {
             if !clusters.is_empty() {
-                eta += (l - lc[assign[i]]).abs() as f64;
+                eta += (l - lc[clusters.assign[i] as usize]).abs() as f64;
                 neta += 1;
             }
         }
@@ -531,7 +527,6 @@ pub fn residual_stats(
             num += if nn > 0.0 { dn / nn } else { 0.0 };
             nq += 1;
         }
-        attend_one(q, rows, &all, &empty, None, &mut o_full);
         attend_one(q, rows, main, clusters, gate, &mut o_c);
         attend_one(q, rows, main, &empty, None, &mut o_d);
         for c in 0..d {
@@ -582,7 +577,8 @@ mod tests {
         let c = Clusters::build(rows, &ev, ev.len(), 3, 1.0);
         assert_eq!(c.len(), ev.len());
         let q: Vec<f32> = (0..4 * d).map(|i| (i as f32 * 0.3).sin()).collect();
-        let s = residual_stats(&q, rows, &main, &ev, &c, None);
+        let full = full_outputs(&q, rows, t);
+        let s = residual_stats(&q, &full, rows, &main, &ev, &c, None);
         // Up to the fp16 rounding of the stored entries (2^-11 relative).
         assert!(s.eta < 1e-3 && s.denominator_error < 1e-3, "{s:?}");
         assert!(s.numerator_error < 2e-3 && s.output_error < 2e-3, "{s:?}");
@@ -639,26 +635,24 @@ mod tests {
 
     #[test]
     fn validation_names_the_field() {
-        let c = ResKvConfig {
-            ratio: 1.5,
-            ..Default::default()
-        };
-        assert!(
-            c.validate()
-                .unwrap_err()
-                .to_string()
-                .contains("cache.reskv.ratio")
-        );
-        let c = ResKvConfig {
-            iters: 0,
-            ..Default::default()
-        };
-        assert!(
-            c.validate()
-                .unwrap_err()
-                .to_string()
-                .contains("cache.reskv.iters")
-        );
+        for (c, field) in [
+            (
+                ResKvConfig {
+                    ratio: 1.5,
+                    ..Default::default()
+                },
+                "cache.reskv.ratio",
+            ),
+            (
+                ResKvConfig {
+                    iters: 0,
+                    ..Default::default()
+                },
+                "cache.reskv.iters",
+            ),
+        ] {
+            assert!(c.validate().unwrap_err().to_string().contains(field));
+        }
         assert!(ResKvConfig::default().validate().is_ok());
         let e = serde_json::from_value::<ResKvConfig>(serde_json::json!({"ratoi": 0.1}));
         assert!(e.unwrap_err().to_string().contains("ratoi"));
