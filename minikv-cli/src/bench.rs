@@ -63,7 +63,7 @@ impl Heads {
                 quant_values: self.qv[s].as_deref(),
                 fp_keys: &self.fk[s],
                 fp_values: &self.fv[s],
-                clusters: None,
+                extra: None,
             })
             .collect()
     }
@@ -89,8 +89,8 @@ fn build(a: &AttentionArgs, bits: Option<u32>) -> Result<Heads> {
     for s in 0..a.kv_heads {
         let k = data(t * d, 17 + s as u32);
         let v = data(t * d, 91 + s as u32);
-        let mut fk = Fp16Rows::new(d);
-        let mut fv = Fp16Rows::new(d);
+        let mut fk = Fp16Rows::new(d, 256);
+        let mut fv = Fp16Rows::new(d, 256);
         match bits {
             None => {
                 fk.push(&k);
@@ -107,14 +107,14 @@ fn build(a: &AttentionArgs, bits: Option<u32>) -> Result<Heads> {
                     axis: Axis::Channel,
                     scale_dtype: ScaleDtype::F16,
                 }
-                .new_store(d)?;
+                .new_store(d, 256)?;
                 let mut qv = MinMax {
                     bits: b,
                     group: g,
                     axis: Axis::Token,
                     scale_dtype: ScaleDtype::F16,
                 }
-                .new_store(d)?;
+                .new_store(d, 256)?;
                 qk.append(&k[..nq * d])?;
                 qv.append(&v[..nq * d])?;
                 qk.shrink();

@@ -97,20 +97,19 @@ pub fn load_model(m: &ModelArg) -> Result<Loaded> {
 }
 
 pub fn build_cache(model: &dyn LanguageModel, cfg: &RunConfig) -> Result<Box<dyn KvCache>> {
-    let b = CacheBuilder::new(model.spec());
-    let b = if cfg.backend == "cuda" {
-        b.backend(minikv_kernels::cuda_backend()?)
-    } else {
-        b.cpu_backend(&cfg.backend)?
-    };
-    b.build(&cfg.cache)
+    CacheBuilder::new(model.spec())
+        .named_backend(&cfg.backend)?
+        .build(&cfg.cache)
 }
 
 pub fn memory_json(m: &MemoryReport) -> serde_json::Value {
     json!({
-        "kv_bytes": m.total_bytes(),
+        "kv_bytes": m.used_bytes(),
+        "kv_bytes_allocated": m.total_bytes(),
         "full_fp16_bytes": m.full_fp16_bytes,
-        "compression_ratio": m.ratio(),
+        "compression_ratio": m.used_bytes() as f64 / m.full_fp16_bytes.max(1) as f64,
+        "allocated_ratio": m.ratio(),
+        "work": m.work + m.layers.iter().map(|l| l.work).sum::<usize>(),
         "tokens_seen": m.seq_len,
         "quant_codes": m.sum(|h| h.quant_codes),
         "quant_scales": m.sum(|h| h.quant_scales),
@@ -420,7 +419,7 @@ pub fn budgets(a: &BudgetsArgs) -> Result<()> {
                     "this config has no scorer/policy: it keeps every token".into(),
                 ));
             };
-            if policy.layer_statistic().is_some() {
+            if policy.needs() != minikv_core::Needs::default() {
                 return Err(Error::Input("this policy sets budgets from attention statistics of a model run: pass --model and --text".into()));
             }
             let req = BudgetRequest {
@@ -433,7 +432,7 @@ pub fn budgets(a: &BudgetsArgs) -> Result<()> {
                     .recent_tokens
                     .unwrap_or_else(|| (t as f64 * c.recent.unwrap_or(0.0)).floor() as usize),
                 sinks: c.sinks,
-                layer_stats: None,
+                layers: &[],
             };
             let b = policy.layer_budgets(&req)?;
             let sel = serde_json::to_value(c.selector.as_ref().expect("resolved")).expect("json");

@@ -351,7 +351,7 @@ fn interval(lo: f64, hi: f64, none: &str) -> String {
 /// Markdown report text.
 pub fn markdown(aggs: &[Agg], pairs: &[Paired]) -> String {
     let mut s = String::from(
-        "# minikv report\n\nMean and 95% interval: Student-t over every text window (seeds x trials), Wilson over all trials for retrieval accuracy. `kv/fp16` is KV bytes actually allocated (codes, scales, fp16 rows, indices, clusters and allocation slack: the full cache itself reads slightly above 1) over the bytes of a full fp16 cache of the same tokens.\n",
+        "# minikv report\n\nMean and 95% interval: Student-t over every text window (seeds x trials), Wilson over all trials for retrieval accuracy. `kv/fp16` is the bytes the cache holds (packed codes, scales and minimums, fp16 rows, positions and scores, extra entries, counted from the stores' contents) over the bytes of a full fp16 cache of the same tokens; the rows also carry `kv_bytes_allocated`, which adds page-growth slack (under one page per store), staging and work buffers.\n",
     );
     let mut task = "";
     for a in aggs {

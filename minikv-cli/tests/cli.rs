@@ -37,7 +37,7 @@ fn components_lists_every_extension_point() {
         .collect();
     assert_eq!(
         points.into_iter().collect::<Vec<_>>(),
-        ["policy", "quantizer", "scorer", "selector"]
+        ["compensator", "policy", "quantizer", "scorer", "selector"]
     );
     let snap = v
         .as_array()
@@ -280,7 +280,9 @@ fn reskv_runs_on_the_real_model_and_reports_its_statistics() {
     let mem = &v["memory"];
     let b = |k: &str| mem[k].as_u64().unwrap();
     assert!(
-        b("clusters") > 0 && b("kv_bytes") == b("fp16") + b("clusters") + b("indices"),
+        b("clusters") > 0
+            && b("kv_bytes_allocated") == b("fp16") + b("clusters") + b("indices") + b("work")
+            && b("kv_bytes") <= b("kv_bytes_allocated"),
         "{mem}"
     );
 }

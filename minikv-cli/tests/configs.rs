@@ -3,6 +3,7 @@
 
 use minikv_core::{BudgetRequest, RunConfig, components};
 use minikv_policies as _;
+use minikv_policies::budgets::budgets_from_statistics;
 use minikv_quant as _;
 use std::path::{Path, PathBuf};
 
@@ -201,9 +202,15 @@ fn budget_tables_of_presets() {
                 .recent_tokens
                 .unwrap_or((t as f64 * c.recent.unwrap_or(0.0)) as usize),
             sinks: c.sinks,
-            layer_stats: Some(&stats),
+            layers: &[],
         };
-        let b = policy.layer_budgets(&req).unwrap();
+        let kind = serde_json::to_value(policy).unwrap()["type"].clone();
+        let b = match kind.as_str() {
+            Some("var_prop") => budgets_from_statistics(&req, &stats, false, "var_prop"),
+            Some("var_inv") => budgets_from_statistics(&req, &stats, true, "var_inv"),
+            _ => policy.layer_budgets(&req),
+        }
+        .unwrap();
         let heavy: Vec<usize> = b.iter().map(|x| x.heavy).collect();
         table.insert(name(&p), serde_json::json!({"recent": b[0].recent, "sinks": c.sinks, "heavy": heavy, "heavy_total": heavy.iter().sum::<usize>()}));
     }

@@ -1,6 +1,6 @@
 //! Budget policies: how many tokens each layer (and optionally head) keeps.
 
-use crate::{Error, Result};
+use crate::{Error, LayerSignals, Needs, Result};
 use std::fmt::Debug;
 
 /// The budget of one layer, in tokens per (storage) head.
@@ -25,55 +25,25 @@ pub struct BudgetRequest<'a> {
     pub recent: usize,
     /// Attention sinks (first tokens) that are always kept.
     pub sinks: usize,
-    /// Per-layer statistic (for var-prop / var-inv), if the policy asked for it.
-    pub layer_stats: Option<&'a [f32]>,
-}
-
-/// Which per-layer statistic a policy needs from prefill.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum LayerStatistic {
-    /// Variance over positions of `A_cumul`, averaged over query heads (MiniKV §4.2).
-    #[default]
-    CumulVariance,
-    /// Standard deviation over positions of `A_cumul`, averaged over query heads.
-    CumulStd,
-    /// Entropy of the normalized `A_cumul` distribution, averaged over query heads.
-    CumulEntropy,
-}
-
-impl LayerStatistic {
-    /// Computes the statistic of one layer from `A_cumul` `[Hq][T]`.
-    pub fn compute(self, cumul: &[f32], hq: usize, t: usize) -> f32 {
-        let mut acc = 0.0f64;
-        for h in 0..hq {
-            let row = &cumul[h * t..(h + 1) * t];
-            let n = t as f64;
-            let mean = row.iter().map(|&x| x as f64).sum::<f64>() / n;
-            let var = row.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
-            acc += match self {
-                LayerStatistic::CumulVariance => var,
-                LayerStatistic::CumulStd => var.sqrt(),
-                LayerStatistic::CumulEntropy => {
-                    let s: f64 = row.iter().map(|&x| x as f64).sum();
-                    -row.iter()
-                        .map(|&x| x as f64 / s)
-                        .filter(|&p| p > 0.0)
-                        .map(|p| p * p.ln())
-                        .sum::<f64>()
-                }
-            };
-        }
-        (acc / hq as f64) as f32
-    }
+    /// Per layer, the signals the cache collected during prefill (`A_cumul`,
+    /// keys, values, the last prompt queries: whatever the policy's and the
+    /// scorer's [`Needs`] asked for). Empty when the caller has none (e.g.
+    /// `minikv budgets` without a model); a policy that needs them then
+    /// returns a clear error.
+    pub layers: &'a [LayerSignals<'a>],
 }
 
 /// A layer-budget policy. Implementations live in `minikv-policies`.
+///
+/// A signal-driven policy (MiniKV's var-prop, or anything that reads key
+/// norms, attention entropy, ...) says what it needs in
+/// [`needs`](SelectionPolicy::needs) and reads it per layer from
+/// [`BudgetRequest::layers`].
 #[typetag::serde(tag = "type")]
-pub trait SelectionPolicy: Send + Sync + Debug {
-    /// The per-layer statistic this policy needs, if any.
-    fn layer_statistic(&self) -> Option<LayerStatistic> {
-        None
+pub trait SelectionPolicy: Send + Sync + Debug + dyn_clone::DynClone {
+    /// What the cache must collect during prefill for this policy.
+    fn needs(&self) -> Needs {
+        Needs::default()
     }
     /// Per-layer budgets. Implementations keep `sum(heavy) == L * mean` up to the
     /// rounding they document, and never give a layer more than the prompt holds.
@@ -83,6 +53,8 @@ pub trait SelectionPolicy: Send + Sync + Debug {
         Ok(())
     }
 }
+
+dyn_clone::clone_trait_object!(SelectionPolicy);
 
 /// Splits `total` into integers proportional to `weights`, each at most `cap`,
 /// by Webster's highest-averages method (Sainte-Laguë): seats go one at a time

@@ -1,6 +1,6 @@
 //! Config + model spec -> ready cache.
 
-use crate::attention::{AttentionBackend, cpu_backend};
+use crate::attention::{AttentionBackend, make_backend};
 use crate::config::{CacheConfig, RunConfig};
 use crate::layered::LayeredCache;
 use crate::{KvCache, ModelSpec, Result};
@@ -28,9 +28,10 @@ impl CacheBuilder {
         self
     }
 
-    /// Uses the CPU backend named `name` (`tiled`, `reference`).
-    pub fn cpu_backend(self, name: &str) -> Result<Self> {
-        Ok(self.backend(cpu_backend(name)?))
+    /// Uses the backend registered as `name` (`tiled`, `reference`, or any
+    /// backend a linked crate registers, e.g. `cuda`).
+    pub fn named_backend(self, name: &str) -> Result<Self> {
+        Ok(self.backend(make_backend(name)?))
     }
 
     /// The model shape.
@@ -48,9 +49,9 @@ impl CacheBuilder {
     }
 }
 
-/// Builds the cache of a run config with its CPU backend.
+/// Builds the cache of a run config with its registered backend.
 pub fn build_cache(cfg: &RunConfig, spec: ModelSpec) -> Result<Box<dyn KvCache>> {
     CacheBuilder::new(spec)
-        .cpu_backend(&cfg.backend)?
+        .named_backend(&cfg.backend)?
         .build(&cfg.cache)
 }

@@ -65,12 +65,15 @@ pub struct HeadMemory {
     pub fp: usize,
     /// Stored token positions and scores (decode-time eviction only).
     pub indices: usize,
-    /// Residual-cluster entries.
+    /// Extra attention entries (compensation: e.g. ResKV clusters).
     pub clusters: usize,
+    /// Of the allocated bytes above, those that hold data (the rest is
+    /// growth slack: under one page per store).
+    pub used: usize,
 }
 
 impl HeadMemory {
-    /// Sum of all parts.
+    /// Sum of all parts (allocated bytes).
     pub fn total(&self) -> usize {
         self.quant_codes + self.quant_scales + self.fp + self.indices + self.clusters
     }
@@ -83,6 +86,9 @@ pub struct LayerMemory {
     pub heads: Vec<HeadMemory>,
     /// Prefill staging (full-precision prompt K/V and signals), freed by `end_prefill`.
     pub staging: usize,
+    /// Decode work buffers of the layer (attention probabilities and scratch
+    /// of decode-time eviction).
+    pub work: usize,
 }
 
 /// Bytes actually allocated by a cache, with the full fp16 cache for comparison.
@@ -94,15 +100,29 @@ pub struct MemoryReport {
     pub seq_len: usize,
     /// Bytes a full fp16 cache would hold for `seq_len` tokens.
     pub full_fp16_bytes: usize,
+    /// Cache-wide work buffers (scratch shared by the layers).
+    pub work: usize,
 }
 
 impl MemoryReport {
-    /// Total bytes of the compressed cache (staging included).
+    /// Total bytes allocated by the cache (staging and work buffers included).
     pub fn total_bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| l.staging + l.heads.iter().map(HeadMemory::total).sum::<usize>())
-            .sum()
+        self.work
+            + self
+                .layers
+                .iter()
+                .map(|l| l.staging + l.work + l.heads.iter().map(HeadMemory::total).sum::<usize>())
+                .sum::<usize>()
+    }
+    /// Bytes of the stored K/V and their metadata that hold data (no growth
+    /// slack, no staging or work buffers).
+    pub fn used_bytes(&self) -> usize {
+        self.sum(|h| h.used)
+    }
+    /// Bytes of the stored K/V and their metadata as allocated (growth slack
+    /// included; no staging or work buffers).
+    pub fn kv_bytes(&self) -> usize {
+        self.sum(HeadMemory::total)
     }
     /// Sum of one field over all heads.
     pub fn sum(&self, f: impl Fn(&HeadMemory) -> usize) -> usize {

@@ -19,6 +19,8 @@ pub enum ExtensionPoint {
     Selector,
     /// [`crate::Quantizer`]: low-bit K/V storage.
     Quantizer,
+    /// [`crate::Compensator`]: compensation for evicted tokens.
+    Compensator,
 }
 
 impl ExtensionPoint {
@@ -29,6 +31,7 @@ impl ExtensionPoint {
             ExtensionPoint::Policy => "cache.policy",
             ExtensionPoint::Selector => "cache.selector",
             ExtensionPoint::Quantizer => "cache.quant.keys / cache.quant.values",
+            ExtensionPoint::Compensator => "cache.compensator",
         }
     }
 }
@@ -40,6 +43,7 @@ impl fmt::Display for ExtensionPoint {
             ExtensionPoint::Policy => "policy",
             ExtensionPoint::Selector => "selector",
             ExtensionPoint::Quantizer => "quantizer",
+            ExtensionPoint::Compensator => "compensator",
         };
         f.write_str(s)
     }
@@ -70,7 +74,8 @@ pub fn all() -> Vec<&'static ComponentInfo> {
 ///
 /// `register!(Scorer, "snapkv", SnapKv, "summary")` requires `SnapKv: Default` and
 /// that its `#[typetag::serde(name = "snapkv")]` impl uses the same name. The
-/// extension point is one of `Scorer`, `Policy`, `Selector`, `Quantizer`.
+/// extension point is one of `Scorer`, `Policy`, `Selector`, `Quantizer`,
+/// `Compensator`.
 #[macro_export]
 macro_rules! register {
     (Scorer, $name:literal, $ty:ty, $summary:literal) => {
@@ -84,6 +89,9 @@ macro_rules! register {
     };
     (Quantizer, $name:literal, $ty:ty, $summary:literal) => {
         $crate::register!(@inner Quantizer, Quantizer, $name, $ty, $summary);
+    };
+    (Compensator, $name:literal, $ty:ty, $summary:literal) => {
+        $crate::register!(@inner Compensator, Compensator, $name, $ty, $summary);
     };
     (@inner $point:ident, $tr:ident, $name:literal, $ty:ty, $summary:literal) => {
         $crate::__inventory::submit! {

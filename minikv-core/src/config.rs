@@ -10,13 +10,14 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 /// A whole run config file (`configs/*.toml`).
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunConfig {
     /// Seed of every random choice made under this config.
     #[serde(default)]
     pub seed: u64,
-    /// Attention backend: `tiled` (default), `reference`, or `cuda`.
+    /// Attention backend, by registered name: `tiled` (default), `reference`,
+    /// `cuda` (registered by `minikv-kernels`).
     #[serde(default = "default_backend")]
     pub backend: String,
     /// The KV cache.
@@ -35,13 +36,6 @@ impl Default for RunConfig {
             backend: default_backend(),
             cache: CacheConfig::default(),
         }
-    }
-}
-
-impl Clone for RunConfig {
-    fn clone(&self) -> Self {
-        serde_json::from_value(serde_json::to_value(self).expect("config serializes"))
-            .expect("config round-trips")
     }
 }
 
@@ -84,7 +78,7 @@ pub enum ResidualMode {
 }
 
 /// Low-bit storage of the kept tokens.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct QuantConfig {
     /// Quantizer for keys (none: keys stay fp16).
@@ -109,7 +103,7 @@ fn default_residual() -> usize {
 ///
 /// Without `scorer` nothing is evicted; without `quant` K/V are stored as fp16:
 /// the default config is the full fp16 cache of the papers.
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CacheConfig {
     /// Heads stored: per KV head (default) or per query head.
@@ -136,6 +130,14 @@ pub struct CacheConfig {
     /// Frozen selection or decode-time eviction.
     #[serde(default)]
     pub decode: DecodeMode,
+    /// With `decode = "evict"`: evict down to the budget every this many
+    /// decode steps (the store holds up to `evict_every - 1` extra tokens).
+    #[serde(default = "default_evict_every")]
+    pub evict_every: usize,
+    /// Storage grows in pages of this many tokens per head (allocation slack
+    /// is below one page per store; appending allocates once per page).
+    #[serde(default = "default_page_tokens")]
+    pub page_tokens: usize,
     /// Token scorer; none means no eviction.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scorer: Option<Box<dyn TokenScorer>>,
@@ -148,16 +150,63 @@ pub struct CacheConfig {
     /// Quantized storage; none means fp16.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quant: Option<QuantConfig>,
-    /// ResKV residual clusters of the evicted tokens; none means they are dropped.
+    /// Compensation for evicted tokens (e.g. `type = "reskv"`); none means
+    /// they are dropped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reskv: Option<crate::reskv::ResKvConfig>,
+    pub compensator: Option<Box<dyn crate::Compensator>>,
 }
 
-impl Clone for CacheConfig {
-    fn clone(&self) -> Self {
-        serde_json::from_value(serde_json::to_value(self).expect("config serializes"))
-            .expect("config round-trips")
+fn default_evict_every() -> usize {
+    1
+}
+
+fn default_page_tokens() -> usize {
+    256
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self {
+            heads: HeadMode::default(),
+            gqa_reduce: GqaReduce::default(),
+            heavy: None,
+            heavy_tokens: None,
+            recent: None,
+            recent_tokens: None,
+            sinks: 0,
+            decode: DecodeMode::default(),
+            evict_every: default_evict_every(),
+            page_tokens: default_page_tokens(),
+            scorer: None,
+            policy: None,
+            selector: None,
+            quant: None,
+            compensator: None,
+        }
     }
+}
+
+/// Rejects NaN and infinities anywhere in a serializable config (every float
+/// field of every component, including ones added later), naming the field.
+pub fn check_finite_fields<T: Serialize>(prefix: &str, value: &T) -> Result<()> {
+    fn walk(path: &str, v: &toml::Value) -> Result<()> {
+        match v {
+            toml::Value::Float(x) if !x.is_finite() => Err(Error::config(
+                path,
+                format!("must be a finite number, got {x}"),
+            )),
+            toml::Value::Table(t) => t
+                .iter()
+                .try_for_each(|(k, v)| walk(&format!("{path}.{k}"), v)),
+            toml::Value::Array(a) => a
+                .iter()
+                .enumerate()
+                .try_for_each(|(i, v)| walk(&format!("{path}[{i}]"), v)),
+            _ => Ok(()),
+        }
+    }
+    let v = toml::Value::try_from(value).map_err(|e| Error::config(prefix, e.to_string()))?;
+    walk(prefix, &v)
 }
 
 fn check_ratio(field: &str, v: Option<f64>, tokens: Option<usize>) -> Result<()> {
@@ -200,6 +249,25 @@ impl CacheConfig {
 
     /// Checks ranges and combinations; errors name the field.
     pub fn validate(&self, spec: Option<&ModelSpec>) -> Result<()> {
+        check_finite_fields("cache", self)?;
+        if !(1..=1 << 16).contains(&self.page_tokens) {
+            return Err(Error::config(
+                "cache.page_tokens",
+                format!("must be in 1..=65536, got {}", self.page_tokens),
+            ));
+        }
+        if !(1..=1 << 16).contains(&self.evict_every) {
+            return Err(Error::config(
+                "cache.evict_every",
+                format!("must be in 1..=65536, got {}", self.evict_every),
+            ));
+        }
+        if self.evict_every != 1 && self.decode != DecodeMode::Evict {
+            return Err(Error::config(
+                "cache.evict_every",
+                "only meaningful with cache.decode = \"evict\"",
+            ));
+        }
         check_ratio("cache.heavy", self.heavy, self.heavy_tokens)?;
         check_ratio("cache.recent", self.recent, self.recent_tokens)?;
         let budget_set = self.heavy.is_some()
@@ -240,10 +308,9 @@ impl CacheConfig {
                     p.validate()?;
                 }
                 if self.decode == DecodeMode::Evict {
-                    if s.dynamic_rule().is_none() {
-                        return Err(Error::config(
-                            "cache.decode",
-                            "`evict` needs a scorer with a decode-time rule (h2o, tova, streaming)",
+                    if s.decode_score().is_none() && s.needs().cumulative_attention {
+                        return Err(Error::Unsupported(
+                            "cache.decode = \"evict\" re-scores stored tokens from keys, values and the latest decode queries; this scorer needs prefill A_cumul and has no decode-time rule (use `h2o` for cumulative attention during decode)".into(),
                         ));
                     }
                     if self.quant.is_some() {
@@ -255,17 +322,17 @@ impl CacheConfig {
                 }
             }
         }
-        if let Some(r) = &self.reskv {
+        if let Some(r) = &self.compensator {
             r.validate()?;
             if self.scorer.is_none() {
                 return Err(Error::config(
-                    "cache.reskv",
-                    "residual clusters summarize evicted tokens: set cache.scorer and a budget",
+                    "cache.compensator",
+                    "a compensator summarizes evicted tokens: set cache.scorer and a budget",
                 ));
             }
             if self.decode == DecodeMode::Evict {
                 return Err(Error::Unsupported(
-                    "cache.reskv with cache.decode = \"evict\": clusters are built at the end of prefill only".into(),
+                    "cache.compensator with cache.decode = \"evict\": compensation is computed at the end of prefill only".into(),
                 ));
             }
         }
@@ -352,15 +419,7 @@ impl RunConfig {
 
     /// Validates the whole config.
     pub fn validate(&self, spec: Option<&ModelSpec>) -> Result<()> {
-        if !["tiled", "reference", "cuda"].contains(&self.backend.as_str()) {
-            return Err(Error::config(
-                "backend",
-                format!(
-                    "unknown backend `{}` (tiled, reference, cuda)",
-                    self.backend
-                ),
-            ));
-        }
+        crate::attention::backend_info(&self.backend)?;
         self.cache.validate(spec)
     }
 

@@ -40,31 +40,36 @@ pub mod attention;
 pub mod budget;
 pub mod builder;
 pub mod cache;
+pub mod compensate;
 pub mod components;
 pub mod config;
 mod error;
-pub mod kernels;
 pub mod layered;
 pub mod probe;
 pub mod quant;
-pub mod reskv;
 pub mod scoring;
 pub mod select;
+pub mod simd;
 mod spec;
 pub mod storage;
 
 pub use attention::{
-    AttentionBackend, ClusterView, DecodeArgs, HeadView, PrefillArgs, ReferenceBackend,
-    TiledBackend,
+    AttentionBackend, BackendInfo, DecodeArgs, ExtraView, HeadView, PrefillArgs, ReferenceBackend,
+    TiledBackend, make_backend,
 };
-pub use budget::{BudgetRequest, LayerBudget, LayerStatistic, SelectionPolicy, apportion};
+pub use budget::{BudgetRequest, LayerBudget, SelectionPolicy, apportion};
 pub use builder::{CacheBuilder, build_cache};
 pub use cache::{HeadMemory, KvCache, LayerMemory, MemoryReport, Phase};
-pub use config::{CacheConfig, DecodeMode, HeadMode, QuantConfig, ResidualMode, RunConfig};
+pub use compensate::{CompensateInput, Compensation, Compensator, ExtraEntries, LogitGate};
+pub use config::{
+    CacheConfig, DecodeMode, HeadMode, QuantConfig, ResidualMode, RunConfig, check_finite_fields,
+};
 pub use error::{Error, Result, check_finite, check_len};
 pub use probe::AttentionProbe;
 pub use quant::{Axis, QuantBytes, QuantStore, Quantizer};
-pub use scoring::{DynamicRule, GqaReduce, Needs, ScoreInputs, TokenScorer, reduce_gqa};
+pub use scoring::{
+    DecodeScore, DecodeStep, GqaReduce, LayerSignals, Needs, ScoreInputs, TokenScorer, reduce_gqa,
+};
 pub use select::{SelectionInput, Selector, top_k_indices};
 pub use spec::ModelSpec;
 

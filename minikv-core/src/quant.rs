@@ -18,7 +18,7 @@ pub enum Axis {
 
 /// A quantization scheme. Implementations live in `minikv-quant`.
 #[typetag::serde(tag = "type")]
-pub trait Quantizer: Send + Sync + Debug {
+pub trait Quantizer: Send + Sync + Debug + dyn_clone::DynClone {
     /// Bits per element.
     fn bits(&self) -> u32;
     /// Group size `G`.
@@ -28,8 +28,9 @@ pub trait Quantizer: Send + Sync + Debug {
     /// Checks parameters against the head dimension (`0` = not known yet: check
     /// only what does not depend on it).
     fn validate(&self, head_dim: usize) -> Result<()>;
-    /// An empty store for one head's keys or values.
-    fn new_store(&self, head_dim: usize) -> Result<Box<dyn QuantStore>>;
+    /// An empty store for one head's keys or values, growing in pages of
+    /// `page_tokens` tokens.
+    fn new_store(&self, head_dim: usize, page_tokens: usize) -> Result<Box<dyn QuantStore>>;
     /// Tokens are appended to a store in multiples of this (G per channel, 1 per token).
     fn token_granularity(&self) -> usize {
         match self.axis() {
@@ -38,6 +39,8 @@ pub trait Quantizer: Send + Sync + Debug {
         }
     }
 }
+
+dyn_clone::clone_trait_object!(Quantizer);
 
 /// Bytes held by a quantized store.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -71,6 +74,9 @@ pub trait QuantStore: Send + Sync + Debug {
     fn dequantize(&self, out: &mut [f32]);
     /// Bytes actually allocated.
     fn bytes(&self) -> QuantBytes;
+    /// Bytes holding codes, scales and minimums of the tokens held (the rest
+    /// of [`bytes`](QuantStore::bytes) is growth slack).
+    fn used_bytes(&self) -> usize;
     /// Releases spare capacity.
     fn shrink(&mut self);
     /// For backends that own their store types.

@@ -4,7 +4,8 @@ use crate::{ModelSpec, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt::Debug;
 
-/// What a scorer needs the cache to collect during prefill.
+/// What a component (scorer, layer-budget policy, compensator) needs the cache
+/// to collect during prefill; the cache collects the union of all needs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Needs {
     /// Column sums of the causal softmax over all prompt rows (`A_cumul`, §3).
@@ -23,24 +24,55 @@ impl Needs {
     }
 }
 
-/// How scores evolve during decode, for policies that evict while generating.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DynamicRule {
-    /// H2O: add each step's attention row to the kept tokens' scores.
-    Accumulate,
-    /// TOVA: the score is the attention of the latest query (layer mean over heads).
-    LastQuery,
-    /// StreamingLLM-style: the score is the position (oldest evicted first).
-    Recency,
+/// One decode step of one storage head, as a decode-time score rule sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeStep<'a> {
+    /// Position of each stored row (storage order: after decode-time eviction
+    /// rows are not in position order, so rules read positions from here).
+    pub positions: &'a [u32],
+    /// This step's attention over the head's rows, reduced over the query heads
+    /// of the group as `cache.gqa_reduce` says (sum in `per_query` mode).
+    pub probs: &'a [f32],
+    /// This step's attention averaged over every query head of the layer, when
+    /// the rule asked for it ([`DecodeScore::wants_layer_mean`]) and every head
+    /// of the layer holds the same rows; `None` otherwise.
+    pub layer_mean: Option<&'a [f32]>,
 }
 
-/// The signals available to a scorer at the end of prefill, for one layer.
+/// A scorer's own decode-time signal: how the running score of each stored row
+/// evolves while tokens are generated (H2O accumulates attention, TOVA takes
+/// the last query's, StreamingLLM uses the position).
+///
+/// A scorer without one still gets decode-time eviction: the cache then
+/// re-runs [`TokenScorer::score`] on the stored rows (in position order) with
+/// the latest decode queries as its query window, every `cache.evict_every`
+/// steps (the analogue of kvpress's decoding-time wrapper).
+pub trait DecodeScore: Send + Sync + Debug {
+    /// Whether [`DecodeStep::layer_mean`] should be computed.
+    fn wants_layer_mean(&self) -> bool {
+        false
+    }
+    /// The running score a row starts with: at the end of prefill
+    /// `prefill_score` is the scorer's prompt score; a generated token starts
+    /// with `prefill_score = 0`.
+    fn initial(&self, position: u32, prefill_score: f32) -> f32 {
+        let _ = position;
+        prefill_score
+    }
+    /// Updates the running scores (`scores[i]` belongs to row `i`) after a step.
+    fn update(&self, step: &DecodeStep<'_>, scores: &mut [f32]);
+}
+
+/// The signals of one layer, as a scorer (and a signal-driven layer-budget
+/// policy, through [`BudgetRequest::layers`](crate::BudgetRequest::layers))
+/// sees them: what the cache collected during prefill because a component
+/// asked for it through its [`Needs`].
 ///
 /// All slices are head-major. Query-head arrays have `Hq` heads; key/value arrays
-/// `Hkv` heads.
-#[derive(Debug)]
-pub struct ScoreInputs<'a> {
+/// `Hkv` heads. During decode-time rescoring the view is one storage head's
+/// (`spec.n_kv_heads = 1`, `spec.n_q_heads` = the query heads reading it).
+#[derive(Debug, Clone, Copy)]
+pub struct LayerSignals<'a> {
     /// Model shape.
     pub spec: &'a ModelSpec,
     /// Layer index.
@@ -59,6 +91,9 @@ pub struct ScoreInputs<'a> {
     pub window: usize,
 }
 
+/// The scorer's view of a layer: the same as [`LayerSignals`].
+pub type ScoreInputs<'a> = LayerSignals<'a>;
+
 /// A token-importance signal. Implementations live in `minikv-policies`.
 ///
 /// `score` writes one score per **query head** and prompt token into `out`
@@ -67,14 +102,16 @@ pub struct ScoreInputs<'a> {
 /// "per_query"`). Scorers that only look at keys write the same row for every
 /// query head of a group.
 #[typetag::serde(tag = "type")]
-pub trait TokenScorer: Send + Sync + Debug {
+pub trait TokenScorer: Send + Sync + Debug + dyn_clone::DynClone {
     /// What the cache must collect during prefill.
     fn needs(&self) -> Needs;
     /// Scores `[Hq][T]` for one layer.
     fn score(&self, inputs: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()>;
-    /// How scores evolve during decode when `cache.decode = "evict"`. `None` means
-    /// the scorer is prefill-only and cannot drive decode-time eviction.
-    fn dynamic_rule(&self) -> Option<DynamicRule> {
+    /// The scorer's own decode-time signal for `cache.decode = "evict"`.
+    /// `None` (the default) means that decode-time eviction re-runs
+    /// [`score`](TokenScorer::score) on the stored rows with the latest decode
+    /// queries as the window; every scorer can therefore evict during decode.
+    fn decode_score(&self) -> Option<&dyn DecodeScore> {
         None
     }
     /// Checks parameters; called when a cache is built.
@@ -82,6 +119,8 @@ pub trait TokenScorer: Send + Sync + Debug {
         Ok(())
     }
 }
+
+dyn_clone::clone_trait_object!(TokenScorer);
 
 /// How the scores of the query heads of a GQA group become one KV-head score.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -24,7 +24,7 @@ pub struct SelectionInput<'a> {
 /// `budget.recent` and first `sinks` positions are always kept; heavy hitters are
 /// the best-scored of the rest, ties broken towards the lower position.
 #[typetag::serde(tag = "type")]
-pub trait Selector: Send + Sync + Debug {
+pub trait Selector: Send + Sync + Debug + dyn_clone::DynClone {
     /// Selects kept positions per head into `out` (cleared first).
     fn select(&self, input: &SelectionInput<'_>, out: &mut Vec<Vec<u32>>) -> Result<()>;
     /// Checks parameters; called when a cache is built.
@@ -32,6 +32,8 @@ pub trait Selector: Send + Sync + Debug {
         Ok(())
     }
 }
+
+dyn_clone::clone_trait_object!(Selector);
 
 /// Indices of the `k` largest `scores[i]` for `i` in `candidates`, ties to the lower
 /// index, returned in increasing index order.

@@ -2,7 +2,7 @@
 //! backend creates every store of a cache.
 
 use crate::quant::{QuantStore, Quantizer};
-use crate::{Result, kernels};
+use crate::{Result, simd};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use std::any::Any;
@@ -33,6 +33,10 @@ pub trait FpStore: Send + Sync + Debug {
     fn to_f32(&self, out: &mut [f32]);
     /// Bytes actually allocated.
     fn bytes(&self) -> usize;
+    /// Bytes holding rows (`bytes() - used_bytes()` is growth slack).
+    fn used_bytes(&self) -> usize;
+    /// Makes room for `rows` more rows with one exact allocation (no slack).
+    fn reserve_exact(&mut self, rows: usize);
     /// Releases spare capacity.
     fn shrink(&mut self);
     /// For backends that own their store types.
@@ -42,11 +46,17 @@ pub trait FpStore: Send + Sync + Debug {
 /// Creates the stores of a cache. A device backend returns stores that live on
 /// the device; the CPU backends use [`CpuStorage`].
 pub trait StorageFactory: Send + Sync + Debug {
-    /// An empty fp16 row store for head dimension `d`.
-    fn fp_store(&self, head_dim: usize) -> Box<dyn FpStore>;
-    /// An empty quantized store.
-    fn quant_store(&self, q: &dyn Quantizer, head_dim: usize) -> Result<Box<dyn QuantStore>> {
-        q.new_store(head_dim)
+    /// An empty fp16 row store for head dimension `d` that grows in pages of
+    /// `page_tokens` rows.
+    fn fp_store(&self, head_dim: usize, page_tokens: usize) -> Box<dyn FpStore>;
+    /// An empty quantized store that grows in pages of `page_tokens` tokens.
+    fn quant_store(
+        &self,
+        q: &dyn Quantizer,
+        head_dim: usize,
+        page_tokens: usize,
+    ) -> Result<Box<dyn QuantStore>> {
+        q.new_store(head_dim, page_tokens)
     }
 }
 
@@ -55,40 +65,39 @@ pub trait StorageFactory: Send + Sync + Debug {
 pub struct CpuStorage;
 
 impl StorageFactory for CpuStorage {
-    fn fp_store(&self, head_dim: usize) -> Box<dyn FpStore> {
-        Box::new(Fp16Rows::new(head_dim))
+    fn fp_store(&self, head_dim: usize, page_tokens: usize) -> Box<dyn FpStore> {
+        Box::new(Fp16Rows::new(head_dim, page_tokens))
     }
 }
 
-/// Rows stored as IEEE fp16, grown in bounded steps so that the allocation stays
-/// close to what is used.
+/// Rows stored as IEEE fp16, grown in whole pages of `page` rows: the
+/// allocation exceeds what is used by less than one page (after
+/// [`FpStore::shrink`], by nothing), and appending allocates once per page.
 #[derive(Debug, Clone)]
 pub struct Fp16Rows {
     d: usize,
+    page: usize,
     data: Vec<f16>,
 }
 
 /// Rows converted to f32 at a time in the fused loops.
 const CHUNK: usize = 32;
-/// Minimum growth step in rows; beyond it the step is 1/8 of the length, so the
-/// allocation never exceeds use by more than max(32 rows, 12.5%).
-const GROW_ROWS: usize = 32;
 
 impl Fp16Rows {
-    /// Empty store for head dimension `d`.
-    pub fn new(d: usize) -> Self {
+    /// Empty store for head dimension `d`, growing in pages of `page_tokens` rows.
+    pub fn new(d: usize, page_tokens: usize) -> Self {
         Self {
             d,
+            page: page_tokens.max(1),
             data: Vec::new(),
         }
     }
 
     fn reserve_rows(&mut self, n: usize) {
-        let need = self.data.len() + n * self.d;
-        if need > self.data.capacity() {
-            let step = GROW_ROWS.max(self.data.len() / self.d / 8) * self.d;
-            let target = need.max(self.data.len() + step);
-            self.data.reserve_exact(target - self.data.len());
+        let need = self.data.len() / self.d + n;
+        if need * self.d > self.data.capacity() {
+            let rows = need.div_ceil(self.page) * self.page;
+            self.data.reserve_exact(rows * self.d - self.data.len());
         }
     }
 }
@@ -132,7 +141,7 @@ impl FpStore for Fp16Rows {
             for t in 0..self.len() {
                 self.data[t * d..(t + 1) * d].convert_to_f32_slice(&mut row);
                 for j in 0..g {
-                    out[j * stride + t] = kernels::dot(&q[j * d..(j + 1) * d], &row);
+                    out[j * stride + t] = simd::dot(&q[j * d..(j + 1) * d], &row);
                 }
             }
             return;
@@ -147,7 +156,7 @@ impl FpStore for Fp16Rows {
                 let qj = &q[j * d..(j + 1) * d];
                 let o = &mut out[j * stride + t0..j * stride + t0 + m];
                 for (r, o) in o.iter_mut().enumerate() {
-                    *o = kernels::dot(qj, &b[r * d..(r + 1) * d]);
+                    *o = simd::dot(qj, &b[r * d..(r + 1) * d]);
                 }
             }
             t0 += m;
@@ -167,7 +176,7 @@ impl FpStore for Fp16Rows {
         for t in 0..n {
             self.data[t * d..(t + 1) * d].convert_to_f32_slice(row);
             for j in 0..g {
-                kernels::axpy(p[j * stride + t], row, &mut out[j * d..(j + 1) * d]);
+                simd::axpy(p[j * stride + t], row, &mut out[j * d..(j + 1) * d]);
             }
         }
     }
@@ -176,6 +185,12 @@ impl FpStore for Fp16Rows {
     }
     fn bytes(&self) -> usize {
         self.data.capacity() * 2
+    }
+    fn used_bytes(&self) -> usize {
+        self.data.len() * 2
+    }
+    fn reserve_exact(&mut self, rows: usize) {
+        self.data.reserve_exact(rows * self.d);
     }
     fn shrink(&mut self) {
         self.data.shrink_to_fit();

@@ -1,8 +1,8 @@
 //! Tiled attention against the exact reference; `A_cumul` against explicit sums.
 
+use minikv_core::LogitGate;
 use minikv_core::attention::{
-    AttentionBackend, ClusterView, DecodeArgs, HeadView, PrefillArgs, ReferenceBackend,
-    TiledBackend,
+    AttentionBackend, DecodeArgs, ExtraView, HeadView, PrefillArgs, ReferenceBackend, TiledBackend,
 };
 use minikv_core::storage::{Fp16Rows, FpStore};
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -225,8 +225,28 @@ fn worked_example_section_4() {
     }
 }
 
-/// Decode over fp16 rows plus cluster entries (gated and not): tiled (fused)
-/// equals reference (f64, the gate computed independently).
+/// A gate for the test: `g = sigmoid(alpha (tau - s))`, `s` the largest
+/// probability over the real tokens, computed in the precision asked.
+#[derive(Debug)]
+struct MaxProbGate {
+    tau: f64,
+    alpha: f64,
+}
+
+impl LogitGate for MaxProbGate {
+    fn log_gate(&self, l: &[f32]) -> f32 {
+        let v: Vec<f64> = l.iter().map(|&x| x as f64).collect();
+        self.log_gate_f64(&v) as f32
+    }
+    fn log_gate_f64(&self, l: &[f64]) -> f64 {
+        let m = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let s = 1.0 / l.iter().map(|x| (x - m).exp()).sum::<f64>();
+        (1.0 / (1.0 + (-self.alpha * (self.tau - s)).exp())).ln()
+    }
+}
+
+/// Decode over fp16 rows plus extra entries (gated and not): tiled (fused)
+/// equals reference (f64).
 #[test]
 fn decode_tiled_equals_reference_with_clusters() {
     let mut rng = StdRng::seed_from_u64(11);
@@ -234,15 +254,21 @@ fn decode_tiled_equals_reference_with_clusters() {
     let mut fk: Vec<Fp16Rows> = Vec::new();
     let mut fv: Vec<Fp16Rows> = Vec::new();
     for _ in 0..hs {
-        let mut a = Fp16Rows::new(d);
+        let mut a = Fp16Rows::new(d, 256);
         a.push(&rand_vec(&mut rng, n * d, 2.0));
-        let mut b = Fp16Rows::new(d);
+        let mut b = Fp16Rows::new(d, 256);
         b.push(&rand_vec(&mut rng, n * d, 1.0));
         fk.push(a);
         fv.push(b);
     }
-    let ck = rand_vec(&mut rng, nc * d, 1.0);
-    let cv = rand_vec(&mut rng, nc * d, 1.0);
+    let mut ck = Fp16Rows::new(d, 1);
+    ck.push(&rand_vec(&mut rng, nc * d, 1.0));
+    let mut cv = Fp16Rows::new(d, 1);
+    cv.push(&rand_vec(&mut rng, nc * d, 1.0));
+    let gate = MaxProbGate {
+        tau: 0.25,
+        alpha: 12.0,
+    };
     let bias: Vec<f32> = (0..nc).map(|i| (i as f32 + 1.0).ln()).collect();
     let views: Vec<HeadView<'_>> = (0..hs)
         .map(|s| HeadView {
@@ -250,16 +276,12 @@ fn decode_tiled_equals_reference_with_clusters() {
             quant_values: None,
             fp_keys: &fk[s],
             fp_values: &fv[s],
-            clusters: (s != 1).then_some(ClusterView {
+            extra: (s != 1).then_some(ExtraView {
                 keys: &ck,
                 values: &cv,
                 bias: &bias,
-                // Head 0 gated (ResKV's max-prob gate), head 2 not.
-                gate: (s == 0).then_some(minikv_core::reskv::Gate {
-                    tau: 0.25,
-                    alpha: 12.0,
-                    g_min: 0.0,
-                }),
+                // Head 0 gated (a max-prob gate), head 2 not.
+                gate: (s == 0).then_some(&gate as &dyn LogitGate),
             }),
         })
         .collect();

@@ -21,6 +21,12 @@
 use minikv_core::{AttentionBackend, Error, Result};
 use std::sync::Arc;
 
+minikv_core::register_backend!(
+    "cuda",
+    "CUDA via cudarc (not implemented yet: a clear error)",
+    cuda_backend
+);
+
 /// The CUDA backend, when it exists; for now a clear error.
 pub fn cuda_backend() -> Result<Arc<dyn AttentionBackend>> {
     Err(Error::Backend {

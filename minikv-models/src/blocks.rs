@@ -8,7 +8,7 @@
 //! Nibble order: byte `j` holds weight `j` in its low nibble and `j + 16` in its high one.
 
 use half::{bf16, f16};
-use minikv_core::kernels::fmadd;
+use minikv_core::simd::fmadd;
 
 /// Supported ggml tensor types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,7 +134,7 @@ pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
             for (xc, sc) in x.chunks(64).zip(src.chunks(64 * bs)) {
                 let b = &mut buf[..xc.len()];
                 dequantize_row(ty, sc, b);
-                acc += minikv_core::kernels::dot(b, xc);
+                acc += minikv_core::simd::dot(b, xc);
             }
             acc
         }

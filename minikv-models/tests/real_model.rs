@@ -241,11 +241,11 @@ fn minikv_compresses_and_stays_close() {
     );
     let mk = perplexity(m.as_ref(), c.as_mut(), &ids, 256, |_| {}).unwrap();
     let mem = c.memory();
-    assert!(
-        mem.ratio() < 0.5,
-        "MiniKV keeps {:.3} of the fp16 bytes",
-        mem.ratio()
-    );
+    let used = mem.used_bytes() as f64 / mem.full_fp16_bytes as f64;
+    assert!(used < 0.5, "MiniKV keeps {used:.3} of the fp16 bytes");
+    // Allocated adds less than one page of growth per store (the fp16
+    // residual's page is capped at R + 1 rows).
+    assert!(mem.ratio() < 0.8, "allocated {:.3}", mem.ratio());
     assert!(mem.sum(|h| h.quant_codes) > 0);
     let (f, k) = (full.decode_nll.unwrap(), mk.decode_nll.unwrap());
     assert!(

@@ -1,7 +1,7 @@
 //! Layer budget policies (algorithms.md §5).
 
 use minikv_core::{
-    BudgetRequest, Error, LayerBudget, LayerStatistic, Result, SelectionPolicy, apportion, register,
+    BudgetRequest, Error, LayerBudget, Needs, Result, SelectionPolicy, apportion, register,
 };
 use serde::{Deserialize, Serialize};
 
@@ -148,12 +148,89 @@ register!(
     "PyramidKV: C = heavy + recent, W = recent, beta schedule with its integer floors and fallbacks"
 );
 
-fn stat_budgets(req: &BudgetRequest<'_>, inverse: bool, field: &str) -> Result<Vec<LayerBudget>> {
-    let stats = req.layer_stats.ok_or_else(|| {
-        Error::Budget(format!(
-            "{field} needs per-layer attention statistics from a model run"
-        ))
-    })?;
+/// A per-layer statistic of `A_cumul` (MiniKV §4.2), computed by var-prop and
+/// var-inv from the layer signals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerStatistic {
+    /// Variance over positions of `A_cumul`, averaged over query heads.
+    #[default]
+    CumulVariance,
+    /// Standard deviation over positions of `A_cumul`, averaged over query heads.
+    CumulStd,
+    /// Entropy of the normalized `A_cumul` distribution, averaged over query heads.
+    CumulEntropy,
+}
+
+impl LayerStatistic {
+    /// Computes the statistic of one layer from `A_cumul` `[Hq][T]`.
+    pub fn compute(self, cumul: &[f32], hq: usize, t: usize) -> f32 {
+        let mut acc = 0.0f64;
+        for h in 0..hq {
+            let row = &cumul[h * t..(h + 1) * t];
+            let n = t as f64;
+            let mean = row.iter().map(|&x| x as f64).sum::<f64>() / n;
+            let var = row.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+            acc += match self {
+                LayerStatistic::CumulVariance => var,
+                LayerStatistic::CumulStd => var.sqrt(),
+                LayerStatistic::CumulEntropy => {
+                    let s: f64 = row.iter().map(|&x| x as f64).sum();
+                    -row.iter()
+                        .map(|&x| x as f64 / s)
+                        .filter(|&p| p > 0.0)
+                        .map(|p| p * p.ln())
+                        .sum::<f64>()
+                }
+            };
+        }
+        (acc / hq as f64) as f32
+    }
+}
+
+/// `A_cumul` is what var-prop and var-inv need.
+fn cumul_needs() -> Needs {
+    Needs {
+        cumulative_attention: true,
+        query_window: 0,
+    }
+}
+
+fn stat_budgets(
+    req: &BudgetRequest<'_>,
+    stat: LayerStatistic,
+    inverse: bool,
+    field: &str,
+) -> Result<Vec<LayerBudget>> {
+    if req.layers.len() != req.n_layers {
+        return Err(Error::Budget(format!(
+            "{field} needs per-layer attention statistics from a model run ({} of {} layers given)",
+            req.layers.len(),
+            req.n_layers
+        )));
+    }
+    let stats: Vec<f32> = req
+        .layers
+        .iter()
+        .map(|l| {
+            let c = l.cumulative.ok_or_else(|| {
+                Error::Budget(format!("{field} needs A_cumul, which was not collected"))
+            })?;
+            Ok(stat.compute(c, l.spec.n_q_heads, l.t))
+        })
+        .collect::<Result<_>>()?;
+    budgets_from_statistics(req, &stats, inverse, field)
+}
+
+/// Heavy budgets proportional to `stats` (or to their inverses), total
+/// conserved: the arithmetic of var-prop / var-inv once the per-layer
+/// statistics are known. A statistic of 0 takes the smallest positive one.
+pub fn budgets_from_statistics(
+    req: &BudgetRequest<'_>,
+    stats: &[f32],
+    inverse: bool,
+    field: &str,
+) -> Result<Vec<LayerBudget>> {
     if stats.len() != req.n_layers {
         return Err(Error::shape(
             format!("{field} layer statistics"),
@@ -199,11 +276,11 @@ pub struct VarProp {
 
 #[typetag::serde(name = "var_prop")]
 impl SelectionPolicy for VarProp {
-    fn layer_statistic(&self) -> Option<LayerStatistic> {
-        Some(self.statistic)
+    fn needs(&self) -> Needs {
+        cumul_needs()
     }
     fn layer_budgets(&self, req: &BudgetRequest<'_>) -> Result<Vec<LayerBudget>> {
-        stat_budgets(req, false, "var_prop")
+        stat_budgets(req, self.statistic, false, "var_prop")
     }
 }
 register!(
@@ -224,11 +301,11 @@ pub struct VarInv {
 
 #[typetag::serde(name = "var_inv")]
 impl SelectionPolicy for VarInv {
-    fn layer_statistic(&self) -> Option<LayerStatistic> {
-        Some(self.statistic)
+    fn needs(&self) -> Needs {
+        cumul_needs()
     }
     fn layer_budgets(&self, req: &BudgetRequest<'_>) -> Result<Vec<LayerBudget>> {
-        stat_budgets(req, true, "var_inv")
+        stat_budgets(req, self.statistic, true, "var_inv")
     }
 }
 register!(

@@ -1,8 +1,8 @@
 //! # minikv-policies
 //!
-//! Token scorers, layer budget policies and selectors: the parts of MiniKV, H2O,
-//! SnapKV, StreamingLLM, TOVA, PyramidKV and Ada-KV that decide *which* tokens a
-//! KV cache keeps. Each component is one struct, one `typetag` impl and one
+//! Token scorers, layer budget policies, selectors and compensators: the parts
+//! of MiniKV, H2O, SnapKV, StreamingLLM, TOVA, PyramidKV, Ada-KV and ResKV that
+//! decide *which* tokens a KV cache keeps and what stands in for the others. Each component is one struct, one `typetag` impl and one
 //! `register!` line; configs name them by `type`.
 //!
 //! ```
@@ -12,7 +12,7 @@
 //! // MiniKV pyramid, L = 4, mean heavy 0.25 (algorithms.md §5).
 //! let r = Pyramid::default().ratios(4, 0.25);
 //! assert!((r[0] - 0.4642857).abs() < 1e-6 && (r[3] - 0.0357143).abs() < 1e-6);
-//! let req = BudgetRequest { n_layers: 4, prompt_len: 1000, heavy: 250, recent: 250, sinks: 0, layer_stats: None };
+//! let req = BudgetRequest { n_layers: 4, prompt_len: 1000, heavy: 250, recent: 250, sinks: 0, layers: &[] };
 //! let b = Pyramid::default().layer_budgets(&req).unwrap();
 //! assert_eq!(b.iter().map(|b| b.heavy).sum::<usize>(), 4 * 250); // total conserved
 //! ```
@@ -20,11 +20,16 @@
 #![warn(missing_docs)]
 
 pub mod budgets;
+pub mod reskv;
 pub mod scorers;
 pub mod selectors;
 
-pub use budgets::{PerLayer, Pyramid, PyramidKv, Uniform, VarInv, VarProp};
-pub use scorers::{CumulativeAttention, H2o, KeyNorm, Pooling, Recency, SnapKv, Tova, pool1d};
+pub use budgets::{LayerStatistic, PerLayer, Pyramid, PyramidKv, Uniform, VarInv, VarProp};
+pub use reskv::ResKvConfig;
+pub use scorers::{
+    Accumulate, CumulativeAttention, H2o, KeyNorm, LastQuery, Newest, Pooling, Recency, SnapKv,
+    Tova, pool1d,
+};
 pub use selectors::{AdaKv, TopK};
 
 #[cfg(doctest)]

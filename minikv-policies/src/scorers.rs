@@ -1,6 +1,8 @@
 //! Token scorers (algorithms.md §3).
 
-use minikv_core::{DynamicRule, Error, Needs, Result, ScoreInputs, TokenScorer, kernels, register};
+use minikv_core::{
+    DecodeScore, DecodeStep, Error, Needs, Result, ScoreInputs, TokenScorer, register, simd,
+};
 use serde::{Deserialize, Serialize};
 
 /// MiniKV / H2O cumulative attention `A_cumul`: column sums of the causal softmax
@@ -69,8 +71,8 @@ impl TokenScorer for H2o {
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
         cumul_scores(self.normalize, inp, out)
     }
-    fn dynamic_rule(&self) -> Option<DynamicRule> {
-        Some(DynamicRule::Accumulate)
+    fn decode_score(&self) -> Option<&dyn DecodeScore> {
+        Some(&Accumulate)
     }
 }
 register!(
@@ -136,9 +138,9 @@ fn window_softmax(inp: &ScoreInputs<'_>, h: usize, mut f: impl FnMut(usize, &[f3
         let pos = t - w + i;
         let qi = &wq[(h * w + i) * d..(h * w + i + 1) * d];
         for j in 0..=pos {
-            s[j] = kernels::dot(qi, &k[j * d..(j + 1) * d]) * scale;
+            s[j] = simd::dot(qi, &k[j * d..(j + 1) * d]) * scale;
         }
-        kernels::softmax_inplace(&mut s[..=pos]);
+        simd::softmax_inplace(&mut s[..=pos]);
         f(i, &s[..=pos]);
     }
     Ok(())
@@ -237,8 +239,8 @@ impl TokenScorer for Tova {
         }
         Ok(())
     }
-    fn dynamic_rule(&self) -> Option<DynamicRule> {
-        Some(DynamicRule::LastQuery)
+    fn decode_score(&self) -> Option<&dyn DecodeScore> {
+        Some(&LastQuery)
     }
 }
 register!(
@@ -264,7 +266,7 @@ impl TokenScorer for KeyNorm {
             let k = inp.keys[inp.spec.kv_head_of(h)];
             for j in 0..t {
                 let kj = &k[j * d..(j + 1) * d];
-                out[h * t + j] = -kernels::dot(kj, kj).sqrt();
+                out[h * t + j] = -simd::dot(kj, kj).sqrt();
             }
         }
         Ok(())
@@ -289,8 +291,8 @@ impl TokenScorer for Recency {
         }
         Ok(())
     }
-    fn dynamic_rule(&self) -> Option<DynamicRule> {
-        Some(DynamicRule::Recency)
+    fn decode_score(&self) -> Option<&dyn DecodeScore> {
+        Some(&Newest)
     }
 }
 register!(
@@ -299,3 +301,43 @@ register!(
     Recency,
     "position (newer = higher); StreamingLLM with sinks + recent window and decode = \"evict\""
 );
+
+/// H2O's decode-time rule: each step's attention is added to the running score.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Accumulate;
+
+impl DecodeScore for Accumulate {
+    fn update(&self, step: &DecodeStep<'_>, scores: &mut [f32]) {
+        scores.iter_mut().zip(step.probs).for_each(|(s, p)| *s += p);
+    }
+}
+
+/// TOVA's decode-time rule: the score is the latest query's attention,
+/// averaged over the layer's heads when their rows align.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LastQuery;
+
+impl DecodeScore for LastQuery {
+    fn wants_layer_mean(&self) -> bool {
+        true
+    }
+    fn update(&self, step: &DecodeStep<'_>, scores: &mut [f32]) {
+        scores.copy_from_slice(step.layer_mean.unwrap_or(step.probs));
+    }
+}
+
+/// StreamingLLM's decode-time rule: the score is the position (oldest first out).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Newest;
+
+impl DecodeScore for Newest {
+    fn initial(&self, position: u32, _prefill: f32) -> f32 {
+        position as f32
+    }
+    fn update(&self, step: &DecodeStep<'_>, scores: &mut [f32]) {
+        scores
+            .iter_mut()
+            .zip(step.positions)
+            .for_each(|(s, &p)| *s = p as f32);
+    }
+}

@@ -5,23 +5,36 @@ use minikv_core::{
     BudgetRequest, CacheBuilder, KvCache, LayerBudget, ModelSpec, RunConfig, SelectionInput,
     SelectionPolicy, Selector,
 };
+use minikv_policies::budgets::budgets_from_statistics;
 use minikv_policies::{AdaKv, PerLayer, Pyramid, PyramidKv, TopK, Uniform, VarInv, VarProp};
 use proptest::prelude::*;
 
-fn req(
-    n_layers: usize,
-    t: usize,
-    heavy: usize,
-    recent: usize,
-    stats: Option<&[f32]>,
-) -> BudgetRequest<'_> {
+fn req(n_layers: usize, t: usize, heavy: usize, recent: usize) -> BudgetRequest<'static> {
     BudgetRequest {
         n_layers,
         prompt_len: t,
         heavy,
         recent,
         sinks: 0,
-        layer_stats: stats,
+        layers: &[],
+    }
+}
+
+/// Budgets of a policy; var-prop and var-inv take the per-layer statistics
+/// directly (their signal-view path is tested through a cache below).
+fn budgets(
+    p: &dyn SelectionPolicy,
+    r: &BudgetRequest<'_>,
+    stats: Option<&[f32]>,
+) -> minikv_core::Result<Vec<LayerBudget>> {
+    let name = serde_json::to_value(p).unwrap()["type"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    match (name.as_str(), stats) {
+        ("var_prop", Some(s)) => budgets_from_statistics(r, s, false, "var_prop"),
+        ("var_inv", Some(s)) => budgets_from_statistics(r, s, true, "var_inv"),
+        _ => p.layer_budgets(r),
     }
 }
 
@@ -108,7 +121,7 @@ fn pyramid_ratios() {
     // Counts: total conserved exactly, lower layers get more.
     let b = heavy(
         &Pyramid::default()
-            .layer_budgets(&req(32, 4096, 1024, 1024, None))
+            .layer_budgets(&req(32, 4096, 1024, 1024))
             .unwrap(),
     );
     assert_eq!(b.iter().sum::<usize>(), 32 * 1024);
@@ -120,45 +133,37 @@ fn pyramid_ratios() {
 fn pyramidkv_capacities() {
     let p = PyramidKv::default();
     // C = 512, W = 8, L = 32, T = 4000: 983, 953, ..., 53; sum 16576 vs 16128.
-    let b = heavy(&p.layer_budgets(&req(32, 4000, 504, 8, None)).unwrap());
+    let b = heavy(&p.layer_budgets(&req(32, 4000, 504, 8)).unwrap());
     assert_eq!((b[0], b[1], b[31]), (983, 953, 53));
     assert_eq!(b.iter().sum::<usize>(), 16576);
     // T < C: nothing evicted.
     assert!(
-        heavy(&p.layer_budgets(&req(32, 500, 504, 8, None)).unwrap())
+        heavy(&p.layer_budgets(&req(32, 500, 504, 8)).unwrap())
             .iter()
             .all(|&h| h == 500)
     );
     // C <= T < 2(C - W): uniform C - W.
     assert!(
-        heavy(&p.layer_budgets(&req(32, 1000, 504, 8, None)).unwrap())
+        heavy(&p.layer_budgets(&req(32, 1000, 504, 8)).unwrap())
             .iter()
             .all(|&h| h == 504)
     );
     // max clamped to T - W (C = 512, W = 64, T = 900): max = 836, min = 896 - 836 = 60.
-    let b = heavy(&p.layer_budgets(&req(32, 900, 448, 64, None)).unwrap());
+    let b = heavy(&p.layer_budgets(&req(32, 900, 448, 64)).unwrap());
     assert_eq!((b[0], b[1]), (836, 836 - (836 - 60) / 31));
 }
 
 #[test]
 fn var_policies_follow_the_statistic() {
     let stats = [1.0f32, 2.0, 4.0, 8.0];
-    let p = heavy(
-        &VarProp::default()
-            .layer_budgets(&req(4, 1000, 150, 0, Some(&stats)))
-            .unwrap(),
-    );
-    let i = heavy(
-        &VarInv::default()
-            .layer_budgets(&req(4, 1000, 150, 0, Some(&stats)))
-            .unwrap(),
-    );
+    let p = heavy(&budgets(&VarProp::default(), &req(4, 1000, 150, 0), Some(&stats)).unwrap());
+    let i = heavy(&budgets(&VarInv::default(), &req(4, 1000, 150, 0), Some(&stats)).unwrap());
     assert_eq!(p.iter().sum::<usize>(), 600);
     assert_eq!(i.iter().sum::<usize>(), 600);
     assert_eq!(p, vec![40, 80, 160, 320]);
     assert_eq!(i, vec![320, 160, 80, 40]);
     let e = VarProp::default()
-        .layer_budgets(&req(4, 1000, 150, 0, None))
+        .layer_budgets(&req(4, 1000, 150, 0))
         .unwrap_err();
     assert!(e.to_string().contains("statistics"), "{e}");
 }
@@ -170,10 +175,10 @@ fn per_layer_list_is_checked_against_the_model() {
         heavy_tokens: vec![],
     };
     assert_eq!(
-        heavy(&p.layer_budgets(&req(2, 100, 0, 10, None)).unwrap()),
+        heavy(&p.layer_budgets(&req(2, 100, 0, 10)).unwrap()),
         vec![50, 25]
     );
-    let e = p.layer_budgets(&req(3, 100, 0, 10, None)).unwrap_err();
+    let e = p.layer_budgets(&req(3, 100, 0, 10)).unwrap_err();
     assert!(
         e.to_string().contains("lists 2 layers, the model has 3"),
         "{e}"
@@ -200,16 +205,16 @@ proptest! {
     ) {
         let (h, r) = ((t as f64 * hr) as usize, (t as f64 * rr) as usize);
         for p in policies() {
-            let b = p.layer_budgets(&req(l, t, h, r, Some(&stats[..l]))).unwrap();
+            let b = budgets(p.as_ref(), &req(l, t, h, r), Some(&stats[..l])).unwrap();
             let cap = t - r;
             let sum: usize = b.iter().map(|x| x.heavy).sum();
             prop_assert!(b.iter().all(|x| x.heavy <= cap && x.recent == r));
             prop_assert_eq!(sum, (l * h).min(l * cap), "{:?}", p);
-            let b2 = p.layer_budgets(&req(l, t, (h + 7).min(t), r, Some(&stats[..l]))).unwrap();
+            let b2 = budgets(p.as_ref(), &req(l, t, (h + 7).min(t), r), Some(&stats[..l])).unwrap();
             prop_assert!(b.iter().zip(&b2).all(|(a, c)| a.heavy <= c.heavy), "not monotone: {:?}", p);
         }
         // PyramidKV: documented floors make the total exceed L * (C - W) by < L(L-1)/2 + L.
-        let b = PyramidKv::default().layer_budgets(&req(l, t, h, r, None)).unwrap();
+        let b = PyramidKv::default().layer_budgets(&req(l, t, h, r)).unwrap();
         let sum: usize = b.iter().map(|x| x.heavy).sum();
         prop_assert!(sum <= l * t && sum + l >= (l * h).min(l * t.saturating_sub(r)));
         prop_assert!(sum <= l * h.max(t) + l * l);
@@ -377,23 +382,31 @@ fn reskv_splits_the_budget_and_reduces_to_plain_selection_at_r0() {
     let base = "[cache]\nheavy_tokens = 12\nrecent_tokens = 4\nscorer = { type = \"snapkv\", window = 4, kernel = 3, pooling = \"max\" }\n";
     let t = 64;
     let (plain, _) = run_reskv(base, t);
-    let (r0, c0) = run_reskv(&format!("{base}[cache.reskv]\nratio = 0.0\n"), t);
+    let (r0, c0) = run_reskv(
+        &format!("{base}[cache.compensator]\ntype = \"reskv\"\nratio = 0.0\n"),
+        t,
+    );
     assert_eq!(plain, r0);
     assert!(c0.memory().layers[0].heads.iter().all(|h| h.clusters == 0));
     let (never, _) = run_reskv(
-        &format!("{base}[cache.reskv]\nselect = \"proxy\"\ndelta = 0.999\nheld_out = 4\n"),
+        &format!(
+            "{base}[cache.compensator]\ntype = \"reskv\"\nselect = \"proxy\"\ndelta = 0.999\nheld_out = 4\n"
+        ),
         t,
     );
     assert_eq!(plain, never, "a proxy that needs 99.9% gain keeps r = 0");
-    let (with, c) = run_reskv(&format!("{base}[cache.reskv]\nratio = 0.25\n"), t);
+    let (with, c) = run_reskv(
+        &format!("{base}[cache.compensator]\ntype = \"reskv\"\nratio = 0.25\n"),
+        t,
+    );
     assert_ne!(plain, with);
     assert!(with.iter().all(|x| x.is_finite()));
     let m = c.memory();
     for h in &m.layers[0].heads {
         // b = 16 slots: 12 exact tokens (+3 decoded) and 4 cluster entries.
         assert_eq!(h.tokens, 12 + 3);
-        // fp16 mean key + mean value, f32 bias, u32 count.
-        assert_eq!(h.clusters, 4 * ((8 + 8) * 2 + 4 + 4));
+        // fp16 mean key + mean value, f32 bias.
+        assert_eq!(h.clusters, 4 * ((8 + 8) * 2 + 4));
     }
     let d = c.diagnostics();
     let st = &d["reskv"]["mean"];
@@ -413,17 +426,20 @@ fn reskv_splits_the_budget_and_reduces_to_plain_selection_at_r0() {
 #[test]
 fn reskv_config_errors() {
     for (toml, want) in [
-        ("[cache.reskv]\nratio = 0.1\n", "cache.reskv"),
         (
-            "[cache]\nheavy = 0.2\nscorer = { type = \"h2o\" }\n[cache.reskv]\nratio = 1.2\n",
-            "cache.reskv.ratio",
+            "[cache.compensator]\ntype = \"reskv\"\nratio = 0.1\n",
+            "cache.compensator",
         ),
         (
-            "[cache]\nheavy = 0.2\nscorer = { type = \"h2o\" }\n[cache.reskv]\nratoi = 0.1\n",
+            "[cache]\nheavy = 0.2\nscorer = { type = \"h2o\" }\n[cache.compensator]\ntype = \"reskv\"\nratio = 1.2\n",
+            "cache.compensator.ratio",
+        ),
+        (
+            "[cache]\nheavy = 0.2\nscorer = { type = \"h2o\" }\n[cache.compensator]\ntype = \"reskv\"\nratoi = 0.1\n",
             "ratoi",
         ),
         (
-            "[cache]\nheavy = 0.2\ndecode = \"evict\"\nscorer = { type = \"h2o\" }\n[cache.reskv]\n",
+            "[cache]\nheavy = 0.2\ndecode = \"evict\"\nscorer = { type = \"h2o\" }\n[cache.compensator]\ntype = \"reskv\"\n",
             "evict",
         ),
     ] {

@@ -34,7 +34,7 @@ fn layer(t: usize, bits: Option<u32>) -> Layer {
     };
     for h in 0..3 {
         let (k, v) = (data(t * d, h), data(t * d, 7 + h));
-        let (mut fk, mut fv) = (Fp16Rows::new(d), Fp16Rows::new(d));
+        let (mut fk, mut fv) = (Fp16Rows::new(d, 256), Fp16Rows::new(d, 256));
         match bits {
             None => {
                 fk.push(&k);
@@ -49,7 +49,7 @@ fn layer(t: usize, bits: Option<u32>) -> Layer {
                     axis: Axis::Channel,
                     scale_dtype: ScaleDtype::F16,
                 }
-                .new_store(d)
+                .new_store(d, 256)
                 .unwrap();
                 let mut qv = MinMax {
                     bits: b,
@@ -57,7 +57,7 @@ fn layer(t: usize, bits: Option<u32>) -> Layer {
                     axis: Axis::Token,
                     scale_dtype: ScaleDtype::F16,
                 }
-                .new_store(d)
+                .new_store(d, 256)
                 .unwrap();
                 qk.append(&k).unwrap();
                 qv.append(&v).unwrap();
@@ -90,7 +90,7 @@ fn bench(c: &mut Criterion) {
                     quant_values: l.qv[s].as_deref(),
                     fp_keys: &l.fk[s],
                     fp_values: &l.fv[s],
-                    clusters: None,
+                    extra: None,
                 })
                 .collect();
             g.bench_with_input(BenchmarkId::new(name, t), &t, |b, _| {

@@ -19,7 +19,7 @@
 //!
 //! // A per-channel key store for head dim 4, fed 16 tokens at a time.
 //! let q = MinMax { bits: 2, group: 16, axis: Axis::Channel, ..Default::default() };
-//! let mut store = q.new_store(4).unwrap();
+//! let mut store = q.new_store(4, 256).unwrap();
 //! let keys: Vec<f32> = (0..64).map(|i| (i as f32 * 0.3).sin()).collect();
 //! store.append(&keys).unwrap();
 //! let mut scores = vec![0.0; 16];
@@ -131,9 +131,9 @@ impl Quantizer for MinMax {
         }
         Ok(())
     }
-    fn new_store(&self, head_dim: usize) -> Result<Box<dyn QuantStore>> {
+    fn new_store(&self, head_dim: usize, page_tokens: usize) -> Result<Box<dyn QuantStore>> {
         self.validate(head_dim)?;
-        Ok(Box::new(MinMaxStore::new(*self, head_dim)))
+        Ok(Box::new(MinMaxStore::new(*self, head_dim, page_tokens)))
     }
 }
 

@@ -8,7 +8,7 @@
 
 use crate::{MinMax, ScaleDtype, code_of, store_pair};
 use half::f16;
-use minikv_core::{Axis, Error, QuantBytes, QuantStore, Result, check_finite, kernels};
+use minikv_core::{Axis, Error, QuantBytes, QuantStore, Result, check_finite, simd};
 use std::any::Any;
 
 #[derive(Debug, Clone)]
@@ -37,16 +37,16 @@ impl Buf {
             Buf::F32(v) => v.push(x),
         }
     }
-    fn reserve_exact(&mut self, n: usize) {
-        match self {
-            Buf::F16(v) => v.reserve_exact(n),
-            Buf::F32(v) => v.reserve_exact(n),
-        }
-    }
     fn bytes(&self) -> usize {
         match self {
             Buf::F16(v) => v.capacity() * 2,
             Buf::F32(v) => v.capacity() * 4,
+        }
+    }
+    fn used(&self) -> usize {
+        match self {
+            Buf::F16(v) => v.len() * 2,
+            Buf::F32(v) => v.len() * 4,
         }
     }
     fn shrink(&mut self) {
@@ -82,6 +82,8 @@ const MAX_G: usize = 16;
 pub struct MinMaxStore {
     q: MinMax,
     d: usize,
+    /// Growth page in tokens.
+    page: usize,
     len: usize,
     words: Vec<u32>,
     /// Scales and minimums. Per channel: one buffer `[group][d]`. Per token: one
@@ -91,11 +93,13 @@ pub struct MinMaxStore {
 }
 
 impl MinMaxStore {
-    /// An empty store (the quantizer must have been validated for `d`).
-    pub fn new(q: MinMax, d: usize) -> Self {
+    /// An empty store (the quantizer must have been validated for `d`) that
+    /// grows in pages of `page_tokens` tokens.
+    pub fn new(q: MinMax, d: usize, page_tokens: usize) -> Self {
         Self {
             q,
             d,
+            page: page_tokens.max(1),
             len: 0,
             words: Vec::new(),
             scale: (0..Self::n_bufs(q, d))
@@ -111,6 +115,34 @@ impl MinMaxStore {
         match q.axis {
             Axis::Channel => 1,
             Axis::Token => d / q.group,
+        }
+    }
+
+    /// Makes room for `new_len` tokens, growing every buffer to a whole
+    /// number of pages (one allocation per page, not per token).
+    fn grow_to(&mut self, new_len: usize) {
+        fn room<T>(v: &mut Vec<T>, need: usize, cap: usize) {
+            if v.capacity() < need {
+                v.reserve_exact(cap - v.len());
+            }
+        }
+        let (d, p, g) = (self.d, self.per_word(), self.q.group);
+        let cap_tokens = new_len.div_ceil(self.page) * self.page;
+        let (words, words_cap, scales, scales_cap) = match self.q.axis {
+            Axis::Channel => (
+                new_len.div_ceil(p) * d,
+                cap_tokens.div_ceil(p) * d,
+                new_len / g * d,
+                cap_tokens.div_ceil(g) * d,
+            ),
+            Axis::Token => (new_len * (d / p), cap_tokens * (d / p), new_len, cap_tokens),
+        };
+        room(&mut self.words, words, words_cap);
+        for b in self.scale.iter_mut().chain(self.min.iter_mut()) {
+            match b {
+                Buf::F16(v) => room(v, scales, scales_cap),
+                Buf::F32(v) => room(v, scales, scales_cap),
+            }
         }
     }
 
@@ -160,15 +192,18 @@ impl MinMaxStore {
         let p = self.per_word();
         let qmax = ((1u32 << bits) - 1) as f32;
         let new_len = self.len + n;
+        self.grow_to(new_len);
         let words_needed = new_len.div_ceil(p) * d;
-        self.words
-            .reserve_exact(words_needed.saturating_sub(self.words.len()));
         self.words.resize(words_needed, 0);
-        self.scale[0].reserve_exact(n / g * d);
-        self.min[0].reserve_exact(n / g * d);
-        let mut col = vec![0.0f32; g];
+        let mut stack = [0.0f32; 256];
+        let mut heap = Vec::new();
+        let col: &mut [f32] = if g <= stack.len() {
+            &mut stack[..g]
+        } else {
+            heap.resize(g, 0.0);
+            &mut heap
+        };
         for gi in 0..n / g {
-            let mut pairs = Vec::with_capacity(d);
             for c in 0..d {
                 for (i, x) in col.iter_mut().enumerate() {
                     *x = rows[(gi * g + i) * d + c];
@@ -181,7 +216,9 @@ impl MinMaxStore {
                         "quantize: range {mn}..{mx} overflows f32"
                     )));
                 }
-                pairs.push(store_pair(self.q.scale_dtype, scale, mn)?);
+                let (sc, m) = store_pair(self.q.scale_dtype, scale, mn)?;
+                self.scale[0].push(sc);
+                self.min[0].push(m);
                 if scale > 0.0 {
                     for (i, &x) in col.iter().enumerate() {
                         let t = self.len + gi * g + i;
@@ -189,10 +226,6 @@ impl MinMaxStore {
                         self.words[(t / p) * d + c] |= code << (bits as usize * (t % p));
                     }
                 }
-            }
-            for (s, m) in pairs {
-                self.scale[0].push(s);
-                self.min[0].push(m);
             }
         }
         self.len = new_len;
@@ -204,10 +237,7 @@ impl MinMaxStore {
         let p = self.per_word();
         let wpt = d / p;
         let qmax = ((1u32 << bits) - 1) as f32;
-        self.words.reserve_exact(n * wpt);
-        for b in self.scale.iter_mut().chain(self.min.iter_mut()) {
-            b.reserve_exact(n);
-        }
+        self.grow_to(self.len + n);
         for i in 0..n {
             let row = &rows[i * d..(i + 1) * d];
             let base = self.words.len();
@@ -261,7 +291,7 @@ impl MinMaxStore {
                 for c in 0..d {
                     qs[j][c] = qj[c] * sc[c];
                 }
-                bias[j] = kernels::dot(qj, &mn[..d]);
+                bias[j] = simd::dot(qj, &mn[..d]);
             }
             for k in (gi * grp / P)..((gi + 1) * grp / P) {
                 let mut acc = [[0.0f32; P]; NG];
@@ -271,7 +301,7 @@ impl MinMaxStore {
                     for j in 0..NG {
                         let s = qs[j][c];
                         for l in 0..P {
-                            acc[j][l] = kernels::fmadd(s, codes[l], acc[j][l]);
+                            acc[j][l] = simd::fmadd(s, codes[l], acc[j][l]);
                         }
                     }
                 }
@@ -310,7 +340,7 @@ impl MinMaxStore {
                 let mut macc = [0.0f32; NG];
                 self.min[gi].read(0, &mut sv[..n]);
                 for j in 0..NG {
-                    macc[j] = kernels::dot(&p[j * stride..j * stride + n], &sv[..n]);
+                    macc[j] = simd::dot(&p[j * stride..j * stride + n], &sv[..n]);
                 }
                 self.scale[gi].read(0, &mut sv[..n]);
                 for j in 0..NG {
@@ -328,7 +358,7 @@ impl MinMaxStore {
                         for j in 0..NG {
                             let aj = a[j * n + t];
                             for l in 0..P {
-                                acc[j][l] = kernels::fmadd(aj, codes[l], acc[j][l]);
+                                acc[j][l] = simd::fmadd(aj, codes[l], acc[j][l]);
                             }
                         }
                     }
@@ -426,7 +456,7 @@ impl QuantStore for MinMaxStore {
                 for j in 0..g {
                     let mut s = 0.0;
                     for gi in 0..gpt {
-                        let dq = kernels::dot(
+                        let dq = simd::dot(
                             &q[j * d + gi * grp..j * d + (gi + 1) * grp],
                             &codes[gi * grp..(gi + 1) * grp],
                         );
@@ -447,7 +477,7 @@ impl QuantStore for MinMaxStore {
             for j in 0..g {
                 for i in 0..n {
                     out[j * stride + t0 + i] =
-                        kernels::dot(&q[j * d..(j + 1) * d], &tile[i * d..(i + 1) * d]);
+                        simd::dot(&q[j * d..(j + 1) * d], &tile[i * d..(i + 1) * d]);
                 }
             }
             t0 += n;
@@ -488,7 +518,7 @@ impl QuantStore for MinMaxStore {
             self.dequant_range(t0, n, &mut tile);
             for j in 0..g {
                 for i in 0..n {
-                    kernels::axpy(
+                    simd::axpy(
                         p[j * stride + t0 + i],
                         &tile[i * d..(i + 1) * d],
                         &mut out[j * d..(j + 1) * d],
@@ -508,6 +538,15 @@ impl QuantStore for MinMaxStore {
             codes: self.words.capacity() * 4,
             scales: self.scale.iter().chain(&self.min).map(Buf::bytes).sum(),
         }
+    }
+    fn used_bytes(&self) -> usize {
+        self.words.len() * 4
+            + self
+                .scale
+                .iter()
+                .chain(&self.min)
+                .map(Buf::used)
+                .sum::<usize>()
     }
 
     fn shrink(&mut self) {

@@ -99,7 +99,7 @@ fn bad_parameters_are_errors() {
         ..Default::default()
     };
     assert!(q.validate(64).unwrap_err().to_string().contains("divide"));
-    let mut s = MinMax::default().new_store(64).unwrap();
+    let mut s = MinMax::default().new_store(64, 256).unwrap();
     assert!(
         s.append(&vec![0.0; 8 * 64])
             .unwrap_err()
@@ -119,7 +119,7 @@ fn size_formula_section_6() {
             axis,
             scale_dtype: ScaleDtype::F16,
         };
-        let mut s = q.new_store(d).unwrap();
+        let mut s = q.new_store(d, 256).unwrap();
         let rows: Vec<f32> = (0..n * d).map(|i| (i as f32 * 0.37).sin()).collect();
         s.append(&rows).unwrap();
         s.shrink();

@@ -55,20 +55,20 @@ proptest! {
         let mk = |a: Axis, g: usize| MinMax { bits, group: g, axis: a, scale_dtype: ScaleDtype::F32 };
         let mut heads = Vec::new();
         for _ in 0..2 {
-            let mut qk = mk(kaxis, kgroup).new_store(d).unwrap();
-            let mut qv = mk(Axis::Token, vgroup).new_store(d).unwrap();
+            let mut qk = mk(kaxis, kgroup).new_store(d, 256).unwrap();
+            let mut qv = mk(Axis::Token, vgroup).new_store(d, 256).unwrap();
             let ks: Vec<f32> = (0..n * d).map(|i| rnd(2.0) + if i % d == 5 { 8.0 } else { 0.0 }).collect();
             let vs: Vec<f32> = (0..n * d).map(|_| rnd(1.0)).collect();
             qk.append(&ks).unwrap();
             qv.append(&vs).unwrap();
-            let mut fk = Fp16Rows::new(d);
-            let mut fv = Fp16Rows::new(d);
+            let mut fk = Fp16Rows::new(d, 256);
+            let mut fv = Fp16Rows::new(d, 256);
             fk.push(&(0..nres * d).map(|_| rnd(2.0)).collect::<Vec<_>>());
             fv.push(&(0..nres * d).map(|_| rnd(1.0)).collect::<Vec<_>>());
             heads.push((qk, qv, fk, fv));
         }
         let views: Vec<HeadView<'_>> = heads.iter().map(|(qk, qv, fk, fv)| HeadView {
-            quant_keys: Some(qk.as_ref()), quant_values: Some(qv.as_ref()), fp_keys: fk, fp_values: fv, clusters: None,
+            quant_keys: Some(qk.as_ref()), quant_values: Some(qv.as_ref()), fp_keys: fk, fp_values: fv, extra: None,
         }).collect();
         let q: Vec<f32> = (0..2 * 3 * d).map(|_| rnd(1.5)).collect();
         let mut o1 = vec![0.0; q.len()];
@@ -115,7 +115,7 @@ fn per_channel_keys_beat_per_token_on_outlier_channels() {
             axis,
             scale_dtype: ScaleDtype::F16,
         }
-        .new_store(d)
+        .new_store(d, 256)
         .unwrap();
         st.append(&keys).unwrap();
         let mut sc = vec![0.0; n];

@@ -7,6 +7,7 @@ mod tiled;
 pub use reference::ReferenceBackend;
 pub use tiled::TiledBackend;
 
+use crate::compensate::LogitGate;
 use crate::quant::QuantStore;
 use crate::storage::{FpStore, StorageFactory};
 use crate::{Error, Result};
@@ -38,19 +39,20 @@ pub struct PrefillArgs<'a> {
     pub cumulative: Option<&'a mut [f32]>,
 }
 
-/// ResKV residual-cluster entries of one head: they join the softmax with a
-/// per-entry logit bias (`beta * log(count) + log g`).
+/// Extra attention entries of one head (from a [`Compensator`](crate::Compensator),
+/// e.g. ResKV's cluster summaries): they join the softmax with a per-entry
+/// logit bias, plus `log g(q)` from an optional gate.
 #[derive(Debug, Clone, Copy)]
-pub struct ClusterView<'a> {
-    /// Mean keys `[c][d]`.
-    pub keys: &'a [f32],
-    /// Mean values `[c][d]`.
-    pub values: &'a [f32],
-    /// Logit bias per entry `[c]` (`beta * log(count)`).
+pub struct ExtraView<'a> {
+    /// Entry keys.
+    pub keys: &'a dyn FpStore,
+    /// Entry values.
+    pub values: &'a dyn FpStore,
+    /// Logit bias per entry.
     pub bias: &'a [f32],
-    /// Dynamic gate: `log g(q)` is added to every entry's logit, with `g`
-    /// computed from the query's attention over the head's exact tokens.
-    pub gate: Option<crate::reskv::Gate>,
+    /// Per-query gate: `log g` from the query's scaled logits over the head's
+    /// real tokens, added to every entry's logit.
+    pub gate: Option<&'a dyn LogitGate>,
 }
 
 /// One storage head of a compressed layer, as decode attention sees it.
@@ -68,8 +70,8 @@ pub struct HeadView<'a> {
     pub fp_keys: &'a dyn FpStore,
     /// Full-precision values.
     pub fp_values: &'a dyn FpStore,
-    /// Residual-cluster entries.
-    pub clusters: Option<ClusterView<'a>>,
+    /// Extra entries (compensation for evicted tokens).
+    pub extra: Option<ExtraView<'a>>,
 }
 
 impl HeadView<'_> {
@@ -81,7 +83,7 @@ impl HeadView<'_> {
     pub fn n_quant_values(&self) -> usize {
         self.quant_values.map_or(0, |s| s.len())
     }
-    /// Tokens held (excluding cluster entries).
+    /// Tokens held (excluding extra entries).
     pub fn len(&self) -> usize {
         self.n_quant_keys() + self.fp_keys.len()
     }
@@ -89,9 +91,9 @@ impl HeadView<'_> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Cluster entries.
-    pub fn n_clusters(&self) -> usize {
-        self.clusters.map_or(0, |c| c.bias.len())
+    /// Extra entries.
+    pub fn n_extra(&self) -> usize {
+        self.extra.map_or(0, |c| c.bias.len())
     }
     /// Checks that keys and values agree.
     pub fn validate(&self, d: usize) -> Result<()> {
@@ -99,10 +101,11 @@ impl HeadView<'_> {
         if self.len() != nv {
             return Err(Error::shape("decode head: values vs keys", self.len(), nv));
         }
-        if let Some(c) = self.clusters {
+        let _ = d;
+        if let Some(c) = self.extra {
             let n = c.bias.len();
-            if c.keys.len() != n * d || c.values.len() != n * d {
-                return Err(Error::shape("cluster entries", n * d, c.keys.len()));
+            if c.keys.len() != n || c.values.len() != n {
+                return Err(Error::shape("extra entries", n, c.keys.len()));
             }
         }
         Ok(())
@@ -121,7 +124,7 @@ pub struct DecodeArgs<'a> {
     /// Output `[Hq][d]`.
     pub out: &'a mut [f32],
     /// If set, per query head the attention probabilities over the head's tokens
-    /// (cluster entries excluded) are written here (resized as needed).
+    /// (extra entries excluded) are written here (resized as needed).
     pub probs: Option<&'a mut [Vec<f32>]>,
 }
 
@@ -137,18 +140,74 @@ pub trait AttentionBackend: Send + Sync + Debug {
     fn storage(&self) -> &dyn StorageFactory;
 }
 
-/// The CPU backends by name: `tiled` (default) and `reference`.
-pub fn cpu_backend(name: &str) -> Result<Arc<dyn AttentionBackend>> {
-    match name {
-        "tiled" => Ok(Arc::new(TiledBackend::default())),
-        "reference" => Ok(Arc::new(ReferenceBackend)),
-        other => Err(Error::config(
+/// A registered attention backend: `backend = "<name>"` in a run config.
+///
+/// Backends register themselves next to their definition with
+/// `inventory::submit!` (see [`crate::register_backend!`]); nothing matches on
+/// backend names anywhere else. `make` may fail with a clear error (e.g. `cuda`
+/// on a machine without a CUDA driver).
+pub struct BackendInfo {
+    /// Name in configs.
+    pub name: &'static str,
+    /// One line saying what it is.
+    pub summary: &'static str,
+    /// Creates the backend.
+    pub make: fn() -> Result<Arc<dyn AttentionBackend>>,
+}
+
+inventory::collect!(BackendInfo);
+
+/// Registers an attention backend under a config name.
+///
+/// ```ignore
+/// minikv_core::register_backend!("tiled", "summary", || Ok(Arc::new(TiledBackend::default())));
+/// ```
+#[macro_export]
+macro_rules! register_backend {
+    ($name:literal, $summary:literal, $make:expr) => {
+        $crate::__inventory::submit! {
+            $crate::attention::BackendInfo { name: $name, summary: $summary, make: $make }
+        }
+    };
+}
+
+crate::register_backend!(
+    "tiled",
+    "CPU flash-style tiles (online softmax, rayon), fused low-bit decode; the default",
+    || Ok(Arc::new(TiledBackend::default()))
+);
+crate::register_backend!(
+    "reference",
+    "CPU naive f64 attention, exact; for checks",
+    || Ok(Arc::new(ReferenceBackend))
+);
+
+/// Every registered backend, sorted by name.
+pub fn backends() -> Vec<&'static BackendInfo> {
+    let mut v: Vec<_> = inventory::iter::<BackendInfo>.into_iter().collect();
+    v.sort_by_key(|b| b.name);
+    v
+}
+
+/// Looks a backend up by name; an unknown name is a config error listing the
+/// registered ones.
+pub fn backend_info(name: &str) -> Result<&'static BackendInfo> {
+    let all = backends();
+    all.iter().find(|b| b.name == name).copied().ok_or_else(|| {
+        let names: Vec<_> = all.iter().map(|b| b.name).collect();
+        Error::config(
             "backend",
             format!(
-                "unknown backend `{other}` (CPU backends: tiled, reference; `cuda` needs minikv-kernels)"
+                "unknown backend `{name}` (registered: {}; `cuda` is registered by minikv-kernels)",
+                names.join(", ")
             ),
-        )),
-    }
+        )
+    })
+}
+
+/// Creates the backend registered as `name`.
+pub fn make_backend(name: &str) -> Result<Arc<dyn AttentionBackend>> {
+    (backend_info(name)?.make)()
 }
 
 pub(crate) fn check_prefill(a: &PrefillArgs<'_>) -> Result<(usize, usize)> {

@@ -73,29 +73,24 @@ impl AttentionBackend for ReferenceBackend {
                 qv.dequantize(&mut vals[..nqv * d]);
             }
             head.fp_values.to_f32(&mut vals[nqv * d..]);
-            let nc = head.n_clusters();
+            let nc = head.n_extra();
+            let mut ek = vec![0.0f32; nc * d];
+            let mut ev = vec![0.0f32; nc * d];
+            if let Some(c) = head.extra {
+                c.keys.to_f32(&mut ek);
+                c.values.to_f32(&mut ev);
+            }
             for j in 0..g {
                 let h = s * g + j;
                 let q = &a.q[h * d..(h + 1) * d];
                 let mut sc: Vec<f64> = (0..n)
                     .map(|t| dot64(q, &keys[t * d..(t + 1) * d]) * scale)
                     .collect();
-                if let Some(c) = head.clusters {
-                    // Gate: largest exact-token probability s, g = max(g_min, sigmoid(alpha (tau - s))).
-                    let log_g = c.gate.map_or(0.0, |gt| {
-                        let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                        let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
-                        let s = if n == 0 { 0.0 } else { 1.0 / z };
-                        let g = (1.0 / (1.0 + (-(gt.alpha as f64) * (gt.tau as f64 - s)).exp()))
-                            .max(gt.g_min as f64)
-                            .max(1e-30);
-                        g.ln()
-                    });
+                if let Some(c) = head.extra {
+                    let log_g = c.gate.map_or(0.0, |gt| gt.log_gate_f64(&sc));
                     for e in 0..nc {
                         sc.push(
-                            dot64(q, &c.keys[e * d..(e + 1) * d]) * scale
-                                + c.bias[e] as f64
-                                + log_g,
+                            dot64(q, &ek[e * d..(e + 1) * d]) * scale + c.bias[e] as f64 + log_g,
                         );
                     }
                 }
@@ -108,10 +103,8 @@ impl AttentionBackend for ReferenceBackend {
                     for t in 0..n {
                         acc += w[t] * vals[t * d + c] as f64;
                     }
-                    if let Some(cl) = head.clusters {
-                        for e in 0..nc {
-                            acc += w[n + e] * cl.values[e * d + c] as f64;
-                        }
+                    for e in 0..nc {
+                        acc += w[n + e] * ev[e * d + c] as f64;
                     }
                     o[c] = if z > 0.0 { (acc / z) as f32 } else { 0.0 };
                 }

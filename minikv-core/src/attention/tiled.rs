@@ -3,7 +3,7 @@
 //! second pass with `O(T)` extra memory per head.
 
 use super::{AttentionBackend, DecodeArgs, PrefillArgs, check_decode, check_prefill};
-use crate::kernels::{dot, softmax_inplace};
+use crate::simd::softmax_inplace;
 use crate::storage::{CpuStorage, StorageFactory};
 use crate::{Error, Result};
 use rayon::prelude::*;
@@ -157,14 +157,14 @@ impl AttentionBackend for TiledBackend {
                                         let vis = (first_pos + i + 1).saturating_sub(c0).min(nc);
                                         row[vis..].fill(f32::NEG_INFINITY);
                                     }
-                                    let bm = crate::kernels::max(row);
+                                    let bm = crate::simd::max(row);
                                     let mnew = m[i].max(bm);
                                     if mnew == f32::NEG_INFINITY {
                                         row.fill(0.0);
                                         continue;
                                     }
-                                    let alpha = crate::kernels::exp_neg(m[i] - mnew);
-                                    let sum = crate::kernels::exp_sub_sum(row, mnew);
+                                    let alpha = crate::simd::exp_neg(m[i] - mnew);
+                                    let sum = crate::simd::exp_sub_sum(row, mnew);
                                     l[i] = l[i] * alpha + sum;
                                     m[i] = mnew;
                                     if alpha != 1.0 {
@@ -218,7 +218,7 @@ impl AttentionBackend for TiledBackend {
                                 let li = lse[h * n + i0 + i];
                                 let row = &s[i * nc..i * nc + vis];
                                 for (c, x) in col[..vis].iter_mut().zip(row) {
-                                    *c += crate::kernels::exp_neg(x - li);
+                                    *c += crate::simd::exp_neg(x - li);
                                 }
                             }
                             i0 += nr;
@@ -239,7 +239,7 @@ impl AttentionBackend for TiledBackend {
         let run = |s: usize, out: &mut [f32], probs: Option<&mut [Vec<f32>]>| {
             let head = &heads[s];
             let n = head.len();
-            let nc = head.n_clusters();
+            let nc = head.n_extra();
             let stride = n + nc;
             with_scratch(g * d + g * stride, |buf| {
                 let (qs, sc) = buf.split_at_mut(g * d);
@@ -251,15 +251,13 @@ impl AttentionBackend for TiledBackend {
                     qk.scores(qs, g, sc, stride);
                 }
                 head.fp_keys.scores(qs, g, &mut sc[nqk..], stride);
-                if let Some(c) = head.clusters {
+                if let Some(c) = head.extra {
+                    c.keys.scores(qs, g, &mut sc[n..], stride);
                     for j in 0..g {
-                        let qj = &qs[j * d..(j + 1) * d];
-                        let log_g = c.gate.map_or(0.0, |gt| {
-                            gt.log_g_of_logits(&sc[j * stride..j * stride + n])
-                        });
-                        for e in 0..nc {
-                            sc[j * stride + n + e] =
-                                dot(qj, &c.keys[e * d..(e + 1) * d]) + c.bias[e] + log_g;
+                        let row = &mut sc[j * stride..(j + 1) * stride];
+                        let log_g = c.gate.map_or(0.0, |gt| gt.log_gate(&row[..n]));
+                        for (x, b) in row[n..].iter_mut().zip(c.bias) {
+                            *x = *x + b + log_g;
                         }
                     }
                 }
@@ -272,17 +270,8 @@ impl AttentionBackend for TiledBackend {
                     qv.accumulate(sc, g, stride, out);
                 }
                 head.fp_values.accumulate(&sc[nqv..], g, stride, out);
-                if let Some(c) = head.clusters {
-                    for j in 0..g {
-                        for e in 0..nc {
-                            let p = sc[j * stride + n + e];
-                            crate::kernels::axpy(
-                                p,
-                                &c.values[e * d..(e + 1) * d],
-                                &mut out[j * d..(j + 1) * d],
-                            );
-                        }
-                    }
+                if let Some(c) = head.extra {
+                    c.values.accumulate(&sc[n..], g, stride, out);
                 }
                 if let Some(p) = probs {
                     for j in 0..g {

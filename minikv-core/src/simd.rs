@@ -1,4 +1,5 @@
-//! Small numeric kernels written so that the compiler vectorizes them.
+//! CPU SIMD-friendly numeric helpers (dot, axpy, softmax pieces) written so that
+//! the compiler vectorizes them. (The CUDA kernels live in the `minikv-kernels` crate.)
 
 /// `a * b + c`, fused where the target has FMA (a plain multiply-add otherwise,
 /// never a slow libm call).

@@ -1,4 +1,4 @@
-//! ResKV (reference §7): the tokens a selection evicts are not dropped but
+//! ResKV (docs/algorithms.md §7): the tokens a selection evicts are not dropped but
 //! summarized by a few residual clusters per (layer, KV head), which join the
 //! decode softmax with a logit bias `beta * log(count) + log g(q)`.
 //!
@@ -17,7 +17,7 @@
 //! gives `g = 1`.
 //!
 //! ```
-//! use minikv_core::reskv::kmeans;
+//! use minikv_policies::reskv::kmeans;
 //! // Two well-separated groups of 1-d keys: {0, 0.1, 0.2} and {10, 10.1}.
 //! let keys = [0.0, 0.1, 0.2, 10.0, 10.1];
 //! let members: Vec<u32> = (0..5).collect();
@@ -26,8 +26,10 @@
 //! assert!((centroids[1] - 10.05).abs() < 1e-6);
 //! ```
 
-use crate::{Error, Result};
+use minikv_core::compensate::{CompensateInput, Compensation, Compensator, LogitGate, evicted_of};
+use minikv_core::{Error, Needs, Result, simd};
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// How the residual share of each head is chosen.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -76,7 +78,7 @@ fn d_delta() -> f64 {
     0.01
 }
 
-/// `cache.reskv`: residual clusters of evicted tokens.
+/// `[cache.compensator] type = "reskv"`: residual clusters of evicted tokens.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ResKvConfig {
@@ -124,7 +126,7 @@ impl Default for ResKvConfig {
 impl ResKvConfig {
     /// Range checks, naming the field.
     pub fn validate(&self) -> Result<()> {
-        let bad = |f: &str, m: String| Err(Error::config(format!("cache.reskv.{f}"), m));
+        let bad = |f: &str, m: String| Err(Error::config(format!("cache.compensator.{f}"), m));
         if !(0.0..1.0).contains(&self.ratio) {
             return bad("ratio", format!("must be in [0, 1), got {}", self.ratio));
         }
@@ -204,6 +206,137 @@ impl Gate {
     }
 }
 
+impl LogitGate for Gate {
+    fn log_gate(&self, exact_logits: &[f32]) -> f32 {
+        self.log_g_of_logits(exact_logits)
+    }
+    /// The same formula in f64 (the reference backend).
+    fn log_gate_f64(&self, sc: &[f64]) -> f64 {
+        let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+        let s = if sc.is_empty() { 0.0 } else { 1.0 / z };
+        let g = (1.0 / (1.0 + (-(self.alpha as f64) * (self.tau as f64 - s)).exp()))
+            .max(self.g_min as f64)
+            .max(1e-30);
+        g.ln()
+    }
+}
+
+#[typetag::serde(name = "reskv")]
+impl Compensator for ResKvConfig {
+    fn needs(&self) -> Needs {
+        Needs {
+            query_window: self.held_out,
+            ..Default::default()
+        }
+    }
+    fn validate(&self) -> Result<()> {
+        ResKvConfig::validate(self)
+    }
+    fn gate(&self) -> Option<Arc<dyn LogitGate>> {
+        ResKvConfig::gate(self).map(|g| Arc::new(g) as Arc<dyn LogitGate>)
+    }
+    /// Demotes the `r` lowest-scored kept tokens outside the sinks and the
+    /// recent window, clusters every evicted token, and measures the result on
+    /// the held-out prompt queries (fixed ratio, or the per-head proxy).
+    fn compensate(&self, inp: &CompensateInput<'_>) -> Result<Compensation> {
+        let (t, d) = (inp.t, inp.d);
+        let rows = HeadRows {
+            keys: inp.keys,
+            values: inp.values,
+            d,
+        };
+        let gate = ResKvConfig::gate(self);
+        let recent_start = t.saturating_sub(inp.recent);
+        let scores = inp.scores;
+        let qs = inp.queries;
+        let w = inp.n_queries;
+        // Kept tokens that may be demoted, lowest score first.
+        let mut demotable: Vec<u32> = inp
+            .kept
+            .iter()
+            .copied()
+            .filter(|&p| (p as usize) >= inp.sinks && (p as usize) < recent_start)
+            .collect();
+        demotable.sort_by(|&a, &b| {
+            scores[a as usize]
+                .total_cmp(&scores[b as usize])
+                .then(b.cmp(&a))
+        });
+        let b = inp.kept.len();
+        let split = |ratio: f64| {
+            let r = ((ratio * b as f64).round() as usize).min(demotable.len());
+            let mut gone = demotable[..r].to_vec();
+            gone.sort_unstable();
+            let main: Vec<u32> = inp
+                .kept
+                .iter()
+                .copied()
+                .filter(|p| gone.binary_search(p).is_err())
+                .collect();
+            let evicted = evicted_of(&main, t);
+            let c = Clusters::build(rows, &evicted, r, self.iters, self.beta);
+            (main, evicted, c)
+        };
+        // The full-prompt reference outputs, once per head.
+        let full = if w > 0 {
+            full_outputs(qs, rows, t)
+        } else {
+            Vec::new()
+        };
+        let with_stats = |ratio: f64| {
+            let (main, evicted, c) = split(ratio);
+            let st = if w > 0 {
+                residual_stats(qs, &full, rows, &main, &evicted, &c, gate)
+            } else {
+                ResidualStats {
+                    evicted: evicted.len(),
+                    clusters: c.len(),
+                    ..Default::default()
+                }
+            };
+            (main, c, st)
+        };
+        let (main, c, st) = match self.select {
+            RatioSelect::Fixed => with_stats(self.ratio),
+            RatioSelect::Proxy => {
+                let base = with_stats(0.0);
+                let best = self
+                    .candidates
+                    .iter()
+                    .filter(|&&c| c > 0.0)
+                    .map(|&c| with_stats(c))
+                    .min_by(|a, b| a.2.output_error.total_cmp(&b.2.output_error));
+                // Keep r = 0 unless the best is `delta` better.
+                match best {
+                    Some(b) if b.2.output_error <= (1.0 - self.delta) * base.2.output_error => b,
+                    _ => base,
+                }
+            }
+        };
+        let mut out = Compensation::keep(main);
+        out.entries.keys = c.keys;
+        out.entries.values = c.values;
+        out.entries.bias = c.bias;
+        out.stats = vec![
+            ("evicted", st.evicted as f64),
+            ("clusters", st.clusters as f64),
+            ("eta", st.eta),
+            ("denominator_error", st.denominator_error),
+            ("numerator_error", st.numerator_error),
+            ("output_error", st.output_error),
+            ("output_error_dropped", st.output_error_dropped),
+        ];
+        Ok(out)
+    }
+}
+minikv_core::register!(
+    Compensator,
+    "reskv",
+    ResKvConfig,
+    "ResKV: evicted tokens summarized by k-means clusters joining the decode softmax (log-count bias, max-prob gate); fixed ratio or per-head proxy"
+);
+
 /// Lloyd's k-means of `members` (rows of `keys`, `[t][d]`) into at most `r`
 /// clusters: returns centroids `[r'][d]` and each member's cluster. Init: the
 /// members at evenly spaced ranks; empty clusters are dropped at the end.
@@ -230,7 +363,7 @@ pub fn kmeans(
     let mut counts = vec![0u32; r];
     for it in 0..iters.max(1) {
         for (j, c) in norms.iter_mut().enumerate() {
-            *c = crate::kernels::dot(&cent[j * d..(j + 1) * d], &cent[j * d..(j + 1) * d]);
+            *c = simd::dot(&cent[j * d..(j + 1) * d], &cent[j * d..(j + 1) * d]);
         }
         let mut changed = false;
         for (i, &p) in members.iter().enumerate() {
@@ -238,7 +371,7 @@ pub fn kmeans(
             let mut best = (f32::INFINITY, 0u32);
             for j in 0..r {
                 // |k - c|^2 - |k|^2 = |c|^2 - 2 k.c
-                let dist = norms[j] - 2.0 * crate::kernels::dot(k, &cent[j * d..(j + 1) * d]);
+                let dist = norms[j] - 2.0 * simd::dot(k, &cent[j * d..(j + 1) * d]);
                 if dist < best.0 {
                     best = (dist, j as u32);
                 }
@@ -254,7 +387,7 @@ pub fn kmeans(
         for (i, &p) in members.iter().enumerate() {
             let j = assign[i] as usize;
             counts[j] += 1;
-            crate::kernels::axpy(1.0, row(p), &mut sums[j * d..(j + 1) * d]);
+            simd::axpy(1.0, row(p), &mut sums[j * d..(j + 1) * d]);
         }
         for j in 0..r {
             if counts[j] > 0 {
@@ -336,7 +469,7 @@ impl Clusters {
         for (&p, &a) in evicted.iter().zip(&assign) {
             let a = a as usize;
             counts[a] += 1;
-            crate::kernels::axpy(1.0, rows.value(p), &mut cv[a * d..(a + 1) * d]);
+            simd::axpy(1.0, rows.value(p), &mut cv[a * d..(a + 1) * d]);
         }
         for (j, &n) in counts.iter().enumerate() {
             let inv = 1.0 / n as f32;
@@ -388,15 +521,13 @@ pub fn attend_one(
     let scale = 1.0 / (d as f32).sqrt();
     let mut lg: Vec<f32> = main
         .iter()
-        .map(|&p| crate::kernels::dot(q, rows.key(p)) * scale)
+        .map(|&p| simd::dot(q, rows.key(p)) * scale)
         .collect();
     let log_g = gate.map_or(0.0, |g| g.log_g_of_logits(&lg));
     let n = lg.len();
     for j in 0..clusters.len() {
         lg.push(
-            crate::kernels::dot(q, &clusters.keys[j * d..(j + 1) * d]) * scale
-                + clusters.bias[j]
-                + log_g,
+            simd::dot(q, &clusters.keys[j * d..(j + 1) * d]) * scale + clusters.bias[j] + log_g,
         );
     }
     let m = lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -477,15 +608,15 @@ pub fn residual_stats(
     for (q, o_full) in queries.chunks_exact(d).zip(full.chunks_exact(d)) {
         let lmain: Vec<f32> = main
             .iter()
-            .map(|&p| crate::kernels::dot(q, rows.key(p)) * scale)
+            .map(|&p| simd::dot(q, rows.key(p)) * scale)
             .collect();
         let log_g = gate.map_or(0.0, |g| g.log_g_of_logits(&lmain));
         let lc: Vec<f32> = (0..clusters.len())
-            .map(|j| crate::kernels::dot(q, &ck[j * d..(j + 1) * d]) * scale)
+            .map(|j| simd::dot(q, &ck[j * d..(j + 1) * d]) * scale)
             .collect();
         let le: Vec<f32> = evicted
             .iter()
-            .map(|&p| crate::kernels::dot(q, rows.key(p)) * scale)
+            .map(|&p| simd::dot(q, rows.key(p)) * scale)
             .collect();
         for (i, &l) in le.iter().enumerate() {
             if !clusters.is_empty() {
@@ -641,14 +772,14 @@ mod tests {
                     ratio: 1.5,
                     ..Default::default()
                 },
-                "cache.reskv.ratio",
+                "cache.compensator.ratio",
             ),
             (
                 ResKvConfig {
                     iters: 0,
                     ..Default::default()
                 },
-                "cache.reskv.iters",
+                "cache.compensator.iters",
             ),
         ] {
             assert!(c.validate().unwrap_err().to_string().contains(field));

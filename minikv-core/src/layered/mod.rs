@@ -1,0 +1,332 @@
+//! The cache every config builds, assembled from parts with one job each:
+//!
+//! * [`staging`]: the prompt's K/V in full precision and the signals the
+//!   components asked for, until the end of prefill;
+//! * `compress`: the end of prefill (budgets, scores, selection,
+//!   compensation) wiring the components of the config;
+//! * [`store`]: per storage head, the quantized part, the fp16 residual with
+//!   its streaming rule, and extra entries;
+//! * [`evict`]: decode-time eviction over any scorer.
+//!
+//! Heads hold ragged lengths: per-head budgets really free memory.
+//! [`KvCache::memory`] is the sum of each part's own accounting.
+
+mod compress;
+mod evict;
+mod staging;
+mod store;
+
+use crate::attention::{AttentionBackend, DecodeArgs, HeadView};
+use crate::cache::{KvCache, LayerMemory, MemoryReport, Phase};
+use crate::compensate::LogitGate;
+use crate::config::{CacheConfig, HeadMode};
+use crate::{Error, LayerBudget, ModelSpec, Needs, Result, check_finite, check_len};
+use evict::{EvictParams, Evictor};
+use smallvec::SmallVec;
+use staging::Staging;
+use std::sync::Arc;
+use store::{HeadStore, ResidualRule};
+
+/// One layer: its staging during prefill, its stores and eviction state after.
+#[derive(Debug)]
+struct Layer {
+    seen: usize,
+    staging: Staging,
+    heads: Vec<HeadStore>,
+    evict: Option<Evictor>,
+}
+
+/// The cache built from a [`CacheConfig`].
+#[derive(Debug)]
+pub struct LayeredCache {
+    spec: ModelSpec,
+    cfg: CacheConfig,
+    backend: Arc<dyn AttentionBackend>,
+    needs: Needs,
+    phase: Phase,
+    layers: Vec<Layer>,
+    budgets: Vec<LayerBudget>,
+    n_store: usize,
+    residual: ResidualRule,
+    gate: Option<Arc<dyn LogitGate>>,
+    /// Flush scratch shared by the layers.
+    scratch: Vec<f32>,
+    /// Compensator statistics per layer and head.
+    comp_stats: Vec<Vec<Vec<(&'static str, f64)>>>,
+}
+
+impl LayeredCache {
+    /// Builds an empty cache. `cfg` is resolved and validated here.
+    pub fn new(
+        mut cfg: CacheConfig,
+        spec: ModelSpec,
+        backend: Arc<dyn AttentionBackend>,
+    ) -> Result<Self> {
+        spec.validate()?;
+        cfg.resolve()?;
+        cfg.validate(Some(&spec))?;
+        let mut needs = Needs::default();
+        if let Some(s) = &cfg.scorer {
+            needs = needs.union(s.needs());
+        }
+        if let Some(p) = &cfg.policy {
+            needs = needs.union(p.needs());
+        }
+        if let Some(c) = &cfg.compensator {
+            needs = needs.union(c.needs());
+        }
+        let n_store = match cfg.heads {
+            HeadMode::PerKv => spec.n_kv_heads,
+            HeadMode::PerQuery => spec.n_q_heads,
+        };
+        let mut c = Self {
+            spec,
+            residual: ResidualRule::new(&cfg),
+            gate: cfg.compensator.as_ref().and_then(|c| c.gate()),
+            cfg,
+            backend,
+            needs,
+            phase: Phase::Prefill,
+            layers: Vec::new(),
+            budgets: Vec::new(),
+            n_store,
+            scratch: Vec::new(),
+            comp_stats: Vec::new(),
+        };
+        c.reset_layers()?;
+        Ok(c)
+    }
+
+    /// The resolved config.
+    pub fn config(&self) -> &CacheConfig {
+        &self.cfg
+    }
+
+    fn reset_layers(&mut self) -> Result<()> {
+        let st = self.backend.storage();
+        let d = self.spec.head_dim;
+        self.layers = (0..self.spec.n_layers)
+            .map(|_| {
+                Ok(Layer {
+                    seen: 0,
+                    staging: Staging::new(self.spec.n_kv_heads),
+                    heads: (0..self.n_store)
+                        .map(|_| HeadStore::new(&self.cfg, st, d))
+                        .collect::<Result<_>>()?,
+                    evict: None,
+                })
+            })
+            .collect::<Result<_>>()?;
+        self.budgets.clear();
+        self.comp_stats.clear();
+        self.phase = Phase::Prefill;
+        Ok(())
+    }
+
+    fn kv_of_store(&self, s: usize) -> usize {
+        s * self.spec.n_kv_heads / self.n_store
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<()> {
+        if layer >= self.spec.n_layers {
+            return Err(Error::shape(
+                "layer index",
+                format!("< {}", self.spec.n_layers),
+                layer,
+            ));
+        }
+        Ok(())
+    }
+
+    fn decode_append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        let d = self.spec.head_dim;
+        let (n_store, hkv) = (self.n_store, self.spec.n_kv_heads);
+        let l = &mut self.layers[layer];
+        for (s, h) in l.heads.iter_mut().enumerate() {
+            let kv = s * hkv / n_store;
+            let (k, v) = (&k[kv * d..(kv + 1) * d], &v[kv * d..(kv + 1) * d]);
+            h.push(k, v, &self.residual, &mut self.scratch)?;
+        }
+        if let Some(ev) = l.evict.as_mut() {
+            ev.push(
+                l.seen as u32,
+                self.cfg.scorer.as_deref().expect("validated"),
+            );
+        }
+        l.seen += 1;
+        Ok(())
+    }
+
+    fn decode_attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]) -> Result<()> {
+        let l = &mut self.layers[layer];
+        let gate = self.gate.as_deref();
+        {
+            let views: SmallVec<[HeadView<'_>; 16]> =
+                l.heads.iter().map(|h| h.view(gate)).collect();
+            self.backend.decode(DecodeArgs {
+                q,
+                heads: &views,
+                head_dim: self.spec.head_dim,
+                out,
+                probs: l.evict.as_mut().map(|e| &mut e.probs[..]),
+            })?;
+        }
+        for h in &mut l.heads {
+            h.after_attend(&self.residual, &mut self.scratch)?;
+        }
+        if let Some(ev) = l.evict.as_mut() {
+            ev.push_query(q);
+            let p = EvictParams {
+                scorer: self.cfg.scorer.as_deref().expect("validated"),
+                spec: &self.spec,
+                layer,
+                sinks: self.cfg.sinks,
+                every: self.cfg.evict_every,
+                reduce: EvictParams::reduce_of(&self.cfg),
+                seen: l.seen,
+            };
+            ev.step(&mut l.heads, &p)?;
+        }
+        Ok(())
+    }
+}
+
+impl KvCache for LayeredCache {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    fn seq_len(&self, layer: usize) -> usize {
+        self.layers.get(layer).map_or(0, |l| l.seen)
+    }
+
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n: usize) -> Result<()> {
+        self.check_layer(layer)?;
+        let (hkv, d) = (self.spec.n_kv_heads, self.spec.head_dim);
+        check_len("append keys", n * hkv * d, k.len())?;
+        check_len("append values", n * hkv * d, v.len())?;
+        check_finite("append keys", k)?;
+        check_finite("append values", v)?;
+        let seen = self.layers[layer].seen;
+        if seen + n > self.spec.max_seq_len {
+            return Err(Error::ContextOverflow {
+                len: seen + n,
+                max: self.spec.max_seq_len,
+            });
+        }
+        match self.phase {
+            Phase::Prefill => {
+                let l = &mut self.layers[layer];
+                l.staging.append(&self.spec, k, v, n);
+                l.seen += n;
+                Ok(())
+            }
+            Phase::Decode if n != 1 => Err(Error::Unsupported(format!(
+                "appending {n} tokens at once after compression: decode appends one token per step"
+            ))),
+            Phase::Decode => self.decode_append(layer, k, v),
+        }
+    }
+
+    fn attend(&mut self, layer: usize, q: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
+        self.check_layer(layer)?;
+        let row = self.spec.n_q_heads * self.spec.head_dim;
+        check_len("attend queries", n * row, q.len())?;
+        check_len("attend output", n * row, out.len())?;
+        match self.phase {
+            Phase::Prefill => {
+                let l = &mut self.layers[layer];
+                let t = l.seen;
+                l.staging
+                    .attend(self.backend.as_ref(), &self.spec, self.needs, t, q, n, out)
+            }
+            Phase::Decode if n != 1 => Err(Error::Unsupported(
+                "decode attends one query per head".into(),
+            )),
+            Phase::Decode => self.decode_attend(layer, q, out),
+        }
+    }
+
+    fn end_prefill(&mut self) -> Result<()> {
+        self.compress()
+    }
+
+    fn memory(&self) -> MemoryReport {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                let heads = l
+                    .heads
+                    .iter()
+                    .enumerate()
+                    .map(|(s, h)| {
+                        let mut m = h.memory();
+                        if let Some(ev) = &l.evict {
+                            let (alloc, used) = ev.head_bytes(s);
+                            m.indices = alloc;
+                            m.used += used;
+                        }
+                        m
+                    })
+                    .collect();
+                LayerMemory {
+                    heads,
+                    staging: l.staging.bytes(),
+                    work: l.evict.as_ref().map_or(0, Evictor::work_bytes),
+                }
+            })
+            .collect();
+        let seq_len = self.layers.first().map_or(0, |l| l.seen);
+        MemoryReport {
+            layers,
+            seq_len,
+            full_fp16_bytes: self.spec.full_fp16_bytes(seq_len),
+            work: 4 * self.scratch.capacity(),
+        }
+    }
+
+    fn budgets(&self) -> Vec<LayerBudget> {
+        self.budgets.clone()
+    }
+
+    /// With a compensator: its per-head statistics averaged per layer and
+    /// overall, under the compensator's type name.
+    fn diagnostics(&self) -> serde_json::Value {
+        let Some(comp) = &self.cfg.compensator else {
+            return serde_json::Value::Null;
+        };
+        if self.comp_stats.is_empty() {
+            return serde_json::Value::Null;
+        }
+        let avg = |rows: &[&Vec<(&'static str, f64)>]| {
+            let mut m = serde_json::Map::new();
+            if let Some(first) = rows.first() {
+                for (i, (k, _)) in first.iter().enumerate() {
+                    let s: f64 = rows.iter().map(|r| r[i].1).sum();
+                    m.insert((*k).into(), (s / rows.len() as f64).into());
+                }
+            }
+            serde_json::Value::Object(m)
+        };
+        let per_layer: Vec<_> = self
+            .comp_stats
+            .iter()
+            .map(|l| avg(&l.iter().collect::<Vec<_>>()))
+            .collect();
+        let all: Vec<_> = self.comp_stats.iter().flatten().collect();
+        serde_json::json!({ comp.typetag_name(): {
+            "mean": avg(&all),
+            "per_layer": per_layer,
+        }})
+    }
+
+    fn reset(&mut self) {
+        // Stores were creatable at construction, so they are now.
+        self.reset_layers().expect("stores were created before");
+    }
+}

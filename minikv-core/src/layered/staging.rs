@@ -1,0 +1,201 @@
+//! Prefill staging of one layer: the prompt's keys and values in full
+//! precision, and the signals components asked for ([`Needs`]): `A_cumul`
+//! and the last prompt queries. Freed at the end of prefill.
+
+use crate::attention::{AttentionBackend, PrefillArgs};
+use crate::{Error, LayerSignals, ModelSpec, Needs, Result};
+
+/// One layer's prompt, as collected during prefill.
+#[derive(Debug, Default)]
+pub(crate) struct Staging {
+    /// Keys per KV head, `[t][d]`.
+    pub k: Vec<Vec<f32>>,
+    /// Values per KV head, `[t][d]`.
+    pub v: Vec<Vec<f32>>,
+    /// `A_cumul` `[Hq][t]` (when needed).
+    pub cumul: Vec<f32>,
+    /// Last prompt queries, token-major `[w][Hq * d]` (when needed).
+    pub window: Vec<f32>,
+}
+
+impl Staging {
+    pub fn new(hkv: usize) -> Self {
+        Self {
+            k: vec![Vec::new(); hkv],
+            v: vec![Vec::new(); hkv],
+            ..Default::default()
+        }
+    }
+
+    /// Stages `n` tokens (`[n][Hkv * d]`).
+    pub fn append(&mut self, spec: &ModelSpec, k: &[f32], v: &[f32], n: usize) {
+        let (hkv, d) = (spec.n_kv_heads, spec.head_dim);
+        for i in 0..n {
+            for h in 0..hkv {
+                let src = (i * hkv + h) * d..(i * hkv + h + 1) * d;
+                self.k[h].extend_from_slice(&k[src.clone()]);
+                self.v[h].extend_from_slice(&v[src]);
+            }
+        }
+    }
+
+    /// Exact causal attention of the last `n` of `t` staged tokens, collecting
+    /// what `needs` asks for.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend(
+        &mut self,
+        backend: &dyn AttentionBackend,
+        spec: &ModelSpec,
+        needs: Needs,
+        t: usize,
+        q: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let (hq, d) = (spec.n_q_heads, spec.head_dim);
+        if n > t {
+            return Err(Error::shape(
+                "queries vs appended tokens",
+                format!("<= {t}"),
+                n,
+            ));
+        }
+        // Token-major -> head-major.
+        let mut qh = vec![0.0f32; hq * n * d];
+        for i in 0..n {
+            for h in 0..hq {
+                qh[(h * n + i) * d..(h * n + i + 1) * d]
+                    .copy_from_slice(&q[(i * hq + h) * d..(i * hq + h + 1) * d]);
+            }
+        }
+        let mut oh = vec![0.0f32; hq * n * d];
+        let mut cumul = Vec::new();
+        if needs.cumulative_attention {
+            let old = t - n;
+            cumul = vec![0.0f32; hq * t];
+            if !self.cumul.is_empty() {
+                for h in 0..hq {
+                    cumul[h * t..h * t + old].copy_from_slice(&self.cumul[h * old..(h + 1) * old]);
+                }
+            }
+        }
+        let keys: Vec<&[f32]> = self.k.iter().map(|x| x.as_slice()).collect();
+        let values: Vec<&[f32]> = self.v.iter().map(|x| x.as_slice()).collect();
+        backend.prefill(PrefillArgs {
+            n_q_heads: hq,
+            head_dim: d,
+            q: &qh,
+            n,
+            keys: &keys,
+            values: &values,
+            t,
+            out: &mut oh,
+            cumulative: needs.cumulative_attention.then_some(&mut cumul[..]),
+        })?;
+        if needs.cumulative_attention {
+            self.cumul = cumul;
+        }
+        for i in 0..n {
+            for h in 0..hq {
+                out[(i * hq + h) * d..(i * hq + h + 1) * d]
+                    .copy_from_slice(&oh[(h * n + i) * d..(h * n + i + 1) * d]);
+            }
+        }
+        if needs.query_window > 0 {
+            let row = hq * d;
+            self.window.extend_from_slice(&q[..n * row]);
+            let keep = needs.query_window * row;
+            if self.window.len() > keep {
+                self.window.drain(..self.window.len() - keep);
+            }
+        }
+        Ok(())
+    }
+
+    /// Staged query rows.
+    pub fn staged_queries(&self, spec: &ModelSpec) -> usize {
+        self.window.len() / (spec.n_q_heads * spec.head_dim)
+    }
+
+    /// The last `w` staged queries, head-major `[Hq][w][d]`.
+    pub fn window_head_major(&self, spec: &ModelSpec, w: usize) -> Vec<f32> {
+        let (hq, d) = (spec.n_q_heads, spec.head_dim);
+        let staged = self.staged_queries(spec);
+        let mut wq = vec![0.0f32; hq * w * d];
+        for i in 0..w {
+            let src = staged - w + i;
+            for h in 0..hq {
+                wq[(h * w + i) * d..(h * w + i + 1) * d]
+                    .copy_from_slice(&self.window[(src * hq + h) * d..(src * hq + h + 1) * d]);
+            }
+        }
+        wq
+    }
+
+    /// The last `w` staged queries of query heads `heads`, `[w][heads][d]`.
+    pub fn group_queries(
+        &self,
+        spec: &ModelSpec,
+        heads: std::ops::Range<usize>,
+        w: usize,
+    ) -> Vec<f32> {
+        let (hq, d) = (spec.n_q_heads, spec.head_dim);
+        let staged = self.staged_queries(spec);
+        let mut qs = Vec::with_capacity(w * heads.len() * d);
+        for i in staged - w..staged {
+            for h in heads.clone() {
+                qs.extend_from_slice(&self.window[(i * hq + h) * d..(i * hq + h + 1) * d]);
+            }
+        }
+        qs
+    }
+
+    /// The buffers behind a signals view with a query window of `w` rows.
+    pub fn views(&self, spec: &ModelSpec, w: usize) -> Views<'_> {
+        Views {
+            staging: self,
+            keys: self.k.iter().map(Vec::as_slice).collect(),
+            values: self.v.iter().map(Vec::as_slice).collect(),
+            wq: self.window_head_major(spec, w),
+            w,
+        }
+    }
+
+    /// Bytes allocated.
+    pub fn bytes(&self) -> usize {
+        4 * (self
+            .k
+            .iter()
+            .chain(&self.v)
+            .map(Vec::capacity)
+            .sum::<usize>()
+            + self.cumul.capacity()
+            + self.window.capacity())
+            + std::mem::size_of::<Vec<f32>>() * (self.k.capacity() + self.v.capacity())
+    }
+}
+
+/// Head-major views of one layer's staging, from which [`LayerSignals`] borrow.
+pub(crate) struct Views<'a> {
+    staging: &'a Staging,
+    keys: Vec<&'a [f32]>,
+    values: Vec<&'a [f32]>,
+    wq: Vec<f32>,
+    w: usize,
+}
+
+impl<'a> Views<'a> {
+    /// The signals view of layer `layer` with `t` prompt tokens.
+    pub fn signals(&'a self, spec: &'a ModelSpec, layer: usize, t: usize) -> LayerSignals<'a> {
+        LayerSignals {
+            spec,
+            layer,
+            t,
+            keys: &self.keys,
+            values: &self.values,
+            cumulative: (!self.staging.cumul.is_empty()).then_some(&self.staging.cumul[..]),
+            window_queries: (self.w > 0).then_some(&self.wq[..]),
+            window: self.w,
+        }
+    }
+}
