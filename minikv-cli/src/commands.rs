@@ -623,7 +623,7 @@ pub fn run_task(
     memo: &RefMemo,
 ) -> Result<serde_json::Value> {
     check_task(&t.task)?;
-    use minikv_models::eval;
+    use minikv_eval as eval;
     use rand::{Rng, SeedableRng};
     let m = l.model.as_ref();
     let full_cfg = RunConfig {
@@ -633,7 +633,7 @@ pub fn run_task(
     let text = read_text(&t.text)?;
     let all = l.tok.encode(&text)?;
     let max = m.spec().max_seq_len;
-    let retrieval = minikv_models::eval::Retrieval::from_task(&t.task).is_some();
+    let retrieval = minikv_eval::Retrieval::from_task(&t.task).is_some();
     let need = t.context + if retrieval { 0 } else { t.tokens };
     if need > max {
         return Err(Error::ContextOverflow { len: need, max });

@@ -190,7 +190,7 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
         }
         let (mean, lo, hi, interval) = if is_retrieval(&task) {
             let k = xs.iter().filter(|&&x| x > 0.5).count();
-            let (lo, hi) = minikv_models::eval::wilson95(k, xs.len());
+            let (lo, hi) = minikv_eval::wilson95(k, xs.len());
             (k as f64 / xs.len() as f64, lo, hi, "Wilson")
         } else {
             let (m, h) = mean_ci(&xs);

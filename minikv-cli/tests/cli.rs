@@ -64,6 +64,65 @@ fn config_check_prints_resolved_or_names_the_field() {
         !ok && err.contains("cache.heavy") && err.contains("1.5"),
         "{err}"
     );
+    // Non-finite floats anywhere, in any component, are rejected by name
+    // (TOML writes them as inf / nan); the run commands agree with the check.
+    for (cfg, field) in [
+        (
+            "[cache]\nheavy = 0.25\nrecent = 0.25\nscorer = { type = \"cumulative_attention\" }\npolicy = { type = \"pyramid\", depth = inf }\n",
+            "cache.policy.depth",
+        ),
+        (
+            "[cache]\nheavy = nan\nscorer = { type = \"h2o\" }\n",
+            "cache.heavy",
+        ),
+        (
+            "[cache]\nheavy = 0.2\nscorer = { type = \"snapkv\" }\n[cache.compensator]\ntype = \"reskv\"\nbeta = -inf\n",
+            "cache.compensator.beta",
+        ),
+    ] {
+        std::fs::write(&bad, cfg).unwrap();
+        let (ok, _, err) = minikv(&["config", "check", bad.to_str().unwrap()]);
+        assert!(!ok && err.contains(field), "{cfg}: {err}");
+        let (ok, _, err) = minikv(&[
+            "generate",
+            "--config",
+            bad.to_str().unwrap(),
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "2",
+        ]);
+        assert!(
+            !ok && err.contains(field) && !err.contains("panicked"),
+            "{cfg}: {err}"
+        );
+    }
+}
+
+/// Decode-time compression over a scorer without a decode rule (SnapKV every
+/// 16 steps) on the real model: memory stays within budget + 15 tokens per
+/// head while 40 tokens are generated, and fidelity is measured.
+#[test]
+fn snapkv_evicts_while_decoding_on_the_real_model() {
+    let v = ok_json(&[
+        "eval",
+        "--config",
+        "configs/snapkv-decode.toml",
+        "--task",
+        "fidelity",
+        "--context",
+        "128",
+        "--tokens",
+        "40",
+        "--json",
+    ]);
+    let kl = v["metrics"]["kl"].as_f64().unwrap();
+    assert!(kl.is_finite() && kl > 0.0, "{kl}");
+    // 25 heavy (20% of 128) + 32 window per head, 3 KV heads; evictions every 16.
+    for n in v["memory"]["per_layer_tokens"].as_array().unwrap() {
+        let n = n.as_u64().unwrap();
+        assert!(n <= 3 * (57 + 15) && n >= 3 * 57, "{n}");
+    }
 }
 
 /// algorithms.md §1 golden rows through the CLI.

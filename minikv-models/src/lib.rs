@@ -24,7 +24,6 @@
 #![warn(missing_docs)]
 
 pub mod blocks;
-pub mod eval;
 mod generate;
 pub mod gguf;
 pub mod llama;

@@ -453,3 +453,109 @@ fn reskv_config_errors() {
         assert!(err.contains(want), "{toml}: {err}");
     }
 }
+
+/// Decode-time eviction over a scorer that has no decode rule of its own
+/// (`key_norm`): every `evict_every` steps the cache re-scores its rows with
+/// the scorer and evicts down to the budget, sinks and recent window
+/// protected. Every decode output equals attention over the rows an
+/// independent simulation of that rule keeps (computed here in f64).
+#[test]
+fn decode_eviction_over_any_scorer_matches_a_simulation() {
+    use half::f16;
+    let (t, d, steps) = (24usize, 8usize, 12usize);
+    let spec = ModelSpec {
+        n_layers: 1,
+        n_q_heads: 2,
+        n_kv_heads: 1,
+        head_dim: d,
+        max_seq_len: 256,
+    };
+    let (sinks, heavy, recent) = (1usize, 5usize, 3usize);
+    let keys = noise((t + steps) * d, 41);
+    let vals = noise((t + steps) * d, 42);
+    let qs = noise((t + steps) * 2 * d, 43);
+    let r16 = |x: &[f32]| -> Vec<f64> { x.iter().map(|&v| f16::from_f32(v).to_f64()).collect() };
+    let norm = |p: usize, round: bool| -> f32 {
+        let k = &keys[p * d..(p + 1) * d];
+        if round {
+            -(r16(k).iter().map(|x| x * x).sum::<f64>() as f32).sqrt()
+        } else {
+            -k.iter().map(|x| x * x).sum::<f32>().sqrt()
+        }
+    };
+    for every in [1usize, 4] {
+        let mut c = tiny(
+            spec,
+            &format!(
+                "[cache]\nsinks = {sinks}\nheavy_tokens = {heavy}\nrecent_tokens = {recent}\ndecode = \"evict\"\nevict_every = {every}\nscorer = {{ type = \"key_norm\" }}"
+            ),
+        );
+        let mut out = vec![0.0; t * 2 * d];
+        c.append(0, &keys[..t * d], &vals[..t * d], t).unwrap();
+        c.attend(0, &qs[..t * 2 * d], t, &mut out).unwrap();
+        c.end_prefill().unwrap();
+        // Simulation: selection at the end of prefill on exact keys.
+        let mut rest: Vec<usize> = (sinks..t - recent).collect();
+        rest.sort_by(|&a, &b| norm(b, false).total_cmp(&norm(a, false)).then(a.cmp(&b)));
+        let mut kept: Vec<usize> = (0..sinks).chain(t - recent..t).collect();
+        kept.extend(&rest[..heavy]);
+        let cap = kept.len();
+        for i in 0..steps {
+            let p = t + i;
+            c.append(0, &keys[p * d..(p + 1) * d], &vals[p * d..(p + 1) * d], 1)
+                .unwrap();
+            let q = &qs[p * 2 * d..(p + 1) * 2 * d];
+            c.attend(0, q, 1, &mut out[..2 * d]).unwrap();
+            kept.push(p);
+            // Attention over the simulated rows (fp16 as stored), per query head.
+            for h in 0..2 {
+                let qh = &q[h * d..(h + 1) * d];
+                let logits: Vec<f64> = kept
+                    .iter()
+                    .map(|&r| {
+                        let k = r16(&keys[r * d..(r + 1) * d]);
+                        k.iter().zip(qh).map(|(a, &b)| a * b as f64).sum::<f64>()
+                            / (d as f64).sqrt()
+                    })
+                    .collect();
+                let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+                let z: f64 = w.iter().sum();
+                for ch in 0..d {
+                    let o: f64 = kept
+                        .iter()
+                        .zip(&w)
+                        .map(|(&r, wi)| wi * r16(&vals[r * d..(r + 1) * d])[ch])
+                        .sum::<f64>()
+                        / z;
+                    let got = out[h * d + ch] as f64;
+                    assert!(
+                        (got - o).abs() < 1e-4,
+                        "every {every}, step {i}, head {h}: {got} vs {o}"
+                    );
+                }
+            }
+            // Eviction when due: re-score (stored fp16 keys), drop the lowest.
+            if (i + 1) % every == 0 {
+                let recent_start = p + 1 - recent;
+                while kept.len() > cap {
+                    let v = kept
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, r)| **r >= sinks && **r < recent_start)
+                        .min_by(|a, b| {
+                            norm(*a.1, true)
+                                .total_cmp(&norm(*b.1, true))
+                                .then(a.1.cmp(b.1))
+                        })
+                        .map(|(j, _)| j)
+                        .unwrap();
+                    kept.remove(v);
+                }
+            }
+            let tokens = c.memory().layers[0].heads[0].tokens;
+            assert_eq!(tokens, kept.len(), "every {every}, step {i}");
+            assert!(tokens < cap + every);
+        }
+    }
+}

@@ -536,7 +536,13 @@ impl QuantStore for MinMaxStore {
     fn bytes(&self) -> QuantBytes {
         QuantBytes {
             codes: self.words.capacity() * 4,
-            scales: self.scale.iter().chain(&self.min).map(Buf::bytes).sum(),
+            scales: self
+                .scale
+                .iter()
+                .chain(&self.min)
+                .map(Buf::bytes)
+                .sum::<usize>()
+                + std::mem::size_of::<Buf>() * (self.scale.capacity() + self.min.capacity()),
         }
     }
     fn used_bytes(&self) -> usize {

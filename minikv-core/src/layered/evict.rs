@@ -258,8 +258,17 @@ impl Evictor {
                 dst[j * d..(j + 1) * d].copy_from_slice(&self.tmp[i * d..(i + 1) * d]);
             }
         }
-        // Window queries of this head's group, `[g][w][d]`, oldest first.
-        let w = self.n_queries;
+        // Window queries of this head's group, `[g][w][d]`, oldest first: the
+        // latest decode queries whose own rows are still stored, so that they
+        // sit at the end of the rows in position order, as a prompt window does.
+        let tail = self
+            .order
+            .iter()
+            .rev()
+            .zip((0..p.seen as u32).rev())
+            .take_while(|&(&i, want)| pos[i as usize] == want)
+            .count();
+        let w = self.n_queries.min(tail);
         let cap = if w == 0 {
             0
         } else {

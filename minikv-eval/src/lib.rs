@@ -1,11 +1,26 @@
+//! # minikv-eval
+//!
 //! Evaluation tasks: compare a compressed cache with the full cache on the same
-//! model and tokens. Every task is seeded; nothing is downloaded.
+//! model and tokens (fidelity KL, perplexity-style agreement, retrieval tasks
+//! with Wilson intervals, per-layer attention error). Every task is seeded;
+//! nothing is downloaded.
+//!
+//! This is harness code, not model code: it builds pairs of caches and wraps
+//! them in [`minikv_core::AttentionProbe`], so it lives in its own crate and
+//! `minikv-models` stays a crate that names only the cache traits.
+//!
+//! ```
+//! use minikv_eval::{kl_divergence, token_f1, wilson95};
+//! assert_eq!(kl_divergence(&[1.0, 2.0, 3.0], &[1.0, 2.0, 3.0]), 0.0);
+//! assert_eq!(token_f1(&[1, 2, 3], &[1, 2, 3]), 1.0);
+//! let (lo, hi) = wilson95(8, 10);
+//! assert!((lo - 0.4902).abs() < 1e-4 && (hi - 0.9433).abs() < 1e-4);
+//! ```
 
-use crate::generate::nll_of;
-use crate::sampling::argmax;
-use crate::tokenizer::Tokenizer;
-use crate::{LanguageModel, Logits, Workspace};
+#![warn(missing_docs)]
+
 use minikv_core::{Error, KvCache, Result};
+use minikv_models::{LanguageModel, Logits, Tokenizer, Workspace, argmax, nll_of};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::Serialize;
 
@@ -373,13 +388,13 @@ pub fn retrieval(
         let d = spec.depth.unwrap_or_else(|| rng.random::<f64>());
         let (ids, answer) = retrieval_prompt(kind, tok, haystack, spec.context, d, &mut rng)?;
         let mut cache = new_cache()?;
-        let g = crate::generate(
+        let g = minikv_models::generate(
             model,
             tok,
             cache.as_mut(),
             &ids,
             kind.answer_tokens(),
-            crate::SamplingConfig::default(),
+            minikv_models::SamplingConfig::default(),
             |_| {},
         )?;
         let ok = g.text.contains(&answer);
@@ -448,9 +463,9 @@ pub fn generation_agreement(
     prompt: &[u32],
     max_tokens: usize,
 ) -> Result<Agreement> {
-    let s = crate::SamplingConfig::default();
-    let a = crate::generate(model, tok, full, prompt, max_tokens, s, |_| {})?.tokens;
-    let b = crate::generate(model, tok, comp, prompt, max_tokens, s, |_| {})?.tokens;
+    let s = minikv_models::SamplingConfig::default();
+    let a = minikv_models::generate(model, tok, full, prompt, max_tokens, s, |_| {})?.tokens;
+    let b = minikv_models::generate(model, tok, comp, prompt, max_tokens, s, |_| {})?.tokens;
     let prefix_match = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
     Ok(Agreement {
         reference_tokens: a.len(),

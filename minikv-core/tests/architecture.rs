@@ -1,0 +1,114 @@
+//! The architecture invariants of docs/ARCHITECTURE.md that a test can check
+//! from the source tree: crate dependencies and which names a crate may use.
+
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Names of the `[dependencies]` of a crate (not dev-dependencies).
+fn deps(krate: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(root().join(krate).join("Cargo.toml")).unwrap();
+    let v: toml::Table = toml::from_str(&text).unwrap();
+    v.get("dependencies")
+        .and_then(|d| d.as_table())
+        .map(|t| t.keys().cloned().collect())
+        .unwrap_or_default()
+}
+
+/// Every non-comment line of every `.rs` file under `dir`.
+fn code_lines(dir: &Path) -> Vec<(PathBuf, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(code_lines(&p));
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            for l in std::fs::read_to_string(&p).unwrap().lines() {
+                let t = l.trim_start();
+                if !t.starts_with("//") {
+                    out.push((p.clone(), l.to_string()));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn core_depends_on_no_minikv_crate_and_never_on_cuda() {
+    for d in deps("minikv-core") {
+        assert!(
+            !d.starts_with("minikv") && d != "cudarc",
+            "minikv-core depends on {d}"
+        );
+    }
+}
+
+#[test]
+fn models_depend_on_core_alone_and_name_only_traits() {
+    let minikv: Vec<String> = deps("minikv-models")
+        .into_iter()
+        .filter(|d| d.starts_with("minikv"))
+        .collect();
+    assert_eq!(minikv, ["minikv-core"]);
+    // Concrete caches, backends and component crates are never named by a model.
+    let banned = [
+        "LayeredCache",
+        "AttentionProbe",
+        "TiledBackend",
+        "ReferenceBackend",
+        "CacheBuilder",
+        "minikv_policies",
+        "minikv_quant",
+        "minikv_kernels",
+    ];
+    for (file, line) in code_lines(&root().join("minikv-models/src")) {
+        for b in banned {
+            assert!(!line.contains(b), "{} names {b}: {line}", file.display());
+        }
+    }
+}
+
+#[test]
+fn every_crate_depends_only_toward_core() {
+    for (krate, allowed) in [
+        ("minikv-policies", &["minikv-core"][..]),
+        ("minikv-quant", &["minikv-core"]),
+        ("minikv-kernels", &["minikv-core"]),
+        ("minikv-eval", &["minikv-core", "minikv-models"]),
+    ] {
+        for d in deps(krate).iter().filter(|d| d.starts_with("minikv")) {
+            assert!(allowed.contains(&d.as_str()), "{krate} depends on {d}");
+        }
+    }
+}
+
+/// Backend names appear only where each backend registers itself: nothing
+/// outside the registry matches on them.
+#[test]
+fn backend_names_only_at_their_registration() {
+    for name in ["\"tiled\"", "\"reference\"", "\"cuda\""] {
+        for krate in [
+            "minikv-core",
+            "minikv-policies",
+            "minikv-quant",
+            "minikv-models",
+            "minikv-eval",
+            "minikv-cli",
+        ] {
+            for (file, line) in code_lines(&root().join(krate).join("src")) {
+                if !line.contains(name) {
+                    continue;
+                }
+                let f = file.to_string_lossy();
+                let ok = f.ends_with("attention/mod.rs") // registrations
+                    || f.ends_with("attention/tiled.rs") // its own name()
+                    || f.ends_with("attention/reference.rs")
+                    || (f.ends_with("config.rs") && line.contains("\"tiled\".into()")); // the default
+                assert!(ok, "{f} matches on a backend name: {line}");
+            }
+        }
+    }
+}
