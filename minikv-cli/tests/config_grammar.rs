@@ -173,10 +173,10 @@ fn config_text(choice: &[usize]) -> String {
         (12, "selector", "selector"),
         (18, "compensator", "compensator"),
     ] {
-        if c(i) % 3 != 0 || key == "scorer" {
-            if let Some(t) = component(point, c(i) / 3, &choice[20 + i..]) {
-                s += &format!("{key} = {t}\n");
-            }
+        if (c(i) % 3 != 0 || key == "scorer")
+            && let Some(t) = component(point, c(i) / 3, &choice[20 + i..])
+        {
+            s += &format!("{key} = {t}\n");
         }
     }
     if c(13) % 3 == 0 {
@@ -200,10 +200,10 @@ fn config_text(choice: &[usize]) -> String {
             ],
         );
         for (i, key) in [(16, "keys"), (17, "values")] {
-            if c(i) % 4 != 0 {
-                if let Some(t) = component("quantizer", 0, &choice[40 + i..]) {
-                    s += &format!("{key} = {t}\n");
-                }
+            if c(i) % 4 != 0
+                && let Some(t) = component("quantizer", 0, &choice[40 + i..])
+            {
+                s += &format!("{key} = {t}\n");
             }
         }
     }
