@@ -121,7 +121,7 @@ fn snapkv_evicts_while_decoding_on_the_real_model() {
     // 25 heavy (20% of 128) + 32 window per head, 3 KV heads; evictions every 16.
     for n in v["memory"]["per_layer_tokens"].as_array().unwrap() {
         let n = n.as_u64().unwrap();
-        assert!(n <= 3 * (57 + 15) && n >= 3 * 57, "{n}");
+        assert!((3 * 57..=3 * (57 + 15)).contains(&n), "{n}");
     }
 }
 
