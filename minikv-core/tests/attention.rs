@@ -188,7 +188,7 @@ fn cumulative_attention_is_explicit_column_sums() {
     }
 }
 
-/// algorithms.md §4 worked example.
+/// docs/algorithms.md §4 worked example.
 #[test]
 fn worked_example_section_4() {
     let (t, d) = (12, 4);

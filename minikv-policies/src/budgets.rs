@@ -1,4 +1,4 @@
-//! Layer budget policies (algorithms.md §5).
+//! Layer budget policies (docs/algorithms.md §5).
 
 use minikv_core::{
     BudgetRequest, Error, LayerBudget, Needs, Result, SelectionPolicy, apportion, register,
@@ -58,7 +58,7 @@ impl Default for Pyramid {
 }
 
 impl Pyramid {
-    /// Per-layer ratios for mean ratio `x` (algorithms.md §5).
+    /// Per-layer ratios for mean ratio `x` (docs/algorithms.md §5).
     pub fn ratios(&self, n_layers: usize, x: f64) -> Vec<f64> {
         if n_layers == 1 {
             return vec![x];

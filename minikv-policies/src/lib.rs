@@ -9,7 +9,7 @@
 //! use minikv_core::{BudgetRequest, SelectionPolicy};
 //! use minikv_policies::Pyramid;
 //!
-//! // MiniKV pyramid, L = 4, mean heavy 0.25 (algorithms.md §5).
+//! // MiniKV pyramid, L = 4, mean heavy 0.25 (docs/algorithms.md §5).
 //! let r = Pyramid::default().ratios(4, 0.25);
 //! assert!((r[0] - 0.4642857).abs() < 1e-6 && (r[3] - 0.0357143).abs() < 1e-6);
 //! let req = BudgetRequest { n_layers: 4, prompt_len: 1000, heavy: 250, recent: 250, sinks: 0, layers: &[] };

@@ -1,4 +1,4 @@
-//! Token scorers (algorithms.md §3).
+//! Token scorers (docs/algorithms.md §3).
 
 use minikv_core::{
     DecodeScore, DecodeStep, Error, Needs, Result, ScoreInputs, TokenScorer, register, simd,

@@ -1,4 +1,4 @@
-//! Worked examples of algorithms.md §3-§5 and invariants of budgets and selectors.
+//! Worked examples of docs/algorithms.md §3-§5 and invariants of budgets and selectors.
 
 use minikv_core::attention::{AttentionBackend, PrefillArgs, TiledBackend};
 use minikv_core::{

@@ -1,6 +1,6 @@
 //! # minikv-quant
 //!
-//! KIVI-exact asymmetric min-max quantization (algorithms.md §1) of KV caches,
+//! KIVI-exact asymmetric min-max quantization (docs/algorithms.md §1) of KV caches,
 //! bit packing LSB-first into `u32` words, and the per-head [`MinMaxStore`] with
 //! fused dequantize-and-attend kernels: decode attention reads the packed codes
 //! and per-group scale/min directly, never a dequantized tensor.
@@ -11,7 +11,7 @@
 //! use minikv_core::{Quantizer, QuantStore, Axis};
 //! use minikv_quant::{MinMax, quantize_group};
 //!
-//! // The golden row of algorithms.md §1 (b = 2, G = 16).
+//! // The golden row of docs/algorithms.md §1 (b = 2, G = 16).
 //! let row = [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 0.25, 0.75, 1.25, 1.75, 2.25, 2.75, 3.0, 0.0, 1.0];
 //! let g = quantize_group(&row, 2).unwrap();
 //! assert_eq!(g.codes, [0, 0, 1, 2, 2, 2, 3, 0, 1, 1, 2, 2, 3, 3, 0, 1]);
@@ -155,7 +155,7 @@ pub struct Group {
     pub min: f32,
 }
 
-/// Quantizes one group exactly as algorithms.md §1: clamp, then round half to even.
+/// Quantizes one group exactly as docs/algorithms.md §1: clamp, then round half to even.
 /// A constant group gives code 0 and scale 0. NaN or infinite inputs are an error.
 pub fn quantize_group(x: &[f32], bits: u32) -> Result<Group> {
     minikv_core::check_finite("quantize", x)?;

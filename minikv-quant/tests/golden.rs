@@ -1,4 +1,4 @@
-//! Golden vectors of algorithms.md §1 and the §6 size formula.
+//! Golden vectors of docs/algorithms.md §1 and the §6 size formula.
 
 use minikv_core::{Axis, Quantizer};
 use minikv_quant::{MinMax, ScaleDtype, pack, quantize_group, quantize_row, unpack};

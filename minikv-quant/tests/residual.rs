@@ -1,4 +1,4 @@
-//! The streaming residual follows algorithms.md §2 exactly, in both semantics.
+//! The streaming residual follows docs/algorithms.md §2 exactly, in both semantics.
 
 use minikv_core::{CacheBuilder, KvCache, ModelSpec, RunConfig};
 use minikv_quant as _;
