@@ -47,9 +47,9 @@ configs=(
   "h2o --set cache.heavy=0.065 --set cache.recent=0.065"
   "h2o --set cache.heavy=0.25 --set cache.recent=0.25"
   # ResKV on SnapKV at equal slots: r = 0 (plain SnapKV), the proxy, no gate.
-  "reskv-snapkv --set cache.reskv.select=fixed --set cache.reskv.ratio=0"
+  "reskv-snapkv --set cache.compensator.select=fixed --set cache.compensator.ratio=0"
   "reskv-snapkv"
-  "reskv-snapkv --set cache.reskv.gate=none"
+  "reskv-snapkv --set cache.compensator.gate=none"
 )
 common=(--out "$out/results.jsonl" --quiet --context "$ctx")
 # Tasks outer: the cheaper, more sensitive fidelity rows finish first.

@@ -17,13 +17,21 @@ fn print_json(v: &serde_json::Value) {
 
 pub fn components(json_out: bool) -> Result<()> {
     let all = components::all();
+    let backends = minikv_core::attention::backends();
     if json_out {
-        let v: Vec<_> = all
+        let mut v: Vec<_> = all
             .iter()
             .map(|c| json!({"point": c.point, "name": c.name, "config_key": c.point.config_key(), "summary": c.summary, "default": (c.default)()}))
             .collect();
+        v.extend(backends.iter().map(|b| {
+            json!({"point": "backend", "name": b.name, "config_key": "backend", "summary": b.summary, "default": b.name})
+        }));
         print_json(&json!(v));
         return Ok(());
+    }
+    println!("\nbackend (backend):");
+    for b in &backends {
+        println!("  {:<22} {}", b.name, b.summary);
     }
     let mut last = None;
     for c in all {

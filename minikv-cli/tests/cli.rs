@@ -37,7 +37,14 @@ fn components_lists_every_extension_point() {
         .collect();
     assert_eq!(
         points.into_iter().collect::<Vec<_>>(),
-        ["compensator", "policy", "quantizer", "scorer", "selector"]
+        [
+            "backend",
+            "compensator",
+            "policy",
+            "quantizer",
+            "scorer",
+            "selector"
+        ]
     );
     let snap = v
         .as_array()

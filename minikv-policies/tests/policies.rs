@@ -559,3 +559,46 @@ fn decode_eviction_over_any_scorer_matches_a_simulation() {
         }
     }
 }
+
+/// Storage grows in pages: a full cache holds at most one page of slack per
+/// store (K and V of each head), and the report gives used bytes beside it.
+#[test]
+fn full_cache_slack_is_under_one_page_per_store() {
+    let spec = ModelSpec {
+        n_layers: 2,
+        n_q_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+        max_seq_len: 1024,
+    };
+    for page in [16usize, 256] {
+        let mut c = tiny(spec, &format!("[cache]\npage_tokens = {page}\n"));
+        let (t, kv, qd) = (300, 16, 32);
+        let mut out = vec![0.0; t * qd];
+        for l in 0..2 {
+            c.append(l, &noise(t * kv, 1), &noise(t * kv, 2), t)
+                .unwrap();
+            c.attend(l, &noise(t * qd, 3), t, &mut out).unwrap();
+        }
+        c.end_prefill().unwrap();
+        for step in 0..37 {
+            for l in 0..2 {
+                c.append(l, &noise(kv, 10 + step), &noise(kv, 20 + step), 1)
+                    .unwrap();
+                c.attend(l, &noise(qd, 30 + step), 1, &mut out[..qd])
+                    .unwrap();
+            }
+        }
+        let m = c.memory();
+        assert_eq!(m.used_bytes(), m.full_fp16_bytes);
+        let row = 8 * 2; // fp16 bytes of one row of one store
+        for h in m.layers.iter().flat_map(|l| &l.heads) {
+            assert_eq!(h.used, 2 * 337 * row);
+            assert!(
+                h.fp >= h.used && h.fp - h.used < 2 * page * row,
+                "{page}: {h:?}"
+            );
+            assert_eq!(h.fp, 2 * 337usize.div_ceil(page) * page * row);
+        }
+    }
+}
