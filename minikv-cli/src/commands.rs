@@ -533,35 +533,65 @@ impl RefMemo {
         }
     }
 
-    fn load(path: &Path) -> Option<Vec<Vec<f32>>> {
-        let b = std::fs::read(path).ok()?;
-        let word = |i: usize| -> Option<usize> {
-            Some(u32::from_le_bytes(b.get(4 * i..4 * i + 4)?.try_into().ok()?) as usize)
-        };
-        let (n, v) = (word(0)?, word(1)?);
-        if b.len() != 8 + n.checked_mul(v)?.checked_mul(4)? {
-            return None;
+    /// File header: magic, sha256 of the key, rows, columns, sha256 of the payload.
+    const MAGIC: &'static [u8; 8] = b"MKVREF1\0";
+    const HEADER: usize = 8 + 32 + 4 + 4 + 32;
+
+    /// Reads a reference file written for `key`; `Err` says why it cannot
+    /// be used (wrong key, truncated, corrupted, non-finite values).
+    fn load(path: &Path, key: &str) -> std::result::Result<Vec<Vec<f32>>, String> {
+        use sha2::{Digest, Sha256};
+        let b = std::fs::read(path).map_err(|e| e.to_string())?;
+        if b.len() < Self::HEADER || &b[..8] != Self::MAGIC {
+            return Err("not a minikv reference file".into());
         }
-        Some(
-            b[8..]
-                .chunks_exact(4 * v)
-                .map(|r| {
-                    r.chunks_exact(4)
-                        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                        .collect()
-                })
-                .collect(),
-        )
+        if b[8..40] != Sha256::digest(key.as_bytes())[..] {
+            return Err("written for another key".into());
+        }
+        let word = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes")) as usize;
+        let (n, v) = (word(40), word(44));
+        let want = n
+            .checked_mul(v)
+            .and_then(|x| x.checked_mul(4))
+            .ok_or("impossible size")?;
+        let payload = &b[Self::HEADER..];
+        if payload.len() != want || v == 0 {
+            return Err(format!(
+                "{} payload bytes, header says {want}",
+                payload.len()
+            ));
+        }
+        if b[48..80] != Sha256::digest(payload)[..] {
+            return Err("checksum mismatch (corrupted)".into());
+        }
+        let rows: Vec<Vec<f32>> = payload
+            .chunks_exact(4 * v)
+            .map(|r| {
+                r.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect()
+            })
+            .collect();
+        if rows.iter().flatten().any(|x| !x.is_finite()) {
+            return Err("non-finite logits".into());
+        }
+        Ok(rows)
     }
 
-    fn store(path: &Path, rows: &[Vec<f32>]) -> Result<()> {
+    fn store(path: &Path, key: &str, rows: &[Vec<f32>]) -> Result<()> {
+        use sha2::{Digest, Sha256};
         let v = rows.first().map_or(0, Vec::len);
-        let mut b = Vec::with_capacity(8 + rows.len() * v * 4);
+        let mut payload = Vec::with_capacity(rows.len() * v * 4);
+        for x in rows.iter().flatten() {
+            payload.extend_from_slice(&x.to_le_bytes());
+        }
+        let mut b = Vec::with_capacity(Self::HEADER + payload.len());
+        b.extend_from_slice(Self::MAGIC);
+        b.extend_from_slice(&Sha256::digest(key.as_bytes()));
         b.extend_from_slice(&(rows.len() as u32).to_le_bytes());
         b.extend_from_slice(&(v as u32).to_le_bytes());
-        for x in rows.iter().flatten() {
-            b.extend_from_slice(&x.to_le_bytes());
-        }
+        b.extend_from_slice(&Sha256::digest(&payload));
+        b.extend_from_slice(&payload);
         // Write then rename: a killed run never leaves a torn file behind.
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         std::fs::write(&tmp, &b).map_err(|e| Error::io(&tmp, e))?;
@@ -578,14 +608,27 @@ impl RefMemo {
         if let Some(v) = self.inner.lock().expect("lock").0.get(&h) {
             return Ok(v.clone());
         }
-        let file = self.dir.as_ref().map(|d| d.join(format!("{h}.f32")));
-        let v = match file.as_deref().and_then(Self::load) {
+        let file = self.dir.as_ref().map(|d| d.join(format!("{h}.ref")));
+        let loaded = match &file {
+            Some(p) if p.exists() => match Self::load(p, key) {
+                Ok(v) => Some(v),
+                Err(why) => {
+                    eprintln!(
+                        "warning: reference file {} is not usable ({why}); recomputing it",
+                        p.display()
+                    );
+                    None
+                }
+            },
+            _ => None,
+        };
+        let v = match loaded {
             Some(v) => v,
             None => {
                 let v = f()?;
                 if let (Some(d), Some(p)) = (&self.dir, &file) {
                     std::fs::create_dir_all(d).map_err(|e| Error::io(d, e))?;
-                    Self::store(p, &v)?;
+                    Self::store(p, key, &v)?;
                 }
                 v
             }

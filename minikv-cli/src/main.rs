@@ -24,6 +24,7 @@ mod bench;
 mod commands;
 mod provenance;
 mod report;
+mod results;
 mod sweep;
 
 #[derive(Parser)]

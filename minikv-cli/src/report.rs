@@ -113,6 +113,8 @@ pub fn method_name(cfg: &Value) -> String {
 pub struct Agg {
     pub task: String,
     pub method: String,
+    /// The model's checksum (first 12 hex digits).
+    pub model: String,
     pub config_hash: String,
     pub metric: &'static str,
     pub mean: f64,
@@ -171,18 +173,73 @@ pub fn units(r: &Value) -> Vec<((u64, usize), f64)> {
         .unwrap_or_default()
 }
 
-/// Groups rows by (task, config) and aggregates: mean and Student-t 95%
+/// The result rows of a results file: lines that are JSON objects with a
+/// `key`, a `task` and `metrics`, the first row of each key only. Returns the
+/// rows, the lines skipped as not rows, and the rows dropped as duplicates.
+pub fn read_rows(bytes: &[u8]) -> (Vec<Value>, usize, usize) {
+    let (mut rows, mut skipped, mut dup) = (Vec::new(), 0, 0);
+    let mut seen = std::collections::HashSet::new();
+    for line in bytes.split(|&b| b == b'\n') {
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let v: Option<Value> = std::str::from_utf8(line)
+            .ok()
+            .and_then(|s| serde_json::from_str(s).ok());
+        let Some(v) =
+            v.filter(|v| v["key"].is_string() && v["task"].is_string() && v["metrics"].is_object())
+        else {
+            skipped += 1;
+            continue;
+        };
+        if seen.insert(v["key"].as_str().unwrap_or_default().to_owned()) {
+            rows.push(v);
+        } else {
+            dup += 1;
+        }
+    }
+    (rows, skipped, dup)
+}
+
+/// A model's name for the leaderboard: the file name the rows give
+/// (`provenance.model`), with its checksum prefix.
+fn model_name(rows: &[Value], sha12: &str) -> String {
+    let file = rows
+        .iter()
+        .find(|r| row_model(r) == sha12)
+        .and_then(|r| r["model"].as_str().or(r["provenance"]["model"].as_str()))
+        .and_then(|p| {
+            Path::new(p)
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+        })
+        .unwrap_or_else(|| "model".into());
+    format!("{file} ({sha12})")
+}
+
+/// The model of a row: its checksum (first 12 hex digits), or `?`.
+pub fn row_model(r: &Value) -> String {
+    r["model_sha256"]
+        .as_str()
+        .or(r["provenance"]["model_sha256"].as_str())
+        .map(|m| m.chars().take(12).collect())
+        .unwrap_or_else(|| "?".into())
+}
+
+/// Groups rows by (task, config, model) and aggregates: mean and Student-t 95%
 /// interval over every text window (seeds x trials); for retrieval tasks the
 /// accuracy over all trials with its Wilson 95% interval.
 pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
-    let mut groups: BTreeMap<(String, String), Vec<&Value>> = BTreeMap::new();
+    let mut groups: BTreeMap<(String, String, String), Vec<&Value>> = BTreeMap::new();
     for r in rows {
         let task = r["task"].as_str().unwrap_or("?").to_string();
         let h = r["config_hash"].as_str().unwrap_or("?").to_string();
-        groups.entry((task, h)).or_default().push(r);
+        groups.entry((task, h, row_model(r))).or_default().push(r);
     }
+    let models: std::collections::BTreeSet<&String> = groups.keys().map(|k| &k.2).collect();
+    let several = models.len() > 1;
     let mut out = Vec::new();
-    for ((task, h), rs) in groups {
+    for ((task, h, model), rs) in groups {
         let (metric, _) = primary_metric(&task);
         let xs: Vec<f64> = rs.iter().flat_map(|r| units(r)).map(|u| u.1).collect();
         if xs.is_empty() {
@@ -210,7 +267,12 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
         seeds.sort_unstable();
         seeds.dedup();
         out.push(Agg {
-            method: row_label(rs[0]),
+            method: if several {
+                format!("{} [model {model}]", row_label(rs[0]))
+            } else {
+                row_label(rs[0])
+            },
+            model,
             task,
             config_hash: h,
             metric,
@@ -288,6 +350,20 @@ pub fn paired(rows: &[Value], a: &str, b: &str) -> Result<Vec<Paired>> {
                 }
             )));
         }
+    }
+    let mut models: Vec<String> = rows
+        .iter()
+        .filter(|r| matches(r, a) || matches(r, b))
+        .map(row_model)
+        .collect();
+    models.sort();
+    models.dedup();
+    if models.len() > 1 {
+        return Err(Error::Input(format!(
+            "--pair `{a} vs {b}`: the rows come from {} models ({}); pair rows of one model (report a file per model)",
+            models.len(),
+            models.join(", ")
+        )));
     }
     let mut tasks: Vec<&str> = rows.iter().filter_map(|r| r["task"].as_str()).collect();
     tasks.sort_unstable();
@@ -532,18 +608,25 @@ fn per_layer_series(rows: &[&Value], field: &str) -> Vec<(String, Vec<f64>)> {
 }
 
 pub fn report(a: &ReportArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.results).map_err(|e| Error::io(&a.results, e))?;
-    let rows: Vec<Value> = text
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .enumerate()
-        .map(|(i, l)| {
-            serde_json::from_str(l)
-                .map_err(|e| Error::Input(format!("{} line {}: {e}", a.results.display(), i + 1)))
-        })
-        .collect::<Result<_>>()?;
+    let bytes = std::fs::read(&a.results).map_err(|e| Error::io(&a.results, e))?;
+    let (rows, skipped, duplicates) = read_rows(&bytes);
+    if skipped > 0 {
+        eprintln!(
+            "warning: {}: {skipped} line(s) are not result rows (not UTF-8, not JSON, or without key/task/metrics) and were skipped",
+            a.results.display()
+        );
+    }
+    if duplicates > 0 {
+        eprintln!(
+            "warning: {}: {duplicates} row(s) repeat a key already seen and were not counted again",
+            a.results.display()
+        );
+    }
     if rows.is_empty() {
-        return Err(Error::Input(format!("{}: no rows", a.results.display())));
+        return Err(Error::Input(format!(
+            "{}: no result rows",
+            a.results.display()
+        )));
     }
     std::fs::create_dir_all(&a.out).map_err(|e| Error::io(&a.out, e))?;
     let aggs = aggregate(&rows);
@@ -563,11 +646,6 @@ pub fn report(a: &ReportArgs) -> Result<()> {
         "task,method,metric,mean,ci95_lo,ci95_hi,interval,n,seeds,compression_ratio,kv_bytes,config_hash\n",
     );
     let mut lb = String::from("dataset,model,method,compression_ratio,score\n");
-    let model = rows[0]["provenance"]["model"]
-        .as_str()
-        .or(rows[0]["model_sha256"].as_str())
-        .map(|m| m.chars().take(16).collect::<String>())
-        .unwrap_or_default();
     for g in &aggs {
         let _ = writeln!(
             csv,
@@ -588,9 +666,10 @@ pub fn report(a: &ReportArgs) -> Result<()> {
         // kvpress columns: compression_ratio = fraction of the KV cache removed.
         let _ = writeln!(
             lb,
-            "{}/{},SmolLM2-135M-Instruct ({model}),\"{}\",{},{}",
+            "{}/{},{},\"{}\",{},{}",
             a.dataset,
             g.task,
+            model_name(&rows, &g.model),
             g.method,
             1.0 - g.ratio,
             g.mean
@@ -676,6 +755,38 @@ mod tests {
         assert!((h - 2.484_33).abs() < 1e-4, "{h}");
         assert_eq!(mean_ci(&[5.0]), (5.0, 0.0));
         assert_eq!(t975(40), 1.96);
+    }
+
+    /// Junk lines are skipped with a count, a repeated key counts once, and
+    /// rows of different models are never pooled.
+    #[test]
+    fn rows_are_read_deduplicated_and_grouped_by_model() {
+        let mk = |key: &str, model: &str, kl: f64| {
+            let mut r = row("snapkv", "fidelity", 0, serde_json::json!({"kl": kl}));
+            r["key"] = key.into();
+            r["model_sha256"] = model.into();
+            format!("{r}\n")
+        };
+        let mut text = String::new();
+        text += &mk("k1", "aaaaaaaaaaaaaaaa", 0.1);
+        text += "not json\n{\"hello\": 1}\n";
+        text += &mk("k1", "aaaaaaaaaaaaaaaa", 0.1); // the same row twice
+        text += &mk("k2", "bbbbbbbbbbbbbbbb", 0.9);
+        let mut bytes = text.into_bytes();
+        bytes.extend_from_slice(&[0xff, 0xfe, b'\n']);
+        let (rows, skipped, dups) = read_rows(&bytes);
+        assert_eq!((rows.len(), skipped, dups), (2, 3, 1));
+        let aggs = aggregate(&rows);
+        assert_eq!(aggs.len(), 2, "one group per model");
+        let mut means: Vec<f64> = aggs.iter().map(|a| a.mean).collect();
+        means.sort_by(f64::total_cmp);
+        assert_eq!(means, vec![0.1, 0.9]);
+        assert!(
+            aggs.iter()
+                .all(|a| a.n == 1 && a.method.contains("[model "))
+        );
+        let e = paired(&rows, "snapkv", "snapkv").unwrap_err().to_string();
+        assert!(e.contains("2 models"), "{e}");
     }
 
     fn row(label: &str, task: &str, seed: u64, metrics: Value) -> Value {

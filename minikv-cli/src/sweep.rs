@@ -1,16 +1,18 @@
 //! `minikv sweep`: the grid over config paths x seeds x tasks, one JSONL row per
-//! (grid point, seed, task). Resumable: rows already in the output (by key) are
-//! skipped; every finished row is appended and flushed at once, so a killed run
-//! loses nothing finished, and a torn last line is cut before appending.
+//! (grid point, seed, task). Resumable: rows already in the output (by key:
+//! config hash, seed, task, model sha) are skipped; every finished row is
+//! appended and synced at once under the file's lock ([`ResultsLog`]), so a
+//! killed run loses nothing finished, concurrent sweeps on one file write each
+//! key once, and lines that are not rows are moved aside, never truncated.
 
 use crate::commands::{Loaded, RefMemo, TaskSpec, default_text, load_model, run_task};
 use crate::provenance::git_rev;
+use crate::results::{ResultsLog, report_rejected};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use minikv_core::{Error, Result, RunConfig};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use std::collections::HashSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -152,34 +154,6 @@ fn hash(v: &Value) -> String {
     h.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
-/// Keys of the rows already in `out`; cuts a torn last line (killed mid-write).
-pub fn finished_keys(out: &Path) -> Result<HashSet<String>> {
-    let Ok(text) = std::fs::read_to_string(out) else {
-        return Ok(HashSet::new());
-    };
-    let mut keys = HashSet::new();
-    let mut good = 0usize;
-    for line in text.split_inclusive('\n') {
-        match serde_json::from_str::<Value>(line.trim_end()) {
-            Ok(v) if line.ends_with('\n') => {
-                if let Some(k) = v["key"].as_str() {
-                    keys.insert(k.to_owned());
-                }
-                good += line.len();
-            }
-            _ => break,
-        }
-    }
-    if good < text.len() {
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(out)
-            .map_err(|e| Error::io(out, e))?;
-        f.set_len(good as u64).map_err(|e| Error::io(out, e))?;
-    }
-    Ok(keys)
-}
-
 pub fn sweep(a: &SweepArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.base).map_err(|e| Error::io(&a.base, e))?;
     let json_in = a.base.extension().is_some_and(|e| e == "json");
@@ -189,7 +163,10 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
     } else {
         let t: toml::Value = toml::from_str(&text)
             .map_err(|e| Error::Parse(format!("{}: {e}", a.base.display())))?;
-        serde_json::to_value(t).expect("toml to json")
+        // JSON has no NaN or infinity: name such a field instead of losing it.
+        minikv_core::check_finite_fields("", &t)
+            .map_err(|e| Error::Input(format!("{}: {e}", a.base.display())))?;
+        serde_json::to_value(t).expect("finite toml converts to json")
     };
     let sets = a
         .sets
@@ -255,17 +232,11 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
             }
         }
     }
-    let done = finished_keys(&a.out)?;
-    let todo: Vec<_> = rows.iter().filter(|r| !done.contains(&r.0)).collect();
-    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    }
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&a.out)
-        .map_err(|e| Error::io(&a.out, e))?;
-    let file = Mutex::new(file);
+    let (log, rejected) = ResultsLog::open(&a.out)?;
+    report_rejected(&a.out, &rejected);
+    let todo: Vec<_> = rows.iter().filter(|r| !log.keys().contains(&r.0)).collect();
+    let log = Mutex::new(log);
+    let skipped = Mutex::new(0usize);
     let pb = if a.quiet || a.json {
         ProgressBar::hidden()
     } else {
@@ -310,6 +281,19 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
                     else {
                         return;
                     };
+                    // Another process may have written this row meanwhile.
+                    match log.lock().expect("lock").contains(key) {
+                        Ok((true, _)) => {
+                            *skipped.lock().expect("lock") += 1;
+                            pb.inc(1);
+                            continue;
+                        }
+                        Ok((false, rej)) => report_rejected(&a.out, &rej),
+                        Err(e) => {
+                            *failed.lock().expect("lock") = Some(e);
+                            return;
+                        }
+                    }
                     let mut wall = 0.0;
                     let res = run_task(&l, cfg, spec, *seed, &memo).and_then(|mut row| {
                         wall = row["wall_s"].as_f64().unwrap_or(0.0);
@@ -319,14 +303,13 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
                         row["config_hash"] = json!(chash);
                         row["seed"] = json!(seed);
                         row["model_sha256"] = json!(model_sha);
+                        row["model"] = json!(l.path.file_name().map(|f| f.to_string_lossy()));
                         row["git_rev"] = json!(rev);
-                        let mut f = file.lock().expect("lock");
-                        // One write per row (line and newline together): appends from
-                        // several processes to one file never interleave within a line.
-                        let line = format!("{}\n", serde_json::to_string(&row).expect("json"));
-                        f.write_all(line.as_bytes())
-                            .and_then(|_| f.flush())
-                            .map_err(|e| Error::io(&a.out, e))
+                        // Written once per key, under the file's lock.
+                        if !log.lock().expect("lock").append(key, &row)? {
+                            *skipped.lock().expect("lock") += 1;
+                        }
+                        Ok(())
                     });
                     match res {
                         Ok(()) => {
@@ -350,8 +333,9 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
     if let Some(e) = failed.into_inner().expect("lock") {
         return Err(e);
     }
+    let skipped = skipped.into_inner().expect("lock");
     emit(
-        json!({"event": "end", "rows": rows.len(), "ran": total, "elapsed_s": t_start.elapsed().as_secs_f64(), "out": a.out}),
+        json!({"event": "end", "rows": rows.len(), "ran": total - skipped, "written_by_others": skipped, "elapsed_s": t_start.elapsed().as_secs_f64(), "out": a.out}),
     );
     if !a.quiet && !a.json {
         eprintln!("sweep: {} rows in {}", rows.len(), a.out.display());

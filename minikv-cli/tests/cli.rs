@@ -687,3 +687,60 @@ fn sweep_emits_a_slurm_array_job() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Files under `--reference-cache` carry their key and a checksum: a
+/// corrupted or foreign file is detected, recomputed (with a warning) and
+/// never changes a result.
+#[test]
+fn reference_cache_files_are_checked() {
+    let dir = std::env::temp_dir().join(format!("minikv-refcheck-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let refs = dir.join("refs");
+    let run = |out: &str| {
+        let out = dir.join(out);
+        let (ok, _, err) = minikv(&[
+            "sweep",
+            "configs/snapkv.toml",
+            "--task",
+            "fidelity",
+            "--context",
+            "96",
+            "--tokens",
+            "4",
+            "--quiet",
+            "--reference-cache",
+            refs.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(ok, "{err}");
+        let row: serde_json::Value = serde_json::from_str(
+            std::fs::read_to_string(&out)
+                .unwrap()
+                .lines()
+                .next()
+                .unwrap(),
+        )
+        .unwrap();
+        (row["metrics"]["kl"].as_f64().unwrap(), err)
+    };
+    let (kl, _) = run("a.jsonl");
+    let files: Vec<_> = std::fs::read_dir(&refs)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1);
+    // Flip one byte of the logits.
+    let mut b = std::fs::read(&files[0]).unwrap();
+    let i = b.len() - 7;
+    b[i] ^= 0x40;
+    std::fs::write(&files[0], &b).unwrap();
+    let (kl2, err) = run("b.jsonl");
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert_eq!(kl, kl2);
+    // The file was rewritten and is used silently now.
+    let (kl3, err) = run("c.jsonl");
+    assert!(!err.contains("warning"), "{err}");
+    assert_eq!(kl, kl3);
+    std::fs::remove_dir_all(&dir).ok();
+}

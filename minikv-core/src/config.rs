@@ -195,9 +195,14 @@ pub fn check_finite_fields<T: Serialize>(prefix: &str, value: &T) -> Result<()> 
                 path,
                 format!("must be a finite number, got {x}"),
             )),
-            toml::Value::Table(t) => t
-                .iter()
-                .try_for_each(|(k, v)| walk(&format!("{path}.{k}"), v)),
+            toml::Value::Table(t) => t.iter().try_for_each(|(k, v)| {
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                walk(&p, v)
+            }),
             toml::Value::Array(a) => a
                 .iter()
                 .enumerate()
