@@ -10,20 +10,20 @@ use std::time::Instant;
 
 #[derive(Args)]
 pub struct AttentionArgs {
-    /// Cached tokens T.
-    #[arg(long)]
+    /// Cached tokens T (1 ..= 2^24; the caches must also fit in memory).
+    #[arg(long, value_parser = crate::args::tokens)]
     pub tokens: usize,
-    /// Head dimension.
-    #[arg(long, default_value_t = 64)]
+    /// Head dimension (a multiple of 16).
+    #[arg(long, default_value_t = 64, value_parser = crate::args::head_dim)]
     pub head_dim: usize,
     /// Query heads.
-    #[arg(long, default_value_t = 9)]
+    #[arg(long, default_value_t = 9, value_parser = crate::args::heads)]
     pub q_heads: usize,
-    /// KV heads.
-    #[arg(long, default_value_t = 3)]
+    /// KV heads (dividing the query heads).
+    #[arg(long, default_value_t = 3, value_parser = crate::args::heads)]
     pub kv_heads: usize,
-    /// Minimum measuring time per variant (seconds).
-    #[arg(long, default_value_t = 1.0)]
+    /// Minimum measuring time per variant, seconds in (0, 3600].
+    #[arg(long, default_value_t = 1.0, value_parser = crate::args::seconds, allow_negative_numbers = true)]
     pub seconds: f64,
     /// JSON output.
     #[arg(long)]
@@ -162,10 +162,23 @@ fn time(a: &AttentionArgs, h: &Heads) -> Result<f64> {
 }
 
 pub fn attention(a: &AttentionArgs) -> Result<()> {
-    if a.tokens == 0 || a.kv_heads == 0 || !a.q_heads.is_multiple_of(a.kv_heads) {
-        return Err(Error::Input(
-            "need tokens > 0 and kv-heads dividing q-heads".into(),
-        ));
+    if !a.q_heads.is_multiple_of(a.kv_heads) {
+        return Err(Error::Input(format!(
+            "--kv-heads {} must divide --q-heads {}",
+            a.kv_heads, a.q_heads
+        )));
+    }
+    // Sized before allocating: f32 inputs and fp16 copies of K and V per head.
+    let need = (a.tokens as u128) * (a.kv_heads as u128) * (a.head_dim as u128) * 12;
+    const LIMIT: u128 = 8 << 30;
+    if need > LIMIT {
+        return Err(Error::Input(format!(
+            "--tokens {} x --kv-heads {} x --head-dim {} needs {:.1} GiB; the benchmark allows 8 GiB (lower --tokens)",
+            a.tokens,
+            a.kv_heads,
+            a.head_dim,
+            need as f64 / (1u64 << 30) as f64
+        )));
     }
     let full = build(a, None)?;
     let tf = time(a, &full)?;

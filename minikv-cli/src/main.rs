@@ -20,6 +20,7 @@ use std::process::ExitCode;
 use minikv_policies as _;
 use minikv_quant as _;
 
+mod args;
 mod bench;
 mod commands;
 mod provenance;
@@ -113,16 +114,16 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Maximum new tokens.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = args::new_tokens)]
     pub max_tokens: usize,
     /// Wrap the prompt in the model's chat template.
     #[arg(long)]
     pub chat: bool,
-    /// Sampling temperature (0 = greedy).
-    #[arg(long, default_value_t = 0.0)]
+    /// Sampling temperature: 0 (greedy) or in [0.001, 1000].
+    #[arg(long, default_value_t = 0.0, value_parser = args::temperature, allow_negative_numbers = true)]
     pub temperature: f32,
-    /// Nucleus mass.
-    #[arg(long, default_value_t = 1.0)]
+    /// Nucleus mass in (0, 1].
+    #[arg(long, default_value_t = 1.0, value_parser = args::top_p, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Seed (default: the config's seed).
     #[arg(long)]
@@ -140,7 +141,7 @@ pub struct LogitsArgs {
     #[arg(long)]
     pub prompt: String,
     /// How many top logits.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = args::top_k)]
     pub top: usize,
     /// Cache config (prefill attention is exact; the config matters for memory).
     #[arg(long)]
@@ -158,11 +159,11 @@ pub struct PplArgs {
     #[arg(long)]
     pub text: PathBuf,
     /// Number of tokens to evaluate.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = args::tokens)]
     pub tokens: usize,
     /// Tokens prefilled before compression (default: half); the rest are
     /// teacher-forced one per decode step through the compressed cache.
-    #[arg(long)]
+    #[arg(long, value_parser = args::tokens)]
     pub prefill: Option<usize>,
     /// Cache config; default: full fp16 cache.
     #[arg(long)]
@@ -179,13 +180,13 @@ pub struct TaskOpts {
     #[arg(long)]
     pub text: Option<PathBuf>,
     /// Context (prompt) length in tokens; compression happens after it.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = args::tokens)]
     pub context: usize,
     /// Tokens after the context (perplexity, fidelity, generation, attention-error).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = args::new_tokens)]
     pub tokens: usize,
     /// Trials (passkey) or text windows (other tasks).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = args::count)]
     pub trials: usize,
 }
 
@@ -202,7 +203,7 @@ pub struct EvalArgs {
     #[command(flatten)]
     pub opts: TaskOpts,
     /// Passkey depth in [0, 1] (default: uniform per trial).
-    #[arg(long)]
+    #[arg(long, value_parser = args::unit, allow_negative_numbers = true)]
     pub depth: Option<f64>,
     /// Seed (default: the config's seed).
     #[arg(long)]
@@ -240,13 +241,13 @@ pub struct BudgetsArgs {
     /// Cache config.
     pub config: PathBuf,
     /// Number of layers.
-    #[arg(long)]
+    #[arg(long, value_parser = args::layers)]
     pub layers: Option<usize>,
     /// Prompt length T.
-    #[arg(long)]
+    #[arg(long, value_parser = args::tokens)]
     pub tokens: usize,
     /// KV heads (for per-head output).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = args::heads)]
     pub kv_heads: usize,
     /// Model for policies that need attention statistics (with --text).
     #[arg(long)]

@@ -628,6 +628,12 @@ pub fn report(a: &ReportArgs) -> Result<()> {
             a.results.display()
         )));
     }
+    if a.out.exists() && !a.out.is_dir() {
+        return Err(Error::Input(format!(
+            "report --out {}: a file of that name exists; --out is a directory for report.md, CSVs and plots",
+            a.out.display()
+        )));
+    }
     std::fs::create_dir_all(&a.out).map_err(|e| Error::io(&a.out, e))?;
     let aggs = aggregate(&rows);
     let write = |name: &str, s: String| {

@@ -26,7 +26,7 @@ pub struct SweepArgs {
     #[arg(long = "set", value_name = "PATH=VALUES")]
     pub sets: Vec<String>,
     /// Number of seeds (base seed, base seed + 1, ...).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::args::seeds)]
     pub seeds: u64,
     /// Tasks (repeatable): perplexity, fidelity, generation, passkey, needle,
     /// kv-retrieval, attention-error.
@@ -41,7 +41,7 @@ pub struct SweepArgs {
     #[command(flatten)]
     pub opts: crate::TaskOpts,
     /// Rows evaluated at once (each uses the shared thread pool).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::args::jobs)]
     pub jobs: usize,
     /// No progress bar.
     #[arg(long)]

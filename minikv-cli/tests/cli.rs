@@ -744,3 +744,114 @@ fn reference_cache_files_are_checked() {
     assert_eq!(kl, kl3);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Results files survive what broke them before: a bad line anywhere no
+/// longer costs the rows after it (other grids' rows included), a line that
+/// is not UTF-8 no longer makes the file read as empty, two sweeps writing one
+/// file at once write each key once, and a sweep killed mid-run resumes.
+#[test]
+fn sweep_results_survive_corruption_kills_and_races() {
+    use std::collections::HashMap;
+    use std::io::Write;
+    let dir = std::env::temp_dir().join(format!("minikv-chaos-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let x = dir.join("x.jsonl");
+    let o = dir.join("o.jsonl");
+    let sweep = |set: &str, out: &Path| -> Vec<String> {
+        vec![
+            "sweep".into(),
+            "configs/minikv.toml".into(),
+            "--set".into(),
+            set.into(),
+            "--task".into(),
+            "fidelity".into(),
+            "--context".into(),
+            "64".into(),
+            "--tokens".into(),
+            "4".into(),
+            "--quiet".into(),
+            "--out".into(),
+            out.to_string_lossy().into_owned(),
+        ]
+    };
+    let go = |a: &[String]| {
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let (ok, _, err) = minikv(&a);
+        assert!(ok, "{err}");
+        err
+    };
+    let keys = |p: &Path| -> HashMap<String, usize> {
+        let mut m = HashMap::new();
+        for l in std::fs::read_to_string(p).unwrap().lines() {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            *m.entry(v["key"].as_str().unwrap().to_string()).or_default() += 1;
+        }
+        m
+    };
+    go(&sweep("cache.heavy=0.1", &x));
+    go(&sweep("cache.recent=0.1", &o));
+    // A bad line, then another grid's rows, appended.
+    let other = std::fs::read_to_string(&o).unwrap();
+    let mut f = std::fs::OpenOptions::new().append(true).open(&x).unwrap();
+    write!(f, "bad\n{other}").unwrap();
+    f.write_all(&[0xff, 0xfe, b'\n']).unwrap(); // not UTF-8
+    drop(f);
+    let err = go(&sweep("cache.heavy=0.1,0.2", &x));
+    assert!(err.contains("moved to") && err.contains("line 2"), "{err}");
+    let text = std::fs::read_to_string(&x).unwrap();
+    assert_eq!(
+        text.matches("recent=0.1").count(),
+        1,
+        "the other grid's row is kept"
+    );
+    assert_eq!(
+        text.matches("heavy=0.1").count(),
+        1,
+        "heavy=0.1 not run again"
+    );
+    assert_eq!(text.lines().count(), 3);
+    let rejected = std::fs::read_to_string(dir.join("x.jsonl.rejected")).unwrap();
+    assert_eq!(rejected.lines().count(), 2, "{rejected}");
+    assert!(
+        rejected.contains("\"line\":2") && rejected.contains("UTF-8"),
+        "{rejected}"
+    );
+
+    // Two sweeps of one grid into one file at the same time: one row per key.
+    let r = dir.join("race.jsonl");
+    let args = sweep("cache.heavy=0.05,0.1,0.15,0.2", &r);
+    let spawn = || {
+        Command::new(env!("CARGO_BIN_EXE_minikv"))
+            .args(&args)
+            .current_dir(root())
+            .spawn()
+            .unwrap()
+    };
+    let (mut a, mut b) = (spawn(), spawn());
+    assert!(a.wait().unwrap().success() && b.wait().unwrap().success());
+    let k = keys(&r);
+    assert_eq!(k.len(), 4);
+    assert!(k.values().all(|&n| n == 1), "{k:?}");
+
+    // Killed after its first row: the rerun completes, one row per key.
+    let kfile = dir.join("kill.jsonl");
+    let args = sweep("cache.heavy=0.05,0.1,0.15,0.2", &kfile);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_minikv"))
+        .args(&args)
+        .current_dir(root())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(&kfile).map_or(0, |t| t.lines().count()) < 1
+        && t0.elapsed().as_secs() < 120
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    go(&args);
+    let k = keys(&kfile);
+    assert_eq!(k.len(), 4);
+    assert!(k.values().all(|&n| n == 1), "{k:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}

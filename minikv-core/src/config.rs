@@ -273,6 +273,34 @@ impl CacheConfig {
                 "only meaningful with cache.decode = \"evict\"",
             ));
         }
+        for (field, v) in [
+            ("cache.heavy_tokens", self.heavy_tokens),
+            ("cache.recent_tokens", self.recent_tokens),
+            ("cache.sinks", Some(self.sinks)),
+        ] {
+            if v.is_some_and(|v| v > 1 << 32) {
+                return Err(Error::config(
+                    field,
+                    format!("must be at most 4294967296 tokens, got {}", v.unwrap_or(0)),
+                ));
+            }
+        }
+        if self.scorer.is_some()
+            && self.heavy.unwrap_or(0.0) == 0.0
+            && self.heavy_tokens.unwrap_or(0) == 0
+            && self.recent.unwrap_or(0.0) == 0.0
+            && self.recent_tokens.unwrap_or(0) == 0
+            && self.sinks == 0
+            && (self.heavy.is_some()
+                || self.heavy_tokens.is_some()
+                || self.recent.is_some()
+                || self.recent_tokens.is_some())
+        {
+            return Err(Error::config(
+                "cache.heavy",
+                "the budget keeps no token (heavy, recent and sinks are all 0)",
+            ));
+        }
         check_ratio("cache.heavy", self.heavy, self.heavy_tokens)?;
         check_ratio("cache.recent", self.recent, self.recent_tokens)?;
         let budget_set = self.heavy.is_some()
@@ -395,17 +423,37 @@ where
 }
 
 impl RunConfig {
-    /// Parses TOML (`.toml`) or JSON (anything else) text.
+    /// Parses TOML (`.toml`) or JSON (anything else) text. Error messages
+    /// quote at most 1000 characters of the input.
     pub fn parse(text: &str, json: bool) -> Result<Self> {
+        let short = |m: String| {
+            let m = m.trim_end();
+            if m.chars().count() > 1000 {
+                let cut: String = m.chars().take(1000).collect();
+                format!("{cut} [...]")
+            } else {
+                m.to_string()
+            }
+        };
         if json {
-            serde_json::from_str(text).map_err(|e| Error::Parse(e.to_string()))
+            serde_json::from_str(text).map_err(|e| Error::Parse(short(e.to_string())))
         } else {
-            toml::from_str(text).map_err(|e| Error::Parse(e.to_string().trim_end().to_string()))
+            toml::from_str(text).map_err(|e| Error::Parse(short(e.to_string())))
         }
     }
 
     /// Reads, parses, resolves defaults and validates a config file.
     pub fn load(path: &Path) -> Result<Self> {
+        const MAX: u64 = 1 << 20;
+        let len = std::fs::metadata(path)
+            .map_err(|e| Error::io(path, e))?
+            .len();
+        if len > MAX {
+            return Err(Error::Parse(format!(
+                "{}: {len} bytes; a config is a small text file (at most 1 MiB)",
+                path.display()
+            )));
+        }
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let json = path.extension().is_some_and(|e| e == "json");
         let mut cfg = Self::parse(&text, json).map_err(|e| match e {

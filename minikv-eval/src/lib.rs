@@ -91,7 +91,7 @@ pub fn reference_logits(
 fn check_context(ids: &[u32], context: usize) -> Result<()> {
     if context == 0 || context >= ids.len() {
         return Err(Error::Input(format!(
-            "fidelity needs 0 < context < {} tokens, got {context}",
+            "the context ({context} tokens) must be shorter than the tokens given ({}): at least one token must follow it",
             ids.len()
         )));
     }

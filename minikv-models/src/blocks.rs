@@ -61,6 +61,24 @@ impl GgmlType {
     pub fn row_bytes(self, n: usize) -> usize {
         n / self.block_size() * self.block_bytes()
     }
+    /// Index of the first element (or block, for quantized types) of `bytes`
+    /// whose value or scale is NaN or infinite: codes are integers, so a
+    /// quantized block can only be non-finite through its f16 scale or min.
+    pub fn first_non_finite(self, bytes: &[u8]) -> Option<usize> {
+        let f16_bad = |b: &[u8]| !half::f16::from_le_bytes([b[0], b[1]]).is_finite();
+        let chunks = bytes.chunks_exact(self.block_bytes());
+        let mut it = chunks.enumerate();
+        match self {
+            Self::F32 => {
+                it.find(|(_, b)| !f32::from_le_bytes((*b).try_into().expect("4 bytes")).is_finite())
+            }
+            Self::F16 => it.find(|(_, b)| f16_bad(b)),
+            Self::Bf16 => it.find(|(_, b)| !half::bf16::from_le_bytes([b[0], b[1]]).is_finite()),
+            Self::Q4_0 | Self::Q8_0 => it.find(|(_, b)| f16_bad(&b[..2])),
+            Self::Q4_1 => it.find(|(_, b)| f16_bad(&b[..2]) || f16_bad(&b[2..4])),
+        }
+        .map(|(i, _)| i)
+    }
 }
 
 #[inline]

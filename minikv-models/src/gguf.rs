@@ -273,6 +273,11 @@ impl Gguf {
         }
         let n_tensors = c.u64(&hdr)?;
         let n_kv = c.u64(&hdr)?;
+        if n_kv == 0 {
+            return Err(Error::Format(
+                "the header declares no metadata entries; a GGUF model needs them (general.architecture, shapes, tokenizer)".into(),
+            ));
+        }
         // A KV pair takes >= 12 bytes, a tensor info >= 28: bound the counts by the file.
         if n_kv.saturating_mul(12) > c.remaining() as u64 {
             return Err(Error::Format(format!(

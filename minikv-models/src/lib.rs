@@ -38,7 +38,7 @@ pub use safetensors::{export_hf, load_hf};
 pub use sampling::{Sampler, SamplingConfig, argmax};
 pub use tokenizer::Tokenizer;
 
-use minikv_core::{KvCache, ModelSpec, Result};
+use minikv_core::{Error, KvCache, ModelSpec, Result};
 use std::path::Path;
 
 /// Which logits a forward pass returns.
@@ -88,13 +88,27 @@ pub trait LanguageModel: Send + Sync {
 /// Loads a model: a `.gguf` file, or a directory with `config.json`,
 /// `*.safetensors` and `tokenizer.json`.
 pub fn load(path: &Path) -> Result<(Box<Llama>, Tokenizer)> {
+    // Every model-format error names the file it is about.
+    let named = |e: Error| match e {
+        Error::Format(m) if !m.contains(&*path.to_string_lossy()) => {
+            Error::Format(format!("{}: {m}", path.display()))
+        }
+        e => e,
+    };
     if path.is_dir() {
-        let m = load_hf(path)?;
-        let t = Tokenizer::from_file(&path.join("tokenizer.json"))?;
+        let cfg = path.join("config.json");
+        if !cfg.is_file() {
+            return Err(Error::Format(format!(
+                "{}: a model directory needs config.json, *.safetensors and tokenizer.json (config.json is missing); or pass a .gguf file",
+                path.display()
+            )));
+        }
+        let m = load_hf(path).map_err(named)?;
+        let t = Tokenizer::from_file(&path.join("tokenizer.json")).map_err(named)?;
         return Ok((Box::new(m), t));
     }
-    let g = gguf::Gguf::open(path)?;
-    let m = Llama::from_gguf(&g)?;
-    let t = Tokenizer::from_gguf(&g)?;
+    let g = gguf::Gguf::open(path).map_err(named)?;
+    let m = Llama::from_gguf(&g).map_err(named)?;
+    let t = Tokenizer::from_gguf(&g).map_err(named)?;
     Ok((Box::new(m), t))
 }

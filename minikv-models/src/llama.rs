@@ -196,6 +196,25 @@ impl Llama {
                 cfg.head_dim
             )));
         }
+        // Every block tensor must belong to a layer below block_count.
+        if let Some(extra) = g
+            .tensors
+            .keys()
+            .filter_map(|n| {
+                n.strip_prefix("blk.")?
+                    .split('.')
+                    .next()?
+                    .parse::<usize>()
+                    .ok()
+            })
+            .filter(|&i| i >= cfg.n_layers)
+            .max()
+        {
+            return Err(Error::Format(format!(
+                "metadata llama.block_count = {} but the file has tensors of layer {extra} (blk.{extra}.*)",
+                cfg.n_layers
+            )));
+        }
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let mut blocks = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {

@@ -47,6 +47,16 @@ impl QMatrix {
                 data.bytes().len()
             )));
         }
+        if let Some(i) = dtype.first_non_finite(data.bytes()) {
+            let per = if dtype.block_size() == 1 {
+                "element"
+            } else {
+                "block"
+            };
+            return Err(Error::Format(format!(
+                "{name}: {dtype:?} {per} {i} is NaN or infinite"
+            )));
+        }
         Ok(Self {
             dtype,
             rows,
