@@ -37,10 +37,11 @@ pub struct Sampler {
 impl Sampler {
     /// Checks the settings and seeds the RNG.
     pub fn new(cfg: SamplingConfig) -> Result<Self> {
-        if !(cfg.temperature >= 0.0 && cfg.temperature.is_finite()) {
+        let t = cfg.temperature;
+        if !(t == 0.0 || (1e-3..=1e3).contains(&t)) {
             return Err(Error::config(
                 "temperature",
-                format!("must be >= 0, got {}", cfg.temperature),
+                format!("must be 0 (greedy) or in [0.001, 1000] (1/T overflows below), got {t}"),
             ));
         }
         if !(cfg.top_p > 0.0 && cfg.top_p <= 1.0) {

@@ -73,10 +73,10 @@ impl Pyramid {
 #[typetag::serde(name = "pyramid")]
 impl SelectionPolicy for Pyramid {
     fn validate(&self) -> Result<()> {
-        if self.depth.is_nan() || self.depth < 1.0 {
+        if !self.depth.is_finite() || !(1.0..=1e6).contains(&self.depth) {
             return Err(Error::config(
                 "cache.policy.depth",
-                format!("must be >= 1, got {}", self.depth),
+                format!("must be a finite number in [1, 1e6], got {}", self.depth),
             ));
         }
         Ok(())
@@ -116,8 +116,11 @@ impl Default for PyramidKv {
 #[typetag::serde(name = "pyramidkv")]
 impl SelectionPolicy for PyramidKv {
     fn validate(&self) -> Result<()> {
-        if self.beta == 0 {
-            return Err(Error::config("cache.policy.beta", "must be positive"));
+        if !(1..=65536).contains(&self.beta) {
+            return Err(Error::config(
+                "cache.policy.beta",
+                format!("must be in 1..=65536, got {}", self.beta),
+            ));
         }
         Ok(())
     }

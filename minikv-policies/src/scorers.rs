@@ -175,13 +175,16 @@ impl TokenScorer for SnapKv {
         }
     }
     fn validate(&self) -> Result<()> {
-        if self.window == 0 {
-            return Err(Error::config("cache.scorer.window", "must be positive"));
+        if !(1..=65536).contains(&self.window) {
+            return Err(Error::config(
+                "cache.scorer.window",
+                format!("must be in 1..=65536, got {}", self.window),
+            ));
         }
-        if self.kernel == 0 || self.kernel.is_multiple_of(2) {
+        if self.kernel == 0 || self.kernel.is_multiple_of(2) || self.kernel > 1025 {
             return Err(Error::config(
                 "cache.scorer.kernel",
-                format!("must be odd, got {}", self.kernel),
+                format!("must be odd and at most 1025, got {}", self.kernel),
             ));
         }
         Ok(())
