@@ -483,7 +483,7 @@ pub fn default_text() -> PathBuf {
 }
 
 /// Every evaluation task, as `--task` spells it.
-pub const TASKS: [&str; 7] = [
+pub const TASKS: [&str; 17] = [
     "perplexity",
     "fidelity",
     "generation",
@@ -491,6 +491,16 @@ pub const TASKS: [&str; 7] = [
     "needle",
     "kv-retrieval",
     "attention-error",
+    "dataset",
+    "ruler-niah-single-number",
+    "ruler-niah-single-word",
+    "ruler-niah-single-uuid",
+    "ruler-niah-multikey",
+    "ruler-niah-multivalue",
+    "ruler-niah-multiquery",
+    "ruler-vt",
+    "ruler-cwe",
+    "ruler-fwe",
 ];
 
 /// Checks a task name against [`TASKS`].
@@ -662,6 +672,55 @@ pub struct TaskSpec {
     pub depth: Option<f64>,
     /// Text file or directory.
     pub text: PathBuf,
+    /// Question tasks: whether the question is compressed with the context.
+    #[serde(skip_serializing_if = "is_agnostic")]
+    pub query: minikv_eval::qa::QueryMode,
+    /// `dataset`: the JSONL file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dataset: Option<PathBuf>,
+}
+
+fn is_agnostic(q: &minikv_eval::qa::QueryMode) -> bool {
+    *q == minikv_eval::qa::QueryMode::Agnostic
+}
+
+/// The query mode of `--query-aware`.
+pub fn query_mode(aware: bool) -> minikv_eval::qa::QueryMode {
+    if aware {
+        minikv_eval::qa::QueryMode::Aware
+    } else {
+        minikv_eval::qa::QueryMode::Agnostic
+    }
+}
+
+/// The rows a question task asks: a dataset file's, or generated RULER-style.
+pub fn question_rows(
+    t: &TaskSpec,
+    tok: &minikv_models::Tokenizer,
+    seed: u64,
+) -> Result<Vec<minikv_eval::qa::QaRow>> {
+    use minikv_eval::{qa, ruler};
+    if t.task == "dataset" {
+        let p = t
+            .dataset
+            .as_ref()
+            .ok_or_else(|| Error::Input("task `dataset` needs --dataset FILE.jsonl".into()))?;
+        return qa::read_dataset(p);
+    }
+    let task = ruler::RulerTask::from_task(&t.task)
+        .ok_or_else(|| Error::Input(format!("`{}` is not a question task", t.task)))?;
+    let text = read_text(&t.text)?;
+    ruler::generate(
+        task,
+        tok,
+        &text,
+        ruler::RulerSpec {
+            context: t.context,
+            depth: t.depth,
+            trials: t.trials,
+            seed,
+        },
+    )
 }
 
 /// Runs one task for one config and seed on a loaded model; returns the result
@@ -684,7 +743,8 @@ pub fn run_task(
     let text = read_text(&t.text)?;
     let all = l.tok.encode(&text)?;
     let max = m.spec().max_seq_len;
-    let retrieval = minikv_eval::Retrieval::from_task(&t.task).is_some();
+    let questions = t.task == "dataset" || t.task.starts_with("ruler-");
+    let retrieval = minikv_eval::Retrieval::from_task(&t.task).is_some() || questions;
     let need = t.context + if retrieval { 0 } else { t.tokens };
     if need > max {
         return Err(Error::ContextOverflow { len: need, max });
@@ -708,6 +768,11 @@ pub fn run_task(
     let t0 = std::time::Instant::now();
     let mut mem = None;
     let metrics = match t.task.as_str() {
+        _ if questions => {
+            let rows = question_rows(t, &l.tok, seed)?;
+            let r = minikv_eval::qa::evaluate(m, &l.tok, &rows, t.query, || build_cache(m, cfg))?;
+            serde_json::to_value(&r).expect("json")
+        }
         "passkey" | "needle" | "kv-retrieval" => {
             let kind = eval::Retrieval::from_task(&t.task).expect("retrieval task");
             let spec = eval::PasskeySpec {
@@ -807,15 +872,48 @@ pub fn run_task(
 pub fn eval(a: &EvalArgs) -> Result<()> {
     let cfg = load_config(a.config.as_deref())?;
     let seed = a.seed.unwrap_or(cfg.seed);
+    let task = match (&a.task, &a.opts.dataset) {
+        (Some(t), None) if t == "dataset" => {
+            return Err(Error::Input(
+                "--task dataset needs --dataset FILE.jsonl".into(),
+            ));
+        }
+        (Some(t), Some(_)) if t != "dataset" => {
+            return Err(Error::Input(format!(
+                "--dataset runs the `dataset` task, not `{t}`"
+            )));
+        }
+        (Some(t), _) => t.clone(),
+        (None, _) => "dataset".into(),
+    };
     let l = load_model(&a.model)?;
     let spec = TaskSpec {
-        task: a.task.clone(),
+        task,
         context: a.opts.context,
         tokens: a.opts.tokens,
         trials: a.opts.trials,
         depth: a.depth,
         text: a.opts.text.clone().unwrap_or_else(default_text),
+        query: query_mode(a.opts.query_aware),
+        dataset: a.opts.dataset.clone(),
     };
+    if let Some(path) = &a.export {
+        if !spec.task.starts_with("ruler-") {
+            return Err(Error::Input(format!(
+                "--export writes generated ruler-* tasks; `{}` is not one",
+                spec.task
+            )));
+        }
+        let rows = question_rows(&spec, &l.tok, seed)?;
+        minikv_eval::qa::write_dataset(path, &rows)?;
+        eprintln!(
+            "{} rows of {} written to {}",
+            rows.len(),
+            spec.task,
+            path.display()
+        );
+        return Ok(());
+    }
     let mut out = run_task(&l, &cfg, &spec, seed, &RefMemo::default())?;
     out["provenance"] = serde_json::to_value(provenance(
         Some(&l.path),
@@ -828,7 +926,7 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
     } else {
         println!(
             "{}: {}",
-            a.task,
+            spec.task,
             serde_json::to_string(&out["metrics"]).expect("json")
         );
         println!(

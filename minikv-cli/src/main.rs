@@ -188,6 +188,15 @@ pub struct TaskOpts {
     /// Trials (passkey) or text windows (other tasks).
     #[arg(long, default_value_t = 1, value_parser = args::count)]
     pub trials: usize,
+    /// Question tasks (ruler-*, dataset): prefill the question with the
+    /// context before compressing (query-aware). Default: question-agnostic,
+    /// the question comes after compression.
+    #[arg(long)]
+    pub query_aware: bool,
+    /// The `dataset` task's JSONL file (context, question, answer_prefix,
+    /// answer, max_new_tokens per line).
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub dataset: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -197,11 +206,15 @@ pub struct EvalArgs {
     /// Cache config to evaluate (default: full cache).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Task.
-    #[arg(long, value_parser = crate::commands::TASKS)]
-    pub task: String,
+    /// Task (with --dataset: `dataset`, the default then).
+    #[arg(long, value_parser = crate::commands::TASKS, required_unless_present = "dataset")]
+    pub task: Option<String>,
     #[command(flatten)]
     pub opts: TaskOpts,
+    /// With a ruler-* task: write the generated rows to FILE.jsonl (the
+    /// dataset format) instead of evaluating; `--dataset FILE.jsonl` runs them.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub export: Option<PathBuf>,
     /// Passkey depth in [0, 1] (default: uniform per trial).
     #[arg(long, value_parser = args::unit, allow_negative_numbers = true)]
     pub depth: Option<f64>,

@@ -35,6 +35,7 @@ pub fn primary_metric(task: &str) -> (&'static str, bool) {
         "passkey" | "needle" | "kv-retrieval" => ("accuracy", true),
         "generation" => ("token_f1", true),
         "attention-error" => ("rel_error", false),
+        t if t == "dataset" || t.starts_with("ruler-") => ("score", true),
         _ => ("", true),
     }
 }
@@ -245,7 +246,11 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
         if xs.is_empty() {
             continue;
         }
-        let (mean, lo, hi, interval) = if is_retrieval(&task) {
+        // Binary outcomes (retrieval, single-answer questions): Wilson.
+        let question = task == "dataset" || task.starts_with("ruler-");
+        let binary = is_retrieval(&task)
+            || (question && xs.len() > 1 && xs.iter().all(|&x| x == 0.0 || x == 1.0));
+        let (mean, lo, hi, interval) = if binary {
             let k = xs.iter().filter(|&&x| x > 0.5).count();
             let (lo, hi) = minikv_eval::wilson95(k, xs.len());
             (k as f64 / xs.len() as f64, lo, hi, "Wilson")
@@ -286,6 +291,28 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
             kv_bytes: avg("kv_bytes"),
         });
     }
+    // RULER-style average: per config and model, the mean of its ruler-* task
+    // scores (the interval is over tasks, so none is given).
+    let mut ruler: BTreeMap<(String, String), Vec<&Agg>> = BTreeMap::new();
+    for a in out.iter().filter(|a| a.task.starts_with("ruler-")) {
+        ruler
+            .entry((a.config_hash.clone(), a.model.clone()))
+            .or_default()
+            .push(a);
+    }
+    let averages: Vec<Agg> = ruler
+        .into_values()
+        .map(|v| Agg {
+            task: "ruler-average".into(),
+            mean: v.iter().map(|a| a.mean).sum::<f64>() / v.len() as f64,
+            lo: f64::NAN,
+            hi: f64::NAN,
+            n: v.len(),
+            interval: "n/a",
+            ..v[0].clone()
+        })
+        .collect();
+    out.extend(averages);
     // Per task, largest caches first.
     out.sort_by(|a, b| {
         a.task

@@ -54,8 +54,9 @@ pub struct SweepArgs {
     /// file per text window), shared by separate sweeps and reruns.
     #[arg(long, value_name = "DIR")]
     pub reference_cache: Option<PathBuf>,
-    /// Label of the base config in the results (default: its file stem); the
-    /// `--set` values of each grid point are appended to it.
+    /// Label of the base config in the results (default: its file stem, with
+    /// every `--set` value of the grid point appended); with a label, only the
+    /// `--set` values that vary across the grid are appended.
     #[arg(long)]
     pub label: Option<String>,
     /// Instead of running, write a Slurm array job to DIR: one resolved config
@@ -184,8 +185,16 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
             .map_err(|e| Error::Input(format!("grid point {i}: {e}")))?;
         points.push(cfg);
         labels.push(match &a.label {
+            // A given label names the config: only the settings that vary
+            // across the grid are appended to it.
             Some(l) => std::iter::once(l.clone())
-                .chain(applied)
+                .chain(
+                    applied
+                        .into_iter()
+                        .zip(&sets)
+                        .filter(|(_, (_, vals))| vals.len() > 1)
+                        .map(|(a, _)| a),
+                )
                 .collect::<Vec<_>>()
                 .join(" "),
             None => label(&a.base, &applied),
@@ -225,6 +234,8 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
                     trials: o.trials,
                     depth: None,
                     text: text_path.clone(),
+                    query: crate::commands::query_mode(o.query_aware),
+                    dataset: o.dataset.clone(),
                 };
                 let key =
                     hash(&json!({"config": chash, "seed": seed, "task": spec, "model": model_sha}));

@@ -19,6 +19,9 @@
 
 #![warn(missing_docs)]
 
+pub mod qa;
+pub mod ruler;
+
 use minikv_core::{Error, KvCache, Result};
 use minikv_models::{LanguageModel, Logits, Tokenizer, Workspace, argmax, nll_of};
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -252,12 +255,17 @@ pub fn retrieval_prompt(
     depth: f64,
     rng: &mut StdRng,
 ) -> Result<(Vec<u32>, String)> {
+    let mut intro = Vec::new();
     let (fact, question, answer, filler_src): (Vec<u32>, Vec<u32>, String, Vec<u32>) = match kind {
         Retrieval::Passkey => {
+            // The standard passkey format (used by the Landmark Attention and
+            // LongLoRA evaluations): an instruction, essay filler, the fact
+            // after a sentence end, and the question at the end.
+            intro = tok.encode(PASSKEY_INSTRUCTION)?;
             let key = format!("{}", rng.random_range(10000..100000u32));
             (
-                tok.encode(&format!(" The pass key is {key}. Remember it. {key} is the pass key. "))?,
-                tok.encode("\n\nWhat is the pass key? The pass key is")?,
+                tok.encode(&format!(" The pass key is {key}. Remember it. {key} is the pass key."))?,
+                tok.encode("\nWhat is the pass key? The pass key is")?,
                 key,
                 Vec::new(),
             )
@@ -279,23 +287,38 @@ pub fn retrieval_prompt(
         }
     };
     let filler = context
-        .checked_sub(fact.len() + question.len())
+        .checked_sub(intro.len() + fact.len() + question.len())
         .filter(|&f| f > 0)
         .ok_or_else(|| {
             Error::Input(format!(
                 "context {context} is too short for the {kind:?} fact and question"
             ))
         })?;
+    // Whether token `i` of `b` ends a sentence.
+    let ends_sentence = |b: &[u32], i: usize| -> Result<bool> {
+        let t = tok.decode(&b[i..i + 1])?;
+        Ok(t.trim_end().ends_with(['.', '!', '?']))
+    };
     let body: Vec<u32> = if kind == Retrieval::KvRetrieval {
         filler_src[..filler].to_vec()
     } else {
-        if haystack.len() < filler {
+        if haystack.len() < filler + 1 {
             return Err(Error::Input(format!(
                 "the haystack has {} tokens, fewer than the {filler} needed",
                 haystack.len()
             )));
         }
-        let start = rng.random_range(0..=haystack.len() - filler);
+        let mut start = rng.random_range(0..=haystack.len() - filler);
+        if kind == Retrieval::Passkey {
+            // Begin at a sentence start when one is near.
+            let mut s = start;
+            while s > 0 && start - s < 64 && !ends_sentence(haystack, s - 1)? {
+                s -= 1;
+            }
+            if s == 0 || ends_sentence(haystack, s - 1)? {
+                start = s;
+            }
+        }
         haystack[start..start + filler].to_vec()
     };
     let mut at = ((filler as f64) * depth.clamp(0.0, 1.0)) as usize;
@@ -305,14 +328,31 @@ pub fn retrieval_prompt(
         while at > 0 && !nl.contains(&body[at - 1]) {
             at -= 1;
         }
+    } else if kind == Retrieval::Passkey {
+        // Insert after a sentence end (the nearest one before `at`, else after).
+        let mut j = at;
+        while j > 0 && !ends_sentence(&body, j - 1)? {
+            j -= 1;
+        }
+        if j == 0 && at > 0 {
+            j = at;
+            while j < body.len() && !ends_sentence(&body, j - 1)? {
+                j += 1;
+            }
+        }
+        at = j.min(body.len());
     }
     let mut ids = Vec::with_capacity(context);
+    ids.extend_from_slice(&intro);
     ids.extend_from_slice(&body[..at]);
     ids.extend_from_slice(&fact);
     ids.extend_from_slice(&body[at..]);
     ids.extend_from_slice(&question);
     Ok((ids, answer))
 }
+
+/// The instruction that opens a passkey prompt.
+pub const PASSKEY_INSTRUCTION: &str = "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about the important information there.\n";
 
 /// One passkey trial's prompt (see [`retrieval_prompt`]).
 pub fn passkey_prompt(
@@ -402,7 +442,7 @@ pub fn retrieval(
         outcomes.push(ok);
         depths.push(d);
         let m = cache.memory();
-        (kv_bytes, full_fp16_bytes) = (m.total_bytes(), m.full_fp16_bytes);
+        (kv_bytes, full_fp16_bytes) = (m.used_bytes(), m.full_fp16_bytes);
     }
     let trials = spec.trials;
     Ok(Passkey {

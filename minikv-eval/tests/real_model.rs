@@ -124,3 +124,148 @@ fn fidelity_and_passkey_on_the_real_model() {
         "full cache holds at least the fp16 bytes"
     );
 }
+
+fn essays() -> String {
+    let dir = root().join("assets/paul_graham");
+    let mut names: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+        .collect();
+    names.sort();
+    names
+        .iter()
+        .take(8)
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Generators are deterministic per seed; every prompt fits its token budget
+/// closely; the stated answers are in the context, the asked needle at the
+/// stated depth.
+#[test]
+fn ruler_generators_are_seeded_fit_and_hold_their_answers() {
+    use minikv_eval::ruler::{RulerSpec, RulerTask, generate};
+    let (_, t) = model();
+    let hay = essays();
+    for task in RulerTask::ALL {
+        let spec = RulerSpec {
+            context: 1500,
+            depth: Some(0.3),
+            trials: 2,
+            seed: 9,
+        };
+        let a = generate(task, t, &hay, spec).unwrap();
+        assert_eq!(
+            a,
+            generate(task, t, &hay, spec).unwrap(),
+            "{task:?} not deterministic"
+        );
+        let b = generate(task, t, &hay, RulerSpec { seed: 10, ..spec }).unwrap();
+        assert_ne!(a, b, "{task:?} ignores the seed");
+        for r in &a {
+            let n = t
+                .encode(&format!("{}{}{}", r.context, r.question, r.answer_prefix))
+                .unwrap()
+                .len();
+            assert!((1500 - 120..=1500).contains(&n), "{task:?}: {n} tokens");
+            assert_eq!(r.task.as_deref(), Some(task.name()));
+            for ans in r.answer.all() {
+                assert!(
+                    r.context.contains(ans),
+                    "{task:?}: `{ans}` not in the context"
+                );
+            }
+            if matches!(
+                task,
+                RulerTask::NiahSingleNumber | RulerTask::NiahSingleUuid | RulerTask::NiahSingleWord
+            ) {
+                let ans = r.answer.all()[0];
+                let at = r.context.find(&format!("is: {ans}.")).unwrap() as f64;
+                let d = at / r.context.len() as f64;
+                assert!(
+                    (d - 0.3).abs() < 0.08,
+                    "{task:?}: needle at {d:.3}, asked 0.3"
+                );
+            }
+        }
+    }
+}
+
+/// A generated suite exported to JSONL and read back gives the same rows and
+/// the same scores; malformed rows are errors naming their line.
+#[test]
+fn dataset_round_trip_and_errors() {
+    use minikv_eval::qa::{QueryMode, evaluate, read_dataset, write_dataset};
+    use minikv_eval::ruler::{RulerSpec, RulerTask, generate};
+    let (m, t) = model();
+    let rows = generate(
+        RulerTask::NiahSingleNumber,
+        t,
+        &essays(),
+        RulerSpec {
+            context: 400,
+            depth: None,
+            trials: 2,
+            seed: 3,
+        },
+    )
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("minikv-ds-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("suite.jsonl");
+    write_dataset(&p, &rows).unwrap();
+    let back = read_dataset(&p).unwrap();
+    assert_eq!(rows, back);
+    for mode in [QueryMode::Agnostic, QueryMode::Aware] {
+        let a = evaluate(m.as_ref(), t, &rows, mode, || Ok(full_cache(m))).unwrap();
+        let b = evaluate(m.as_ref(), t, &back, mode, || Ok(full_cache(m))).unwrap();
+        assert_eq!(a.per_trial, b.per_trial);
+        assert_eq!(a.trials, 2);
+    }
+    let bad = dir.join("bad.jsonl");
+    let good = std::fs::read_to_string(&p).unwrap();
+    for (line, want) in [
+        ("{\"context\": \"x\"}", "missing field"),
+        (
+            "{\"context\": \"x\", \"question\": \"q\", \"answer\": \"a\", \"max_new_tokens\": 0}",
+            "max_new_tokens",
+        ),
+        (
+            "{\"context\": \"x\", \"question\": \"q\", \"answer\": \"a\", \"extra\": 1}",
+            "unknown field",
+        ),
+        ("not json", "line 3"),
+    ] {
+        std::fs::write(&bad, format!("{good}{line}\n")).unwrap();
+        let e = read_dataset(&bad).unwrap_err().to_string();
+        assert!(e.contains("line 3") && e.contains(want), "{line}: {e}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The passkey prompt follows the standard format: the instruction first, the
+/// fact after a sentence end, the question last.
+#[test]
+fn passkey_prompt_has_the_standard_format() {
+    let (_, t) = model();
+    let hay = t.encode(&essays()).unwrap();
+    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(4);
+    for depth in [0.0, 0.25, 0.5, 0.9] {
+        let (p, key) = minikv_eval::passkey_prompt(t, &hay, 600, depth, &mut rng).unwrap();
+        assert_eq!(p.len(), 600);
+        let s = t.decode(&p).unwrap();
+        assert!(s.starts_with(minikv_eval::PASSKEY_INSTRUCTION), "{s}");
+        let fact = format!(" The pass key is {key}. Remember it. {key} is the pass key.");
+        let at = s.find(&fact).unwrap();
+        let before = s[..at].trim_end();
+        assert!(
+            before.ends_with(['.', '!', '?'])
+                || before == minikv_eval::PASSKEY_INSTRUCTION.trim_end(),
+            "fact not after a sentence end: ...{}",
+            &before[before.len().saturating_sub(40)..]
+        );
+        assert!(s.ends_with("\nWhat is the pass key? The pass key is"));
+    }
+}

@@ -14,6 +14,15 @@ use std::sync::{Arc, Mutex};
 struct Counting;
 
 static LIVE: AtomicIsize = AtomicIsize::new(0);
+thread_local! {
+    /// Bytes live from this thread's allocations and frees (the accounting
+    /// test runs all its work on one thread, so other threads cannot disturb it).
+    static LIVE_HERE: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
+}
+
+fn here(delta: isize) {
+    let _ = LIVE_HERE.try_with(|c| c.set(c.get() + delta));
+}
 static CALLS: AtomicUsize = AtomicUsize::new(0);
 /// Tests in this binary run one at a time (the counters are global).
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -22,20 +31,24 @@ unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         CALLS.fetch_add(1, Relaxed);
         LIVE.fetch_add(l.size() as isize, Relaxed);
+        here(l.size() as isize);
         unsafe { System.alloc(l) }
     }
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
         CALLS.fetch_add(1, Relaxed);
         LIVE.fetch_add(l.size() as isize, Relaxed);
+        here(l.size() as isize);
         unsafe { System.alloc_zeroed(l) }
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
         LIVE.fetch_sub(l.size() as isize, Relaxed);
+        here(-(l.size() as isize));
         unsafe { System.dealloc(p, l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
         CALLS.fetch_add(1, Relaxed);
         LIVE.fetch_add(new as isize - l.size() as isize, Relaxed);
+        here(new as isize - l.size() as isize);
         unsafe { System.realloc(p, l, new) }
     }
 }
@@ -121,11 +134,12 @@ fn decode(c: &mut dyn KvCache, s: &mut Steps, range: std::ops::Range<usize>) {
 fn unreported(toml: &str, t: usize, n: usize) -> (isize, usize) {
     let backend: Arc<dyn AttentionBackend> = Arc::new(ReferenceBackend);
     let mut s = steps(n);
-    let before = LIVE.load(Relaxed);
+    let live = || LIVE_HERE.with(|c| c.get());
+    let before = live();
     let mut c = build(toml, backend);
     prefill(c.as_mut(), t);
     decode(c.as_mut(), &mut s, 0..n);
-    let held = LIVE.load(Relaxed) - before;
+    let held = live() - before;
     let reported = c.memory().total_bytes();
     (held - reported as isize, reported)
 }
@@ -137,8 +151,28 @@ fn unreported(toml: &str, t: usize, n: usize) -> (isize, usize) {
 #[test]
 fn reported_bytes_are_allocated_bytes() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    // Once-per-process initializations (registries, thread-locals) first.
-    unreported(RESKV, 100, 4);
+    // All work on one thread (rayon included), counted per thread.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    pool.install(accounting);
+}
+
+fn accounting() {
+    let configs = [
+        ("full", ""),
+        ("minikv", MINIKV),
+        ("kivi", KIVI),
+        ("h2o", H2O),
+        ("streaming", STREAMING),
+        ("reskv", RESKV),
+    ];
+    // Once-per-thread initializations (registries, kernels' thread-local
+    // scratch) first: every config once at the largest size.
+    for (_, toml) in configs {
+        unreported(toml, 1000, 40);
+    }
     for (name, toml) in [
         ("full", ""),
         ("minikv", MINIKV),
