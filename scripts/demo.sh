@@ -5,13 +5,13 @@
 #
 # Budgets are set so that the compressed caches hold comparable KV bytes
 # (about 20-40% of the fp16 cache at the default context). Knobs (env):
-# CONTEXT (512), TOKENS (64), SEEDS (1), WINDOWS (2 text windows per seed for
+# CONTEXT (512), TOKENS (64), SEEDS (1), WINDOWS (3 text windows per seed for
 # perplexity, fidelity and attention error), TRIALS (6 per seed for passkey and
 # the RULER-style needle task), OUT (results/main). Every row of the report
 # carries an interval: Student-t over text windows, Wilson over trials.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ctx=${CONTEXT:-512}; toks=${TOKENS:-64}; seeds=${SEEDS:-1}; windows=${WINDOWS:-2}
+ctx=${CONTEXT:-512}; toks=${TOKENS:-64}; seeds=${SEEDS:-1}; windows=${WINDOWS:-3}
 trials=${TRIALS:-6}; out=${OUT:-results/main}
 ./scripts/fetch-assets.sh
 cargo build --release -p minikv-cli

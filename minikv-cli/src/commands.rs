@@ -193,7 +193,7 @@ pub fn generate(a: &GenerateArgs) -> Result<()> {
     } else {
         println!();
         eprintln!(
-            "[{} prompt tokens in {:.2}s ({:.0} tok/s), {} generated in {:.2}s ({:.1} tok/s), KV {} bytes = {:.1}% of fp16, stop: {:?}]",
+            "[{} prompt tokens in {:.2}s ({:.0} tok/s), {} generated in {:.2}s ({:.1} tok/s), KV {} bytes = {:.1}% of fp16 ({} allocated), stop: {:?}]",
             g.prompt_tokens,
             g.prefill_s,
             g.prompt_tokens as f64 / g.prefill_s,
@@ -204,8 +204,9 @@ pub fn generate(a: &GenerateArgs) -> Result<()> {
             } else {
                 0.0
             },
+            mem.used_bytes(),
+            100.0 * mem.used_bytes() as f64 / mem.full_fp16_bytes.max(1) as f64,
             mem.total_bytes(),
-            100.0 * mem.ratio(),
             g.stop
         );
     }
@@ -330,9 +331,10 @@ pub fn perplexity(a: &PplArgs) -> Result<()> {
             println!("after compression: nll {n:.4}, ppl {p:.3}");
         }
         println!(
-            "KV {} bytes = {:.1}% of fp16; {secs:.1}s",
-            mem.total_bytes(),
-            100.0 * mem.ratio()
+            "KV {} bytes = {:.1}% of fp16 ({} allocated); {secs:.1}s",
+            mem.used_bytes(),
+            100.0 * mem.used_bytes() as f64 / mem.full_fp16_bytes.max(1) as f64,
+            mem.total_bytes()
         );
     }
     Ok(())

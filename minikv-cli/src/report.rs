@@ -291,8 +291,8 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
             kv_bytes: avg("kv_bytes"),
         });
     }
-    // RULER-style average: per config and model, the mean of its ruler-* task
-    // scores (the interval is over tasks, so none is given).
+    // RULER-style average: per config and model with several ruler-* tasks,
+    // the mean of their scores (an average over tasks: no interval).
     let mut ruler: BTreeMap<(String, String), Vec<&Agg>> = BTreeMap::new();
     for a in out.iter().filter(|a| a.task.starts_with("ruler-")) {
         ruler
@@ -302,6 +302,7 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
     }
     let averages: Vec<Agg> = ruler
         .into_values()
+        .filter(|v| v.len() > 1)
         .map(|v| Agg {
             task: "ruler-average".into(),
             mean: v.iter().map(|a| a.mean).sum::<f64>() / v.len() as f64,
@@ -788,6 +789,40 @@ mod tests {
         assert!((h - 2.484_33).abs() < 1e-4, "{h}");
         assert_eq!(mean_ci(&[5.0]), (5.0, 0.0));
         assert_eq!(t975(40), 1.96);
+    }
+
+    /// Question tasks: binary per-trial scores get a Wilson interval,
+    /// fractional ones Student-t; several ruler tasks give a ruler-average.
+    #[test]
+    fn question_tasks_intervals_and_ruler_average() {
+        let trials = |xs: &[f64]| {
+            serde_json::json!({"score": xs.iter().sum::<f64>() / xs.len() as f64,
+                "per_trial": xs.iter().map(|x| serde_json::json!({"score": x})).collect::<Vec<_>>()})
+        };
+        let rows = vec![
+            row(
+                "m",
+                "ruler-niah-single-number",
+                0,
+                trials(&[1.0, 1.0, 0.0, 1.0]),
+            ),
+            row(
+                "m",
+                "ruler-niah-multivalue",
+                0,
+                trials(&[0.5, 0.75, 1.0, 0.25]),
+            ),
+        ];
+        let aggs = aggregate(&rows);
+        let get = |t: &str| aggs.iter().find(|a| a.task == t).unwrap();
+        let single = get("ruler-niah-single-number");
+        assert_eq!((single.interval, single.mean), ("Wilson", 0.75));
+        let (lo, hi) = minikv_eval::wilson95(3, 4);
+        assert_eq!((single.lo, single.hi), (lo, hi));
+        assert_eq!(get("ruler-niah-multivalue").interval, "t");
+        let avg = get("ruler-average");
+        assert_eq!((avg.mean, avg.n), ((0.75 + 0.625) / 2.0, 2));
+        assert_eq!(primary_metric("ruler-vt"), ("score", true));
     }
 
     /// Junk lines are skipped with a count, a repeated key counts once, and

@@ -855,3 +855,32 @@ fn sweep_results_survive_corruption_kills_and_races() {
     assert!(k.values().all(|&n| n == 1), "{k:?}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The report of a real main-job run (scripts/demo.sh, committed rows): every
+/// row carries an interval (windows or trials), labels are the readable ones
+/// the job gives, and a RULER-style task sits beside the others.
+#[test]
+fn main_job_report_has_intervals_everywhere() {
+    let dir = std::env::temp_dir().join(format!("minikv-mainjob-{}", std::process::id()));
+    let (ok, _, err) = minikv(&[
+        "report",
+        "minikv-cli/tests/fixtures/main_job.jsonl",
+        "--out",
+        dir.to_str().unwrap(),
+        "--pair",
+        "MiniKV 2-bit pyramid vs MiniKV 2-bit",
+    ]);
+    assert!(ok, "{err}");
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(!md.contains("n/a"), "a row without an interval:\n{md}");
+    for want in [
+        "## ruler-niah-single-number",
+        "| full cache |",
+        "| MiniKV 2-bit pyramid |",
+        "## passkey",
+    ] {
+        assert!(md.contains(want), "{want} missing:\n{md}");
+    }
+    insta::assert_snapshot!("main_job_report_md", md);
+    std::fs::remove_dir_all(&dir).ok();
+}
