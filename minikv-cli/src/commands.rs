@@ -858,6 +858,12 @@ pub fn run_task(
     };
     let wall_s = t0.elapsed().as_secs_f64();
     let mut out = json!({"task": t.task, "context": t.context, "tokens": t.tokens, "trials": t.trials, "metrics": metrics, "wall_s": wall_s});
+    if questions {
+        out["query"] = json!(t.query);
+    }
+    if let Some(d) = &t.dataset {
+        out["dataset"] = json!(d);
+    }
     match &mem {
         Some(m) => out["memory"] = memory_json(m),
         None => {

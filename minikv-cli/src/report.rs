@@ -231,16 +231,32 @@ pub fn row_model(r: &Value) -> String {
 /// interval over every text window (seeds x trials); for retrieval tasks the
 /// accuracy over all trials with its Wilson 95% interval.
 pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
-    let mut groups: BTreeMap<(String, String, String), Vec<&Value>> = BTreeMap::new();
+    // Rows are pooled only when they ran the same task setting (context,
+    // query mode, dataset), config, label and model.
+    type Key = (String, String, String, String, String);
+    let mut groups: BTreeMap<Key, Vec<&Value>> = BTreeMap::new();
     for r in rows {
         let task = r["task"].as_str().unwrap_or("?").to_string();
         let h = r["config_hash"].as_str().unwrap_or("?").to_string();
-        groups.entry((task, h, row_model(r))).or_default().push(r);
+        let setting = format!("{}/{}/{}", r["context"], r["query"], r["dataset"]);
+        groups
+            .entry((task, h, row_model(r), row_label(r), setting))
+            .or_default()
+            .push(r);
     }
     let models: std::collections::BTreeSet<&String> = groups.keys().map(|k| &k.2).collect();
     let several = models.len() > 1;
+    // Contexts per (task, label): when a label ran several, name the context.
+    let mut contexts: BTreeMap<(String, String), std::collections::BTreeSet<String>> =
+        BTreeMap::new();
+    for (task, _, _, label, setting) in groups.keys() {
+        contexts
+            .entry((task.clone(), label.clone()))
+            .or_default()
+            .insert(setting.clone());
+    }
     let mut out = Vec::new();
-    for ((task, h, model), rs) in groups {
+    for ((task, h, model, label, setting), rs) in groups {
         let (metric, _) = primary_metric(&task);
         let xs: Vec<f64> = rs.iter().flat_map(|r| units(r)).map(|u| u.1).collect();
         if xs.is_empty() {
@@ -271,12 +287,16 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
         let mut seeds: Vec<u64> = rs.iter().filter_map(|r| r["seed"].as_u64()).collect();
         seeds.sort_unstable();
         seeds.dedup();
+        let mut method = label.clone();
+        if contexts[&(task.clone(), label.clone())].len() > 1 {
+            method = format!("{method} @{}", rs[0]["context"]);
+        }
+        if several {
+            method = format!("{method} [model {model}]");
+        }
+        let _ = setting;
         out.push(Agg {
-            method: if several {
-                format!("{} [model {model}]", row_label(rs[0]))
-            } else {
-                row_label(rs[0])
-            },
+            method,
             model,
             task,
             config_hash: h,
@@ -293,10 +313,10 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
     }
     // RULER-style average: per config and model with several ruler-* tasks,
     // the mean of their scores (an average over tasks: no interval).
-    let mut ruler: BTreeMap<(String, String), Vec<&Agg>> = BTreeMap::new();
+    let mut ruler: BTreeMap<(String, String, String), Vec<&Agg>> = BTreeMap::new();
     for a in out.iter().filter(|a| a.task.starts_with("ruler-")) {
         ruler
-            .entry((a.config_hash.clone(), a.model.clone()))
+            .entry((a.config_hash.clone(), a.model.clone(), a.method.clone()))
             .or_default()
             .push(a);
     }
@@ -309,7 +329,7 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
             lo: f64::NAN,
             hi: f64::NAN,
             n: v.len(),
-            interval: "n/a",
+            interval: "tasks",
             ..v[0].clone()
         })
         .collect();
@@ -468,7 +488,12 @@ pub fn markdown(aggs: &[Agg], pairs: &[Paired]) -> String {
                 if hb { "higher" } else { "lower" }
             );
         }
-        let ci = interval(a.lo, a.hi, "n/a (1 unit)");
+        let none = if a.interval == "tasks" {
+            format!("mean of {} tasks", a.n)
+        } else {
+            "n/a (1 unit)".to_string()
+        };
+        let ci = interval(a.lo, a.hi, &none);
         let _ = writeln!(
             s,
             "| {} | {:.4} | {ci} | {} | {} | {:.3} | `{}` |",
@@ -789,6 +814,24 @@ mod tests {
         assert!((h - 2.484_33).abs() < 1e-4, "{h}");
         assert_eq!(mean_ci(&[5.0]), (5.0, 0.0));
         assert_eq!(t975(40), 1.96);
+    }
+
+    /// One config run at several contexts gives one row per context.
+    #[test]
+    fn contexts_are_not_pooled() {
+        let mut rows = Vec::new();
+        for (ctx, kl) in [(512, 0.1), (512, 0.2), (2048, 0.9)] {
+            let mut r = row("snapkv", "fidelity", 0, serde_json::json!({"kl": kl}));
+            r["context"] = ctx.into();
+            rows.push(r);
+        }
+        let aggs = aggregate(&rows);
+        assert_eq!(aggs.len(), 2);
+        let m: Vec<(&str, usize)> = aggs.iter().map(|a| (a.method.as_str(), a.n)).collect();
+        assert!(
+            m.contains(&("snapkv @512", 2)) && m.contains(&("snapkv @2048", 1)),
+            "{m:?}"
+        );
     }
 
     /// Question tasks: binary per-trial scores get a Wilson interval,
