@@ -344,3 +344,49 @@ impl DecodeScore for Newest {
             .for_each(|(s, &p)| *s = p as f32);
     }
 }
+
+/// KeyDiff (Park et al. 2025): keys least similar to the layer-head's mean
+/// direction are kept. Per KV head, the anchor is the mean of the
+/// L2-normalized keys; a token scores `-cos(k_j, anchor)` (kvpress's
+/// `KeyDiffPress`). Needs keys only: no attention, no queries.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyDiff {}
+
+#[typetag::serde(name = "key_diff")]
+impl TokenScorer for KeyDiff {
+    fn needs(&self) -> Needs {
+        Needs::default()
+    }
+    fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
+        let (t, d) = (inp.t, inp.spec.head_dim);
+        let hkv = inp.spec.n_kv_heads;
+        let mut anchor = vec![0.0f32; d];
+        let mut row = vec![0.0f32; t];
+        for kv in 0..hkv {
+            let k = inp.keys[kv];
+            anchor.fill(0.0);
+            for j in 0..t {
+                let kj = &k[j * d..(j + 1) * d];
+                let n = simd::dot(kj, kj).sqrt().max(1e-12);
+                simd::axpy(1.0 / (n * t as f32), kj, &mut anchor);
+            }
+            let an = simd::dot(&anchor, &anchor).sqrt().max(1e-12);
+            for (j, r) in row.iter_mut().enumerate() {
+                let kj = &k[j * d..(j + 1) * d];
+                let n = simd::dot(kj, kj).sqrt().max(1e-12);
+                *r = -simd::dot(kj, &anchor) / (n * an);
+            }
+            for h in kv * inp.spec.group()..(kv + 1) * inp.spec.group() {
+                out[h * t..(h + 1) * t].copy_from_slice(&row);
+            }
+        }
+        Ok(())
+    }
+}
+register!(
+    Scorer,
+    "key_diff",
+    KeyDiff,
+    "KeyDiff: -cosine of each key with the mean normalized key of its head (diverse keys kept)"
+);

@@ -7,6 +7,7 @@ use minikv_core::{
 };
 use minikv_policies::budgets::budgets_from_statistics;
 use minikv_policies::{AdaKv, PerLayer, Pyramid, PyramidKv, TopK, Uniform, VarInv, VarProp};
+use minikv_quant as _;
 use proptest::prelude::*;
 
 fn req(n_layers: usize, t: usize, heavy: usize, recent: usize) -> BudgetRequest<'static> {
@@ -599,6 +600,145 @@ fn full_cache_slack_is_under_one_page_per_store() {
                 "{page}: {h:?}"
             );
             assert_eq!(h.fp, 2 * 337usize.div_ceil(page) * page * row);
+        }
+    }
+}
+
+/// KeyDiff on the §4 worked example's keys: scores equal an independent
+/// plain-Python mirror (reference/keydiff_reference.py), and the kept set is
+/// the three most distinctive keys before the recent window.
+#[test]
+fn keydiff_worked_example() {
+    use minikv_core::{LayerSignals, TokenScorer};
+    let (t, d) = (12usize, 4usize);
+    let k: Vec<f32> = (0..t)
+        .flat_map(|j| (0..d).map(move |c| 2.0 * (0.3 + 1.1 * j as f32 + 0.9 * c as f32).cos()))
+        .collect();
+    let spec = ModelSpec {
+        n_layers: 1,
+        n_q_heads: 1,
+        n_kv_heads: 1,
+        head_dim: d,
+        max_seq_len: 64,
+    };
+    let mut out = vec![0.0f32; t];
+    minikv_policies::KeyDiff::default()
+        .score(
+            &LayerSignals {
+                spec: &spec,
+                layer: 0,
+                t,
+                keys: &[&k],
+                values: &[&k],
+                cumulative: None,
+                window_queries: None,
+                window: 0,
+            },
+            &mut out,
+        )
+        .unwrap();
+    let want = [
+        -0.979568, -0.305550, 0.791308, 0.942478, 0.133095, -0.877053, -0.886213, 0.047585,
+        0.939053, 0.809984, -0.228061, -0.978812,
+    ];
+    for (a, b) in out.iter().zip(want) {
+        assert!((a - b).abs() < 1e-5, "{out:?}");
+    }
+    let mut c = tiny(
+        spec,
+        "[cache]\nheavy_tokens = 3\nrecent_tokens = 3\nscorer = { type = \"key_diff\" }",
+    );
+    let mut o = vec![0.0; t * d];
+    c.append(0, &k, &k, t).unwrap();
+    c.attend(0, &k, t, &mut o).unwrap();
+    c.end_prefill().unwrap();
+    // Kept: 2, 3, 8 (the largest scores of 0..9) and the window 9, 10, 11: six rows,
+    // and decoding over them equals attention over exactly those rows.
+    let q = [0.3f32, -0.7, 0.2, 0.9];
+    c.append(0, &k[..d], &k[..d], 1).unwrap();
+    c.attend(0, &q, 1, &mut o[..d]).unwrap();
+    let rows = [2usize, 3, 8, 9, 10, 11, 0];
+    let logits: Vec<f64> = rows
+        .iter()
+        .map(|&r| {
+            let kr: f64 = (0..d)
+                .map(|c| half::f16::from_f32(k[r * d + c]).to_f64() * q[c] as f64)
+                .sum();
+            kr / (d as f64).sqrt()
+        })
+        .collect();
+    let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let w: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+    let z: f64 = w.iter().sum();
+    for ch in 0..d {
+        let e: f64 = rows
+            .iter()
+            .zip(&w)
+            .map(|(&r, wi)| wi * half::f16::from_f32(k[r * d + ch]).to_f64())
+            .sum::<f64>()
+            / z;
+        assert!(
+            (o[ch] as f64 - e).abs() < 1e-4,
+            "channel {ch}: {} vs {e}",
+            o[ch]
+        );
+    }
+}
+
+/// A method composes with 2-bit storage and per-head (Ada-KV) budgets in one
+/// config: heads keep ragged lengths whose total is the layer's budget, the
+/// kept rows are stored in packed 2-bit codes, and decoding stays finite.
+#[test]
+fn keydiff_composes_with_2bit_and_adakv() {
+    let spec = ModelSpec {
+        n_layers: 2,
+        n_q_heads: 4,
+        n_kv_heads: 4,
+        head_dim: 16,
+        max_seq_len: 512,
+    };
+    let mut c = tiny(
+        spec,
+        "[cache]\nheavy_tokens = 64\nrecent_tokens = 16\nscorer = { type = \"key_diff\" }\nselector = { type = \"ada_kv\", alpha = 0.2 }\n[cache.quant]\nresidual = 32\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }\nvalues = { type = \"minmax\", bits = 2, group = 16, axis = \"token\" }\n",
+    );
+    let t = 256;
+    // Head 0's keys cluster tightly (little diversity), the others spread.
+    let k: Vec<f32> = noise(t * 64, 8)
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            if (i / 16) % 4 == 0 {
+                1.0 + 0.01 * x
+            } else {
+                *x
+            }
+        })
+        .collect();
+    let mut out = vec![0.0; t * 64];
+    for l in 0..2 {
+        c.append(l, &k, &noise(t * 64, 9), t).unwrap();
+        c.attend(l, &noise(t * 64, 10), t, &mut out).unwrap();
+    }
+    c.end_prefill().unwrap();
+    let m = c.memory();
+    for layer in &m.layers {
+        let toks: Vec<usize> = layer.heads.iter().map(|h| h.tokens).collect();
+        assert_eq!(toks.iter().sum::<usize>(), 4 * (64 + 16), "{toks:?}");
+        assert!(toks.iter().any(|&n| n != toks[0]), "ragged heads: {toks:?}");
+        assert!(
+            layer
+                .heads
+                .iter()
+                .all(|h| h.quant_codes > 0 && h.quant_keys > 0)
+        );
+    }
+    for step in 0..40 {
+        for l in 0..2 {
+            c.append(l, &noise(64, 50 + step), &noise(64, 90 + step), 1)
+                .unwrap();
+            c.attend(l, &noise(64, 130 + step), 1, &mut out[..64])
+                .unwrap();
+            assert!(out[..64].iter().all(|x| x.is_finite()));
         }
     }
 }
