@@ -27,8 +27,8 @@ pub mod selectors;
 pub use budgets::{LayerStatistic, PerLayer, Pyramid, PyramidKv, Uniform, VarInv, VarProp};
 pub use reskv::ResKvConfig;
 pub use scorers::{
-    Accumulate, CumulativeAttention, H2o, KeyDiff, KeyNorm, LastQuery, Newest, Pooling, Recency,
-    SnapKv, Tova, pool1d,
+    Accumulate, ChunkKv, CumulativeAttention, H2o, KeyDiff, KeyNorm, LastQuery, Newest, Pooling,
+    Recency, SnapKv, Tova, pool1d,
 };
 pub use selectors::{AdaKv, TopK};
 

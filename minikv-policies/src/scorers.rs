@@ -390,3 +390,69 @@ register!(
     KeyDiff,
     "KeyDiff: -cosine of each key with the mean normalized key of its head (diverse keys kept)"
 );
+
+/// ChunkKV (Liu et al. 2025): selection of whole chunks. Wraps any scorer: a
+/// token's score becomes the sum of its scorer's scores over the chunk of
+/// `chunk` consecutive prompt tokens it belongs to, so top-k selection keeps
+/// whole chunks (the last chunk taken may be cut by the budget, lower
+/// positions first). kvpress's `ChunkKVPress` ranks chunks the same way.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChunkKv {
+    /// Tokens per chunk (ChunkKV's default: 10).
+    #[serde(default = "d_chunk")]
+    pub chunk: usize,
+    /// The scorer whose scores are summed per chunk.
+    #[serde(default = "d_inner")]
+    pub scorer: Box<dyn TokenScorer>,
+}
+
+fn d_chunk() -> usize {
+    10
+}
+
+fn d_inner() -> Box<dyn TokenScorer> {
+    Box::new(SnapKv::default())
+}
+
+impl Default for ChunkKv {
+    fn default() -> Self {
+        Self {
+            chunk: d_chunk(),
+            scorer: d_inner(),
+        }
+    }
+}
+
+#[typetag::serde(name = "chunk_kv")]
+impl TokenScorer for ChunkKv {
+    fn needs(&self) -> Needs {
+        self.scorer.needs()
+    }
+    fn validate(&self) -> Result<()> {
+        if !(1..=4096).contains(&self.chunk) {
+            return Err(Error::config(
+                "cache.scorer.chunk",
+                format!("must be in 1..=4096, got {}", self.chunk),
+            ));
+        }
+        self.scorer.validate()
+    }
+    fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
+        self.scorer.score(inp, out)?;
+        let t = inp.t;
+        for row in out.chunks_mut(t) {
+            for c in row.chunks_mut(self.chunk) {
+                let s: f32 = c.iter().sum();
+                c.fill(s);
+            }
+        }
+        Ok(())
+    }
+}
+register!(
+    Scorer,
+    "chunk_kv",
+    ChunkKv,
+    "ChunkKV: any scorer's scores summed over chunks of `chunk` tokens, so whole chunks are kept"
+);

@@ -742,3 +742,70 @@ fn keydiff_composes_with_2bit_and_adakv() {
         }
     }
 }
+
+/// ChunkKV over key-norm scores on the §4 keys (reference/chunkkv_reference.py):
+/// chunk sums -11.500776, -11.093541, -11.427111; a 4-token budget keeps the
+/// whole middle chunk, tokens 4..8, whatever the per-token scores inside it.
+#[test]
+fn chunkkv_keeps_whole_chunks() {
+    use minikv_core::{LayerSignals, TokenScorer};
+    let (t, d) = (12usize, 4usize);
+    let k: Vec<f32> = (0..t)
+        .flat_map(|j| (0..d).map(move |c| 2.0 * (0.3 + 1.1 * j as f32 + 0.9 * c as f32).cos()))
+        .collect();
+    let spec = ModelSpec {
+        n_layers: 1,
+        n_q_heads: 1,
+        n_kv_heads: 1,
+        head_dim: d,
+        max_seq_len: 64,
+    };
+    let s = minikv_policies::ChunkKv {
+        chunk: 4,
+        scorer: Box::new(minikv_policies::KeyNorm {}),
+    };
+    let mut out = vec![0.0f32; t];
+    let sig = LayerSignals {
+        spec: &spec,
+        layer: 0,
+        t,
+        keys: &[&k],
+        values: &[&k],
+        cumulative: None,
+        window_queries: None,
+        window: 0,
+    };
+    s.score(&sig, &mut out).unwrap();
+    for (i, want) in [-11.500776f32, -11.093541, -11.427111].iter().enumerate() {
+        for x in &out[i * 4..i * 4 + 4] {
+            assert!((x - want).abs() < 1e-4, "{out:?}");
+        }
+    }
+    let cfg = "[cache]\nheavy_tokens = 4\nrecent_tokens = 0\nscorer = { type = \"chunk_kv\", chunk = 4, scorer = { type = \"key_norm\" } }";
+    let mut c = tiny(spec, cfg);
+    let mut o = vec![0.0; t * d];
+    c.append(0, &k, &k, t).unwrap();
+    c.attend(0, &k, t, &mut o).unwrap();
+    c.end_prefill().unwrap();
+    assert_eq!(c.memory().layers[0].heads[0].tokens, 4);
+    // The kept rows are 4..8: attention over them alone.
+    let q = [0.5f32, 0.1, -0.4, 0.8];
+    c.append(0, &k[..d], &k[..d], 1).unwrap();
+    c.attend(0, &q, 1, &mut o[..d]).unwrap();
+    let rows = [4usize, 5, 6, 7, 0];
+    let h = |x: f32| half::f16::from_f32(x).to_f64();
+    let w: Vec<f64> = rows
+        .iter()
+        .map(|&r| ((0..d).map(|c| h(k[r * d + c]) * q[c] as f64).sum::<f64>() / 2.0).exp())
+        .collect();
+    let z: f64 = w.iter().sum();
+    for ch in 0..d {
+        let e: f64 = rows
+            .iter()
+            .zip(&w)
+            .map(|(&r, wi)| wi * h(k[r * d + ch]))
+            .sum::<f64>()
+            / z;
+        assert!((o[ch] as f64 - e).abs() < 1e-4, "{} vs {e}", o[ch]);
+    }
+}
