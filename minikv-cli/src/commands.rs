@@ -695,11 +695,13 @@ pub fn query_mode(aware: bool) -> minikv_eval::qa::QueryMode {
     }
 }
 
-/// The rows a question task asks: a dataset file's, or generated RULER-style.
+/// The rows a question task asks: a dataset file's, or generated RULER-style
+/// with `text` (the task's `--text`) as the haystack.
 pub fn question_rows(
     t: &TaskSpec,
     tok: &minikv_models::Tokenizer,
     seed: u64,
+    text: &str,
 ) -> Result<Vec<minikv_eval::qa::QaRow>> {
     use minikv_eval::{qa, ruler};
     if t.task == "dataset" {
@@ -711,11 +713,10 @@ pub fn question_rows(
     }
     let task = ruler::RulerTask::from_task(&t.task)
         .ok_or_else(|| Error::Input(format!("`{}` is not a question task", t.task)))?;
-    let text = read_text(&t.text)?;
     ruler::generate(
         task,
         tok,
-        &text,
+        text,
         ruler::RulerSpec {
             context: t.context,
             depth: t.depth,
@@ -742,12 +743,24 @@ pub fn run_task(
         backend: cfg.backend.clone(),
         ..RunConfig::default()
     };
-    let text = read_text(&t.text)?;
-    let all = l.tok.encode(&text)?;
-    let max = m.spec().max_seq_len;
     let questions = t.task == "dataset" || t.task.starts_with("ruler-");
-    let retrieval = minikv_eval::Retrieval::from_task(&t.task).is_some() || questions;
-    let need = t.context + if retrieval { 0 } else { t.tokens };
+    // The text is read once, and tokenized only for the tasks that cut windows
+    // or haystacks from its tokens (a dataset brings its own contexts).
+    let text = if t.task == "dataset" {
+        String::new()
+    } else {
+        read_text(&t.text)?
+    };
+    let all = if questions {
+        Vec::new()
+    } else {
+        l.tok.encode(&text)?
+    };
+    let max = m.spec().max_seq_len;
+    // Retrieval and question prompts are `context` tokens in all; the other
+    // tasks add `tokens` after the context.
+    let prompt_only = minikv_eval::Retrieval::from_task(&t.task).is_some() || questions;
+    let need = t.context + if prompt_only { 0 } else { t.tokens };
     if need > max {
         return Err(Error::ContextOverflow { len: need, max });
     }
@@ -771,7 +784,7 @@ pub fn run_task(
     let mut mem = None;
     let metrics = match t.task.as_str() {
         _ if questions => {
-            let rows = question_rows(t, &l.tok, seed)?;
+            let rows = question_rows(t, &l.tok, seed, &text)?;
             let r = minikv_eval::qa::evaluate(m, &l.tok, &rows, t.query, || build_cache(m, cfg))?;
             serde_json::to_value(&r).expect("json")
         }
@@ -912,7 +925,7 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
                 spec.task
             )));
         }
-        let rows = question_rows(&spec, &l.tok, seed)?;
+        let rows = question_rows(&spec, &l.tok, seed, &read_text(&spec.text)?)?;
         minikv_eval::qa::write_dataset(path, &rows)?;
         eprintln!(
             "{} rows of {} written to {}",

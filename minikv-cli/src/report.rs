@@ -184,16 +184,11 @@ pub fn read_rows(bytes: &[u8]) -> (Vec<Value>, usize, usize) {
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let v: Option<Value> = std::str::from_utf8(line)
-            .ok()
-            .and_then(|s| serde_json::from_str(s).ok());
-        let Some(v) =
-            v.filter(|v| v["key"].is_string() && v["task"].is_string() && v["metrics"].is_object())
-        else {
+        let Ok((key, v)) = crate::results::parse_row(line) else {
             skipped += 1;
             continue;
         };
-        if seen.insert(v["key"].as_str().unwrap_or_default().to_owned()) {
+        if seen.insert(key) {
             rows.push(v);
         } else {
             dup += 1;
@@ -256,7 +251,7 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
             .insert(setting.clone());
     }
     let mut out = Vec::new();
-    for ((task, h, model, label, setting), rs) in groups {
+    for ((task, h, model, label, _setting), rs) in groups {
         let (metric, _) = primary_metric(&task);
         let xs: Vec<f64> = rs.iter().flat_map(|r| units(r)).map(|u| u.1).collect();
         if xs.is_empty() {
@@ -294,7 +289,6 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
         if several {
             method = format!("{method} [model {model}]");
         }
-        let _ = setting;
         out.push(Agg {
             method,
             model,

@@ -38,18 +38,26 @@ pub struct ResultsLog {
     scanned: u64,
 }
 
-/// Classifies one complete line (without its newline).
-fn classify(line: &[u8], keys: &HashSet<String>) -> std::result::Result<String, String> {
+/// Parses one line (without its newline) as a result row: a UTF-8 JSON
+/// object with a string `key` and `task` and an object `metrics`. Returns the
+/// key and the row, or why the line is not a row.
+pub fn parse_row(line: &[u8]) -> std::result::Result<(String, Value), String> {
     let s = std::str::from_utf8(line).map_err(|_| "not valid UTF-8".to_string())?;
     let v: Value = serde_json::from_str(s).map_err(|e| format!("not JSON: {e}"))?;
-    let key = v
-        .get("key")
-        .and_then(Value::as_str)
-        .ok_or("not a result row (no `key`)")?;
-    if keys.contains(key) {
+    let key = v.get("key").and_then(Value::as_str).map(str::to_owned);
+    match key {
+        Some(k) if v["task"].is_string() && v["metrics"].is_object() => Ok((k, v)),
+        _ => Err("not a result row (needs `key`, `task` and `metrics`)".into()),
+    }
+}
+
+/// Classifies one complete line of the log: a row with a new key, or why not.
+fn classify(line: &[u8], keys: &HashSet<String>) -> std::result::Result<String, String> {
+    let (key, _) = parse_row(line)?;
+    if keys.contains(&key) {
         return Err(format!("duplicate key {key}"));
     }
-    Ok(key.to_owned())
+    Ok(key)
 }
 
 fn sidecar(path: &Path, ext: &str) -> PathBuf {
@@ -255,7 +263,7 @@ mod tests {
     use super::*;
 
     fn row(k: &str) -> Value {
-        json!({"key": k, "metrics": {"kl": 0.5}})
+        json!({"key": k, "task": "fidelity", "metrics": {"kl": 0.5}})
     }
 
     #[test]

@@ -20,6 +20,17 @@ fn minikv(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// `minikv report FIXTURE --out DIR ARGS...` on a committed fixture; returns DIR.
+fn report_fixture(fixture: &str, tag: &str, args: &[&str]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("minikv-{tag}-{}", std::process::id()));
+    let f = format!("minikv-cli/tests/fixtures/{fixture}");
+    let mut a = vec!["report", &f, "--out", dir.to_str().unwrap()];
+    a.extend_from_slice(args);
+    let (ok, _, err) = minikv(&a);
+    assert!(ok, "{err}");
+    dir
+}
+
 fn ok_json(args: &[&str]) -> serde_json::Value {
     let (ok, out, err) = minikv(args);
     assert!(ok, "minikv {args:?} failed: {err}");
@@ -459,16 +470,14 @@ fn sweep_is_resumable_and_never_duplicates() {
 /// tables with intervals and paired differences as a snapshot, per-layer plots.
 #[test]
 fn report_pairs_and_per_layer_plots() {
-    let dir = std::env::temp_dir().join(format!("minikv-report2-{}", std::process::id()));
-    let (ok, _, err) = minikv(&[
-        "report",
-        "minikv-cli/tests/fixtures/sweep_tasks.jsonl",
-        "--out",
-        dir.to_str().unwrap(),
-        "--pair",
-        "minikv policy.type=pyramid vs minikv policy.type=uniform",
-    ]);
-    assert!(ok, "{err}");
+    let dir = report_fixture(
+        "sweep_tasks.jsonl",
+        "report2",
+        &[
+            "--pair",
+            "minikv policy.type=pyramid vs minikv policy.type=uniform",
+        ],
+    );
     let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
     insta::assert_snapshot!("report_tasks_md", read("report.md"));
     for f in ["per_layer_budgets.svg", "attention_error_per_layer.svg"] {
@@ -499,14 +508,7 @@ fn report_pairs_and_per_layer_plots() {
 /// Report of a committed sweep fixture: tables and leaderboard as snapshots, a plot.
 #[test]
 fn report_tables_and_plot() {
-    let dir = std::env::temp_dir().join(format!("minikv-report-{}", std::process::id()));
-    let (ok, _, err) = minikv(&[
-        "report",
-        "minikv-cli/tests/fixtures/sweep_fidelity.jsonl",
-        "--out",
-        dir.to_str().unwrap(),
-    ]);
-    assert!(ok, "{err}");
+    let dir = report_fixture("sweep_fidelity.jsonl", "report", &[]);
     let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
     insta::assert_snapshot!("report_md", read("report.md"));
     insta::assert_snapshot!("report_leaderboard_csv", read("leaderboard.csv"));
@@ -861,16 +863,11 @@ fn sweep_results_survive_corruption_kills_and_races() {
 /// the job gives, and a RULER-style task sits beside the others.
 #[test]
 fn main_job_report_has_intervals_everywhere() {
-    let dir = std::env::temp_dir().join(format!("minikv-mainjob-{}", std::process::id()));
-    let (ok, _, err) = minikv(&[
-        "report",
-        "minikv-cli/tests/fixtures/main_job.jsonl",
-        "--out",
-        dir.to_str().unwrap(),
-        "--pair",
-        "MiniKV 2-bit pyramid vs MiniKV 2-bit",
-    ]);
-    assert!(ok, "{err}");
+    let dir = report_fixture(
+        "main_job.jsonl",
+        "mainjob",
+        &["--pair", "MiniKV 2-bit pyramid vs MiniKV 2-bit"],
+    );
     let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
     assert!(!md.contains("n/a"), "a row without an interval:\n{md}");
     for want in [

@@ -468,14 +468,14 @@ pub struct Agreement {
     pub token_f1: f64,
 }
 
-/// Token-bag F1 of two sequences.
-pub fn token_f1(a: &[u32], b: &[u32]) -> f64 {
+/// Bag-of-tokens F1 of two sequences (token ids, or words).
+pub fn token_f1<T: Eq + std::hash::Hash>(a: &[T], b: &[T]) -> f64 {
     if a.is_empty() && b.is_empty() {
         return 1.0;
     }
-    let mut counts = std::collections::HashMap::<u32, i64>::new();
+    let mut counts = std::collections::HashMap::<&T, i64>::new();
     for t in a {
-        *counts.entry(*t).or_default() += 1;
+        *counts.entry(t).or_default() += 1;
     }
     let mut common = 0;
     for t in b {

@@ -91,27 +91,9 @@ pub fn score(metric: Metric, pred: &str, answers: &[&str]) -> f64 {
             let pt = normalize(pred);
             answers
                 .iter()
-                .map(|a| {
-                    let at = normalize(a);
-                    let mut rest = at.clone();
-                    let common = pt
-                        .iter()
-                        .filter(|w| {
-                            rest.iter()
-                                .position(|x| x == *w)
-                                .map(|i| rest.swap_remove(i))
-                                .is_some()
-                        })
-                        .count();
-                    if common == 0 {
-                        return 0.0;
-                    }
-                    let (pr, rc) = (
-                        common as f64 / pt.len() as f64,
-                        common as f64 / at.len() as f64,
-                    );
-                    2.0 * pr * rc / (pr + rc)
-                })
+                .map(|a| normalize(a))
+                .filter(|at| !at.is_empty())
+                .map(|at| crate::token_f1(&at, &pt))
                 .fold(0.0, f64::max)
         }
     }
@@ -258,11 +240,13 @@ pub fn answer(
         QueryMode::Agnostic => {
             model.forward(&ctx, cache, &mut ws, Logits::None)?;
             cache.end_prefill()?;
-            let mut l = Vec::new();
-            for &t in &q {
-                l = model.forward(&[t], cache, &mut ws, Logits::Last)?;
+            // One decode step per question token; only the last one's logits
+            // are needed.
+            let (last, head) = q.split_last().expect("checked non-empty");
+            for &t in head {
+                model.forward(&[t], cache, &mut ws, Logits::None)?;
             }
-            l
+            model.forward(&[*last], cache, &mut ws, Logits::Last)?
         }
     };
     let mut out = Vec::new();

@@ -150,13 +150,18 @@ fn unreported(toml: &str, t: usize, n: usize) -> (isize, usize) {
 /// grows with tokens is counted.
 #[test]
 fn reported_bytes_are_allocated_bytes() {
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // All work on one thread (rayon included), counted per thread.
-    let pool = rayon::ThreadPoolBuilder::new()
+    on_one_thread(accounting);
+}
+
+/// Runs `f` alone (the counters are global) on a one-thread rayon pool.
+fn on_one_thread(f: impl FnOnce() + Send) {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()
-        .unwrap();
-    pool.install(accounting);
+        .unwrap()
+        .install(f);
 }
 
 fn accounting() {
@@ -173,14 +178,7 @@ fn accounting() {
     for (_, toml) in configs {
         unreported(toml, 1000, 40);
     }
-    for (name, toml) in [
-        ("full", ""),
-        ("minikv", MINIKV),
-        ("kivi", KIVI),
-        ("h2o", H2O),
-        ("streaming", STREAMING),
-        ("reskv", RESKV),
-    ] {
+    for (name, toml) in configs {
         let (small, r1) = unreported(toml, 200, 40);
         let (large, r2) = unreported(toml, 1000, 40);
         assert!(r2 >= r1, "{name}: {r1} vs {r2}");
@@ -199,12 +197,7 @@ fn accounting() {
 /// fall inside one page: growth allocates once per page, never per step.
 #[test]
 fn decode_steps_allocate_nothing() {
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
-        .build()
-        .unwrap();
-    pool.install(|| {
+    on_one_thread(|| {
         let backend: Arc<dyn AttentionBackend> = Arc::new(TiledBackend::default());
         for (name, toml) in [
             ("full", ""),

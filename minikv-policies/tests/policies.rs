@@ -269,6 +269,32 @@ fn noise(n: usize, s: u32) -> Vec<f32> {
         .collect()
 }
 
+/// Prefills `t` noise tokens into every layer of `c`, then compresses.
+fn prefill_noise(c: &mut dyn KvCache, t: usize) {
+    let s = *c.spec();
+    let (kv, qd) = (s.n_kv_heads * s.head_dim, s.n_q_heads * s.head_dim);
+    let mut out = vec![0.0; t * qd];
+    for l in 0..s.n_layers {
+        c.append(l, &noise(t * kv, 1), &noise(t * kv, 2), t)
+            .unwrap();
+        c.attend(l, &noise(t * qd, 3), t, &mut out).unwrap();
+    }
+    c.end_prefill().unwrap();
+}
+
+/// Decode step `step` (noise) in every layer; returns the last layer's output.
+fn decode_noise(c: &mut dyn KvCache, step: u32) -> Vec<f32> {
+    let s = *c.spec();
+    let (kv, qd) = (s.n_kv_heads * s.head_dim, s.n_q_heads * s.head_dim);
+    let mut out = vec![0.0; qd];
+    for l in 0..s.n_layers {
+        c.append(l, &noise(kv, 10 + step), &noise(kv, 20 + step), 1)
+            .unwrap();
+        c.attend(l, &noise(qd, 30 + step), 1, &mut out).unwrap();
+    }
+    out
+}
+
 /// H2O holds exactly sinks + heavy + recent tokens after every decode step.
 #[test]
 fn h2o_holds_its_budget_while_decoding() {
@@ -286,21 +312,9 @@ fn h2o_holds_its_budget_while_decoding() {
                 "[cache]\nsinks = 1\nheavy_tokens = 4\nrecent_tokens = 3\ndecode = \"evict\"\nscorer = {{ type = \"{scorer}\" }}"
             ),
         );
-        let (t, kv, qd) = (20, 16, 32);
-        let mut out = vec![0.0; t * qd];
-        for l in 0..2 {
-            c.append(l, &noise(t * kv, 1), &noise(t * kv, 2), t)
-                .unwrap();
-            c.attend(l, &noise(t * qd, 3), t, &mut out).unwrap();
-        }
-        c.end_prefill().unwrap();
+        prefill_noise(c.as_mut(), 20);
         for step in 0..15 {
-            for l in 0..2 {
-                c.append(l, &noise(kv, 10 + step), &noise(kv, 20 + step), 1)
-                    .unwrap();
-                c.attend(l, &noise(qd, 30 + step), 1, &mut out[..qd])
-                    .unwrap();
-            }
+            decode_noise(c.as_mut(), step);
             for layer in &c.memory().layers {
                 for h in &layer.heads {
                     assert_eq!(h.tokens, 8, "{scorer} after step {step}");
@@ -357,20 +371,10 @@ fn run_reskv(toml: &str, t: usize) -> (Vec<f32>, Box<dyn KvCache>) {
         max_seq_len: 256,
     };
     let mut c = tiny(spec, toml);
-    let (kv, qd) = (16, 32);
-    let mut out = vec![0.0; t * qd];
-    c.append(0, &noise(t * kv, 1), &noise(t * kv, 2), t)
-        .unwrap();
-    c.attend(0, &noise(t * qd, 3), t, &mut out).unwrap();
-    c.end_prefill().unwrap();
-    let mut outs = Vec::new();
-    for step in 0..3 {
-        c.append(0, &noise(kv, 10 + step), &noise(kv, 20 + step), 1)
-            .unwrap();
-        c.attend(0, &noise(qd, 30 + step), 1, &mut out[..qd])
-            .unwrap();
-        outs.extend_from_slice(&out[..qd]);
-    }
+    prefill_noise(c.as_mut(), t);
+    let outs = (0..3)
+        .flat_map(|step| decode_noise(c.as_mut(), step))
+        .collect();
     (outs, c)
 }
 
@@ -574,21 +578,9 @@ fn full_cache_slack_is_under_one_page_per_store() {
     };
     for page in [16usize, 256] {
         let mut c = tiny(spec, &format!("[cache]\npage_tokens = {page}\n"));
-        let (t, kv, qd) = (300, 16, 32);
-        let mut out = vec![0.0; t * qd];
-        for l in 0..2 {
-            c.append(l, &noise(t * kv, 1), &noise(t * kv, 2), t)
-                .unwrap();
-            c.attend(l, &noise(t * qd, 3), t, &mut out).unwrap();
-        }
-        c.end_prefill().unwrap();
+        prefill_noise(c.as_mut(), 300);
         for step in 0..37 {
-            for l in 0..2 {
-                c.append(l, &noise(kv, 10 + step), &noise(kv, 20 + step), 1)
-                    .unwrap();
-                c.attend(l, &noise(qd, 30 + step), 1, &mut out[..qd])
-                    .unwrap();
-            }
+            decode_noise(c.as_mut(), step);
         }
         let m = c.memory();
         assert_eq!(m.used_bytes(), m.full_fp16_bytes);

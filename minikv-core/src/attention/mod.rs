@@ -96,12 +96,11 @@ impl HeadView<'_> {
         self.extra.map_or(0, |c| c.bias.len())
     }
     /// Checks that keys and values agree.
-    pub fn validate(&self, d: usize) -> Result<()> {
+    pub fn validate(&self) -> Result<()> {
         let nv = self.n_quant_values() + self.fp_values.len();
         if self.len() != nv {
             return Err(Error::shape("decode head: values vs keys", self.len(), nv));
         }
-        let _ = d;
         if let Some(c) = self.extra {
             let n = c.bias.len();
             if c.keys.len() != n || c.values.len() != n {
@@ -255,7 +254,7 @@ pub(crate) fn check_decode(a: &DecodeArgs<'_>) -> Result<usize> {
         crate::check_len("decode probs", hq, p.len())?;
     }
     for h in a.heads {
-        h.validate(d)?;
+        h.validate()?;
     }
     Ok(hq / hs)
 }

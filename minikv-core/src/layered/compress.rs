@@ -222,7 +222,7 @@ impl LayeredCache {
             let ev = Evictor::new(
                 &self.spec,
                 scorer,
-                &kept_all,
+                kept_all,
                 plan.scores.as_deref(),
                 t,
                 self.cfg.sinks,

@@ -75,7 +75,7 @@ impl Evictor {
     pub fn new(
         spec: &ModelSpec,
         scorer: &dyn TokenScorer,
-        kept: &[Vec<u32>],
+        kept: Vec<Vec<u32>>,
         scores: Option<&[f32]>,
         t: usize,
         sinks: usize,
@@ -83,7 +83,7 @@ impl Evictor {
     ) -> Self {
         let rule = scorer.decode_score();
         let heads = kept
-            .iter()
+            .into_iter()
             .enumerate()
             .map(|(s, rows)| {
                 let score = rows
@@ -94,13 +94,13 @@ impl Evictor {
                     })
                     .collect();
                 EvictHead {
-                    pos: rows.clone(),
-                    score,
                     cap: if rows.len() < t {
                         rows.len()
                     } else {
                         sinks + budget.heavy + budget.recent
                     },
+                    pos: rows,
+                    score,
                     recent: budget.recent,
                 }
             })
