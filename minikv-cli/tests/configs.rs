@@ -7,19 +7,29 @@ use minikv_policies::budgets::budgets_from_statistics;
 use minikv_quant as _;
 use std::path::{Path, PathBuf};
 
+/// Every preset: configs/*.toml, then configs/kvpress/*.toml.
 fn presets() -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
-        .collect();
-    v.sort();
-    v
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let mut all = Vec::new();
+    for dir in [root.clone(), root.join("kvpress")] {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+            .collect();
+        v.sort();
+        all.extend(v);
+    }
+    all
 }
 
+/// `snapkv` for configs/snapkv.toml, `kvpress-snapkv` for configs/kvpress/snapkv.toml.
 fn name(p: &Path) -> String {
-    p.file_stem().unwrap().to_string_lossy().into_owned()
+    let stem = p.file_stem().unwrap().to_string_lossy().into_owned();
+    match p.parent().and_then(|d| d.file_name()) {
+        Some(d) if d == "kvpress" => format!("kvpress-{stem}"),
+        _ => stem,
+    }
 }
 
 #[test]

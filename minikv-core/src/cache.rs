@@ -2,6 +2,7 @@
 
 use crate::{ModelSpec, Result};
 use serde::Serialize;
+
 use std::fmt::Debug;
 
 /// Where a cache is in its life.
@@ -45,6 +46,107 @@ pub trait KvCache: Send + Debug {
     /// cluster statistics), as JSON; `null` when there are none.
     fn diagnostics(&self) -> serde_json::Value {
         serde_json::Value::Null
+    }
+    /// What the cache's components need from the model at `layer` beyond
+    /// keys, values and post-RoPE queries (see [`Observation`]). Models ask
+    /// once per layer and prefill chunk; the default is nothing.
+    fn wants(&self, layer: usize) -> ModelWants {
+        let _ = layer;
+        ModelWants::default()
+    }
+    /// Receives what [`wants`](KvCache::wants) asked for, for `layer`, before
+    /// that layer's [`attend`](KvCache::attend) of the same chunk.
+    fn observe(&mut self, layer: usize, obs: Observation<'_>) -> Result<()> {
+        let _ = (layer, obs);
+        Ok(())
+    }
+}
+
+/// Model facts a component asked for through its needs, beyond K, V and Q.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelWants {
+    /// The chunk's queries before RoPE, with the model's RoPE
+    /// ([`Observation::PreRopeQueries`]; Expected Attention's statistics).
+    pub pre_rope_queries: bool,
+    /// The layer's attention output projection
+    /// ([`Observation::OutputProjection`]; CriticalKV).
+    pub output_projection: bool,
+}
+
+impl ModelWants {
+    /// True when nothing is wanted.
+    pub fn is_empty(&self) -> bool {
+        !self.pre_rope_queries && !self.output_projection
+    }
+}
+
+/// Something a model hands the cache because [`KvCache::wants`] asked for it.
+#[derive(Debug, Clone, Copy)]
+pub enum Observation<'a> {
+    /// The queries of the current prefill chunk before RoPE, token-major
+    /// `[n][Hq * d]`, with the RoPE the model then applies to them.
+    PreRopeQueries {
+        /// Queries `[n][Hq * d]`.
+        q: &'a [f32],
+        /// Tokens in the chunk.
+        n: usize,
+        /// The model's rotary embedding.
+        rope: &'a Rope,
+    },
+    /// The layer's output projection `W_o`, row-major `[hidden][Hq * d]`
+    /// (`attn_out = W_o · concat_h(o_h)`).
+    OutputProjection {
+        /// The weights, `hidden * Hq * d` floats.
+        w: &'a [f32],
+        /// Rows (the model's hidden size).
+        hidden: usize,
+    },
+}
+
+/// Which channels RoPE rotates together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopePairs {
+    /// Channels `(2i, 2i + 1)` (GGUF's layout of Llama weights).
+    Adjacent,
+    /// Channels `(i, i + d/2)` (the "rotate half" layout).
+    Halves,
+}
+
+/// A rotary position embedding: pair `i` of a head is rotated by the angle
+/// `position * inv_freq[i]`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Rope {
+    /// One inverse frequency per channel pair (`d / 2` of them).
+    pub inv_freq: Vec<f64>,
+    /// Channel pairing.
+    pub pairs: RopePairs,
+}
+
+impl Rope {
+    /// The channels of pair `i` for head dimension `d`.
+    pub fn pair(&self, i: usize, d: usize) -> (usize, usize) {
+        match self.pairs {
+            RopePairs::Adjacent => (2 * i, 2 * i + 1),
+            RopePairs::Halves => (i, i + d / 2),
+        }
+    }
+    /// The rotation of positions `from .. from + n`, averaged: per pair the
+    /// mean cosine and mean sine, `([d/2], [d/2])`.
+    pub fn mean_rotation(&self, from: usize, n: usize) -> (Vec<f64>, Vec<f64>) {
+        let n = n.max(1);
+        self.inv_freq
+            .iter()
+            .map(|&f| {
+                let (mut c, mut s) = (0.0f64, 0.0f64);
+                for p in from..from + n {
+                    let a = p as f64 * f;
+                    c += a.cos();
+                    s += a.sin();
+                }
+                (c / n as f64, s / n as f64)
+            })
+            .unzip()
     }
 }
 

@@ -65,7 +65,9 @@ pub use attention::{
 };
 pub use budget::{BudgetRequest, LayerBudget, SelectionPolicy, apportion};
 pub use builder::{CacheBuilder, build_cache};
-pub use cache::{HeadMemory, KvCache, LayerMemory, MemoryReport, Phase};
+pub use cache::{
+    HeadMemory, KvCache, LayerMemory, MemoryReport, ModelWants, Observation, Phase, Rope, RopePairs,
+};
 pub use compensate::{CompensateInput, Compensation, Compensator, ExtraEntries, LogitGate};
 pub use config::{
     CacheConfig, DecodeMode, HeadMode, QuantConfig, ResidualMode, RunConfig, check_finite_fields,
@@ -74,7 +76,8 @@ pub use error::{Error, Result, check_finite, check_len};
 pub use probe::AttentionProbe;
 pub use quant::{Axis, QuantBytes, QuantStore, Quantizer};
 pub use scoring::{
-    DecodeScore, DecodeStep, GqaReduce, LayerSignals, Needs, ScoreInputs, TokenScorer, reduce_gqa,
+    DecodeScore, DecodeStep, GqaReduce, LayerSignals, Needs, QueryStats, ScoreInputs, TokenScorer,
+    reduce_gqa,
 };
 pub use select::{SelectionInput, Selector, top_k_indices};
 pub use spec::ModelSpec;

@@ -12,6 +12,12 @@ pub struct Needs {
     pub cumulative_attention: bool,
     /// Keep the last `query_window` prompt queries (post-RoPE) for the scorer.
     pub query_window: usize,
+    /// Mean and covariance of the pre-RoPE prompt queries per query head, over
+    /// prompt positions from this one on (and the model's RoPE): the
+    /// statistics of future queries (Expected Attention).
+    pub query_stats_from: Option<usize>,
+    /// The layer's attention output projection (CriticalKV).
+    pub output_projection: bool,
 }
 
 impl Needs {
@@ -20,6 +26,11 @@ impl Needs {
         Needs {
             cumulative_attention: self.cumulative_attention || o.cumulative_attention,
             query_window: self.query_window.max(o.query_window),
+            query_stats_from: match (self.query_stats_from, o.query_stats_from) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            },
+            output_projection: self.output_projection || o.output_projection,
         }
     }
 }
@@ -89,6 +100,27 @@ pub struct LayerSignals<'a> {
     pub window_queries: Option<&'a [f32]>,
     /// Number of rows in `window_queries`.
     pub window: usize,
+    /// Pre-RoPE query statistics, if requested ([`Needs::query_stats_from`]).
+    pub query_stats: Option<QueryStats<'a>>,
+    /// The layer's output projection `[hidden][Hq * d]`, if requested.
+    pub output_projection: Option<&'a [f32]>,
+    /// Tokens the selection will keep per storage head in this layer (heavy
+    /// hitters, recent window excluded), when scores feed a selection (not
+    /// when a layer-budget policy reads the signals).
+    pub budget: Option<usize>,
+}
+
+/// Statistics of a layer's pre-RoPE prompt queries, per query head.
+#[derive(Debug, Clone, Copy)]
+pub struct QueryStats<'a> {
+    /// Queries counted.
+    pub n: usize,
+    /// Mean `[Hq][d]`.
+    pub mean: &'a [f64],
+    /// Covariance `[Hq][d][d]` (divided by `n`).
+    pub cov: &'a [f64],
+    /// The RoPE the model applies to them.
+    pub rope: &'a crate::Rope,
 }
 
 /// The scorer's view of a layer: the same as [`LayerSignals`].

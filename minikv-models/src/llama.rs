@@ -127,8 +127,9 @@ pub struct Llama {
     pub norm: Vec<f32>,
     /// Output head; `None` = tied to `embed`.
     pub lm_head: Option<QMatrix>,
-    /// RoPE inverse frequencies `base^(-2i/d)` (f64 for exact angles).
-    inv_freq: Vec<f64>,
+    /// RoPE: inverse frequencies `base^(-2i/d)` (f64 for exact angles) and
+    /// the channel pairing, as caches that ask for it see it.
+    rope_info: minikv_core::Rope,
     fused: Vec<Fused>,
 }
 
@@ -259,13 +260,17 @@ impl Llama {
                 gate_up: QMatrix::concat_rows(&[&b.w_gate, &b.w_up]).ok(),
             })
             .collect();
+        let pairs = match cfg.rope {
+            RopeLayout::Adjacent => minikv_core::RopePairs::Adjacent,
+            RopeLayout::Halves => minikv_core::RopePairs::Halves,
+        };
         Self {
             cfg,
             embed,
             blocks,
             norm,
             lm_head,
-            inv_freq,
+            rope_info: minikv_core::Rope { inv_freq, pairs },
             fused,
         }
     }
@@ -306,7 +311,7 @@ impl Llama {
         cos.clear();
         sin.clear();
         for p in pos0..pos0 + n {
-            for &f in &self.inv_freq {
+            for &f in &self.rope_info.inv_freq {
                 let a = p as f64 * f;
                 cos.push(a.cos() as f32);
                 sin.push(a.sin() as f32);
@@ -343,6 +348,44 @@ impl Llama {
                 }
             }
         }
+    }
+
+    /// Hands the cache what its components asked for (rarely: only methods
+    /// such as Expected Attention or CriticalKV want model facts).
+    fn observe(
+        &self,
+        l: usize,
+        b: &Block,
+        wants: minikv_core::ModelWants,
+        q: &[f32],
+        n: usize,
+        cache: &mut dyn KvCache,
+    ) -> Result<()> {
+        if wants.pre_rope_queries {
+            cache.observe(
+                l,
+                minikv_core::Observation::PreRopeQueries {
+                    q,
+                    n,
+                    rope: &self.rope_info,
+                },
+            )?;
+        }
+        if wants.output_projection {
+            let (rows, cols) = (b.wo.rows, b.wo.cols);
+            let mut w = vec![0.0f32; rows * cols];
+            for (r, out) in w.chunks_exact_mut(cols).enumerate() {
+                b.wo.dequantize_row(r, out);
+            }
+            cache.observe(
+                l,
+                minikv_core::Observation::OutputProjection {
+                    w: &w,
+                    hidden: rows,
+                },
+            )?;
+        }
+        Ok(())
     }
 
     fn chunk(
@@ -393,6 +436,10 @@ impl Llama {
                     b.wk.matmul(&ws.h, n, &mut ws.k);
                     b.wv.matmul(&ws.h, n, &mut ws.v);
                 }
+            }
+            let wants = cache.wants(l);
+            if !wants.is_empty() {
+                self.observe(l, b, wants, &ws.q, n, cache)?;
             }
             self.rope(&mut ws.q, c.n_heads, &cos, &sin);
             self.rope(&mut ws.k, c.n_kv_heads, &cos, &sin);

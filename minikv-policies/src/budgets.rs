@@ -151,6 +151,94 @@ register!(
     "PyramidKV: C = heavy + recent, W = recent, beta schedule with its integer floors and fallbacks"
 );
 
+/// PyramidKV with kvpress's schedule (`PyramidKVPress`), which differs from
+/// KVCache-Factory's ([`PyramidKv`]): with `K = heavy` the tokens the cache
+/// keeps per layer on average (`T·(1 − compression_ratio)`, the window counted
+/// inside) and `W` the scorer's window, `max_capacity = W + K`,
+/// `min = K / beta`, `max = 2K − min`; if `max ≥ T − W` then `max = T − W`
+/// and `min = 2K − max`; unless `T ≥ max ≥ min ≥ W` every layer keeps
+/// `round(K)`; otherwise layer `l` keeps `round(max − l·(max − min)/(L − 1))`
+/// tokens, window included. Use with `recent_tokens = 0` and a scorer that
+/// ranks its window first (SnapKV does), as kvpress does.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PyramidKvPress {
+    /// `beta` (20).
+    #[serde(default = "d_beta")]
+    pub beta: usize,
+    /// The window `W` of the schedule (kvpress's `window_size`, 64).
+    #[serde(default = "d_press_window")]
+    pub window: usize,
+}
+fn d_press_window() -> usize {
+    64
+}
+impl Default for PyramidKvPress {
+    fn default() -> Self {
+        Self {
+            beta: 20,
+            window: 64,
+        }
+    }
+}
+
+impl PyramidKvPress {
+    /// Tokens kept by each of `l` layers for a prompt of `t` tokens keeping
+    /// `k` per layer on average.
+    pub fn schedule(&self, l: usize, t: usize, k: f64) -> Vec<usize> {
+        let w = self.window as f64;
+        let tf = t as f64;
+        let mut min = k / self.beta as f64;
+        let mut max = 2.0 * k - min;
+        if max >= tf - w {
+            max = tf - w;
+            min = 2.0 * k - max;
+        }
+        if l < 2 || !(tf >= max && max >= min && min >= w) {
+            return vec![k.round_ties_even() as usize; l];
+        }
+        let steps = (max - min) / (l - 1) as f64;
+        (0..l)
+            .map(|i| ((max - i as f64 * steps).round_ties_even().max(0.0) as usize).min(t))
+            .collect()
+    }
+}
+
+#[typetag::serde(name = "pyramidkv_kvpress")]
+impl SelectionPolicy for PyramidKvPress {
+    fn validate(&self) -> Result<()> {
+        if !(1..=65536).contains(&self.beta) {
+            return Err(Error::config(
+                "cache.policy.beta",
+                format!("must be in 1..=65536, got {}", self.beta),
+            ));
+        }
+        if self.window > 1 << 20 {
+            return Err(Error::config(
+                "cache.policy.window",
+                format!("must be at most 1048576, got {}", self.window),
+            ));
+        }
+        Ok(())
+    }
+    fn layer_budgets(&self, req: &BudgetRequest<'_>) -> Result<Vec<LayerBudget>> {
+        let kept = self.schedule(req.n_layers, req.prompt_len, req.heavy as f64);
+        Ok(kept
+            .into_iter()
+            .map(|heavy| LayerBudget {
+                heavy,
+                recent: req.recent,
+            })
+            .collect())
+    }
+}
+register!(
+    Policy,
+    "pyramidkv_kvpress",
+    PyramidKvPress,
+    "PyramidKV with kvpress's schedule: max_capacity = W + heavy, window counted inside, round(max - l*steps), uniform fallback"
+);
+
 /// A per-layer statistic of `A_cumul` (MiniKV §4.2), computed by var-prop and
 /// var-inv from the layer signals.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -196,6 +284,7 @@ fn cumul_needs() -> Needs {
     Needs {
         cumulative_attention: true,
         query_window: 0,
+        ..Default::default()
     }
 }
 

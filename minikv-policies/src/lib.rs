@@ -20,11 +20,21 @@
 #![warn(missing_docs)]
 
 pub mod budgets;
+pub mod cam;
+pub mod criticalkv;
+pub mod expected_attention;
+pub mod lagkv;
 pub mod reskv;
 pub mod scorers;
 pub mod selectors;
 
-pub use budgets::{LayerStatistic, PerLayer, Pyramid, PyramidKv, Uniform, VarInv, VarProp};
+pub use budgets::{
+    LayerStatistic, PerLayer, Pyramid, PyramidKv, PyramidKvPress, Uniform, VarInv, VarProp,
+};
+pub use cam::CamMerge;
+pub use criticalkv::CriticalKv;
+pub use expected_attention::ExpectedAttention;
+pub use lagkv::LagKv;
 pub use reskv::ResKvConfig;
 pub use scorers::{
     Accumulate, ChunkKv, CumulativeAttention, H2o, KeyDiff, KeyNorm, LastQuery, Newest, Pooling,

@@ -37,6 +37,7 @@ impl TokenScorer for CumulativeAttention {
         Needs {
             cumulative_attention: true,
             query_window: 0,
+            ..Default::default()
         }
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
@@ -66,6 +67,7 @@ impl TokenScorer for H2o {
         Needs {
             cumulative_attention: true,
             query_window: 0,
+            ..Default::default()
         }
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
@@ -172,6 +174,7 @@ impl TokenScorer for SnapKv {
         Needs {
             cumulative_attention: false,
             query_window: self.window,
+            ..Default::default()
         }
     }
     fn validate(&self) -> Result<()> {
@@ -224,6 +227,7 @@ impl TokenScorer for Tova {
         Needs {
             cumulative_attention: false,
             query_window: 1,
+            ..Default::default()
         }
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
@@ -278,19 +282,46 @@ impl TokenScorer for KeyNorm {
 register!(Scorer, "key_norm", KeyNorm, "Knorm: score = -||k||");
 
 /// Recency: newer tokens score higher. With `heavy = 0`, `sinks = 4` and
-/// `decode = "evict"` this is StreamingLLM.
+/// `decode = "evict"` this is StreamingLLM. `n_sink` makes the first tokens
+/// score above all others *inside* the budget (kvpress's StreamingLLMPress,
+/// where the sinks are counted in the kept share), unlike `cache.sinks`,
+/// which protects them on top of it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Recency {}
+pub struct Recency {
+    /// Leading tokens ranked first (0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub n_sink: usize,
+}
+
+fn is_zero(x: &usize) -> bool {
+    *x == 0
+}
 
 #[typetag::serde(name = "recency")]
 impl TokenScorer for Recency {
     fn needs(&self) -> Needs {
         Needs::default()
     }
+    fn validate(&self) -> Result<()> {
+        if self.n_sink > 65536 {
+            return Err(Error::config(
+                "cache.scorer.n_sink",
+                format!("must be at most 65536, got {}", self.n_sink),
+            ));
+        }
+        Ok(())
+    }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
-        for row in out.chunks_mut(inp.t) {
-            row.iter_mut().enumerate().for_each(|(j, x)| *x = j as f32);
+        let t = inp.t;
+        for row in out.chunks_mut(t) {
+            row.iter_mut().enumerate().for_each(|(j, x)| {
+                *x = if j < self.n_sink {
+                    (t + self.n_sink - j) as f32
+                } else {
+                    j as f32
+                }
+            });
         }
         Ok(())
     }

@@ -625,6 +625,9 @@ fn keydiff_worked_example() {
                 cumulative: None,
                 window_queries: None,
                 window: 0,
+                query_stats: None,
+                output_projection: None,
+                budget: None,
             },
             &mut out,
         )
@@ -766,6 +769,9 @@ fn chunkkv_keeps_whole_chunks() {
         cumulative: None,
         window_queries: None,
         window: 0,
+        query_stats: None,
+        output_projection: None,
+        budget: None,
     };
     s.score(&sig, &mut out).unwrap();
     for (i, want) in [-11.500776f32, -11.093541, -11.427111].iter().enumerate() {

@@ -111,7 +111,8 @@ impl LayeredCache {
             .staged_queries(spec)
             .min(scorer.needs().query_window);
         let views = l.staging.views(spec, w);
-        let inputs = views.signals(spec, layer, t);
+        let mut inputs = views.signals(spec, layer, t);
+        inputs.budget = Some(budget.heavy);
         let mut sq = vec![0.0f32; hq * t];
         scorer.score(&inputs, &mut sq)?;
         if let Some(i) = sq.iter().position(|x| x.is_nan()) {

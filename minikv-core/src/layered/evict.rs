@@ -299,6 +299,9 @@ impl Evictor {
             cumulative: None,
             window_queries: (w > 0).then_some(&self.wq[..]),
             window: w,
+            query_stats: None,
+            output_projection: None,
+            budget: None,
         };
         self.sbuf.resize(g * n, 0.0);
         p.scorer.score(&inputs, &mut self.sbuf)?;

@@ -18,7 +18,7 @@ mod staging;
 mod store;
 
 use crate::attention::{AttentionBackend, DecodeArgs, HeadView};
-use crate::cache::{KvCache, MemoryReport, Phase};
+use crate::cache::{KvCache, MemoryReport, ModelWants, Observation, Phase};
 use crate::compensate::LogitGate;
 use crate::config::{CacheConfig, HeadMode};
 use crate::{Error, LayerBudget, ModelSpec, Needs, Result, check_finite, check_len};
@@ -254,6 +254,28 @@ impl KvCache for LayeredCache {
 
     fn end_prefill(&mut self) -> Result<()> {
         self.compress()
+    }
+
+    fn wants(&self, layer: usize) -> ModelWants {
+        let Some(l) = self.layers.get(layer) else {
+            return ModelWants::default();
+        };
+        if self.phase != Phase::Prefill {
+            return ModelWants::default();
+        }
+        ModelWants {
+            pre_rope_queries: self.needs.query_stats_from.is_some(),
+            output_projection: self.needs.output_projection && l.staging.out_proj.is_empty(),
+        }
+    }
+
+    fn observe(&mut self, layer: usize, obs: Observation<'_>) -> Result<()> {
+        self.check_layer(layer)?;
+        if self.phase != Phase::Prefill {
+            return Ok(());
+        }
+        let l = &mut self.layers[layer];
+        l.staging.observe(&self.spec, self.needs, l.seen, obs)
     }
 
     fn memory(&self) -> MemoryReport {

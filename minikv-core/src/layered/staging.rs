@@ -16,6 +16,94 @@ pub(crate) struct Staging {
     pub cumul: Vec<f32>,
     /// Last prompt queries, token-major `[w][Hq * d]` (when needed).
     pub window: Vec<f32>,
+    /// Running sums of the pre-RoPE queries (when needed).
+    pub qstats: Option<QuerySums>,
+    /// The layer's output projection `[hidden][Hq * d]` (when needed).
+    pub out_proj: Vec<f32>,
+}
+
+/// Sums of a layer's pre-RoPE prompt queries per query head, in f64.
+#[derive(Debug)]
+pub(crate) struct QuerySums {
+    n: usize,
+    sum: Vec<f64>,
+    outer: Vec<f64>,
+    rope: crate::Rope,
+    scratch: Vec<f64>,
+}
+
+impl QuerySums {
+    /// Adds the chunk's queries `[n][Hq * d]` at positions `pos0..pos0 + n`
+    /// from position `from` on.
+    pub fn add(&mut self, spec: &ModelSpec, q: &[f32], n: usize, pos0: usize, from: usize) {
+        let (hq, d) = (spec.n_q_heads, spec.head_dim);
+        let skip = from.saturating_sub(pos0).min(n);
+        let m = n - skip;
+        if m == 0 {
+            return;
+        }
+        self.sum.resize(hq * d, 0.0);
+        self.outer.resize(hq * d * d, 0.0);
+        self.scratch.resize(m * d, 0.0);
+        for h in 0..hq {
+            for i in 0..m {
+                let src = &q[((skip + i) * hq + h) * d..((skip + i) * hq + h + 1) * d];
+                for (c, &x) in src.iter().enumerate() {
+                    self.scratch[i * d + c] = x as f64;
+                    self.sum[h * d + c] += x as f64;
+                }
+            }
+            let x = self.scratch.as_ptr();
+            // outer[h] += X^T X, X = scratch [m][d].
+            // SAFETY: X is m x d and outer[h] is d x d, both contiguous and
+            // in bounds for the strides given; they do not overlap.
+            unsafe {
+                matrixmultiply::dgemm(
+                    d,
+                    m,
+                    d,
+                    1.0,
+                    x,
+                    1,
+                    d as isize,
+                    x,
+                    d as isize,
+                    1,
+                    1.0,
+                    self.outer[h * d * d..].as_mut_ptr(),
+                    d as isize,
+                    1,
+                );
+            }
+        }
+        self.n += m;
+    }
+
+    /// Mean `[Hq][d]` and covariance `[Hq][d][d]` (divided by `n`).
+    pub fn finish(&self, spec: &ModelSpec) -> (Vec<f64>, Vec<f64>) {
+        let (hq, d) = (spec.n_q_heads, spec.head_dim);
+        let n = self.n.max(1) as f64;
+        let mean: Vec<f64> = (0..hq * d)
+            .map(|i| self.sum.get(i).copied().unwrap_or(0.0) / n)
+            .collect();
+        let mut cov = vec![0.0f64; hq * d * d];
+        if self.n > 0 {
+            for h in 0..hq {
+                for a in 0..d {
+                    for b in 0..d {
+                        cov[(h * d + a) * d + b] =
+                            self.outer[(h * d + a) * d + b] / n - mean[h * d + a] * mean[h * d + b];
+                    }
+                }
+            }
+        }
+        (mean, cov)
+    }
+
+    fn bytes(&self) -> usize {
+        8 * (self.sum.capacity() + self.outer.capacity() + self.scratch.capacity())
+            + 8 * self.rope.inv_freq.capacity()
+    }
 }
 
 impl Staging {
@@ -112,6 +200,44 @@ impl Staging {
         Ok(())
     }
 
+    /// Records an observation from the model (see [`crate::Observation`]).
+    pub fn observe(
+        &mut self,
+        spec: &ModelSpec,
+        needs: Needs,
+        pos0: usize,
+        obs: crate::Observation<'_>,
+    ) -> Result<()> {
+        let row = spec.n_q_heads * spec.head_dim;
+        match obs {
+            crate::Observation::PreRopeQueries { q, n, rope } => {
+                let Some(from) = needs.query_stats_from else {
+                    return Ok(());
+                };
+                crate::check_len("pre-RoPE queries", n * row, q.len())?;
+                crate::check_len("RoPE frequencies", spec.head_dim / 2, rope.inv_freq.len())?;
+                let sums = self.qstats.get_or_insert_with(|| QuerySums {
+                    n: 0,
+                    sum: Vec::new(),
+                    outer: Vec::new(),
+                    rope: rope.clone(),
+                    scratch: Vec::new(),
+                });
+                sums.add(spec, q, n, pos0, from);
+            }
+            crate::Observation::OutputProjection { w, hidden } => {
+                if !needs.output_projection {
+                    return Ok(());
+                }
+                crate::check_len("output projection", hidden * row, w.len())?;
+                crate::check_finite("output projection", w)?;
+                self.out_proj.clear();
+                self.out_proj.extend_from_slice(w);
+            }
+        }
+        Ok(())
+    }
+
     /// Staged query rows.
     pub fn staged_queries(&self, spec: &ModelSpec) -> usize {
         self.window.len() / (spec.n_q_heads * spec.head_dim)
@@ -158,6 +284,7 @@ impl Staging {
             values: self.v.iter().map(Vec::as_slice).collect(),
             wq: self.window_head_major(spec, w),
             w,
+            stats: self.qstats.as_ref().map(|s| s.finish(spec)),
         }
     }
 
@@ -170,7 +297,9 @@ impl Staging {
             .map(Vec::capacity)
             .sum::<usize>()
             + self.cumul.capacity()
-            + self.window.capacity())
+            + self.window.capacity()
+            + self.out_proj.capacity())
+            + self.qstats.as_ref().map_or(0, QuerySums::bytes)
             + std::mem::size_of::<Vec<f32>>() * (self.k.capacity() + self.v.capacity())
     }
 }
@@ -182,6 +311,7 @@ pub(crate) struct Views<'a> {
     values: Vec<&'a [f32]>,
     wq: Vec<f32>,
     w: usize,
+    stats: Option<(Vec<f64>, Vec<f64>)>,
 }
 
 impl<'a> Views<'a> {
@@ -196,6 +326,18 @@ impl<'a> Views<'a> {
             cumulative: (!self.staging.cumul.is_empty()).then_some(&self.staging.cumul[..]),
             window_queries: (self.w > 0).then_some(&self.wq[..]),
             window: self.w,
+            query_stats: match (&self.stats, &self.staging.qstats) {
+                (Some((mean, cov)), Some(sums)) => Some(crate::QueryStats {
+                    n: sums.n,
+                    mean,
+                    cov,
+                    rope: &sums.rope,
+                }),
+                _ => None,
+            },
+            output_projection: (!self.staging.out_proj.is_empty())
+                .then_some(&self.staging.out_proj[..]),
+            budget: None,
         }
     }
 }

@@ -1,0 +1,515 @@
+//! Worked examples of the kvpress / KVCache-Factory methods (Expected
+//! Attention, CriticalKV, LagKV, CaM merge, kvpress's PyramidKV schedule)
+//! against the independent plain-Python mirror
+//! `reference/kvpress_methods_reference.py`, their protected tokens, and their
+//! composition with 2-bit storage and Ada-KV.
+
+#![allow(clippy::excessive_precision)]
+use minikv_core::compensate::{CompensateInput, Compensator};
+use minikv_core::{
+    BudgetRequest, CacheBuilder, KvCache, LayerSignals, ModelSpec, Observation, QueryStats, Rope,
+    RopePairs, RunConfig, SelectionPolicy, TokenScorer,
+};
+use minikv_policies::{CamMerge, CriticalKv, ExpectedAttention, KeyNorm, LagKv, PyramidKvPress};
+use minikv_quant as _;
+use proptest::prelude::*;
+
+const T: usize = 12;
+const D: usize = 4;
+const HQ: usize = 2;
+
+fn keys() -> Vec<f32> {
+    (0..T)
+        .flat_map(|j| (0..D).map(move |c| 2.0 * (0.3 + 1.1 * j as f32 + 0.9 * c as f32).cos()))
+        .collect()
+}
+fn values() -> Vec<f32> {
+    (0..T)
+        .flat_map(|j| (0..D).map(move |c| (0.2 + 0.7 * j as f32 - 0.4 * c as f32).cos()))
+        .collect()
+}
+/// Pre-RoPE queries, token-major `[T][HQ * D]`.
+fn queries() -> Vec<f32> {
+    (0..T)
+        .flat_map(|i| {
+            (0..HQ).flat_map(move |h| {
+                (0..D).map(move |c| {
+                    2.0 * (1.0 + 0.7 * i as f32 + 1.3 * c as f32 + 0.5 * h as f32).sin()
+                })
+            })
+        })
+        .collect()
+}
+fn rope() -> Rope {
+    Rope {
+        inv_freq: (0..D / 2)
+            .map(|i| 100f64.powf(-2.0 * i as f64 / D as f64))
+            .collect(),
+        pairs: RopePairs::Adjacent,
+    }
+}
+fn spec(layers: usize, hq: usize, hkv: usize, d: usize) -> ModelSpec {
+    ModelSpec {
+        n_layers: layers,
+        n_q_heads: hq,
+        n_kv_heads: hkv,
+        head_dim: d,
+        max_seq_len: 1024,
+    }
+}
+fn signals<'a>(s: &'a ModelSpec, k: &'a [&'a [f32]], v: &'a [&'a [f32]]) -> LayerSignals<'a> {
+    LayerSignals {
+        spec: s,
+        layer: 0,
+        t: k[0].len() / s.head_dim,
+        keys: k,
+        values: v,
+        cumulative: None,
+        window_queries: None,
+        window: 0,
+        query_stats: None,
+        output_projection: None,
+        budget: None,
+    }
+}
+fn close(got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len());
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!((a - b).abs() < tol, "index {i}: {a} vs {b}\n{got:?}");
+    }
+}
+
+/// Expected Attention, n_sink 2, 8 future positions: per-head scores of the
+/// mirror (statistics computed here in f64, independently of the cache).
+#[test]
+fn expected_attention_worked_example() {
+    let s = spec(1, HQ, 1, D);
+    let (k, v, q) = (keys(), values(), queries());
+    let n_sink = 2;
+    let n = (T - n_sink) as f64;
+    let mut mean = vec![0.0f64; HQ * D];
+    let mut cov = vec![0.0f64; HQ * D * D];
+    for h in 0..HQ {
+        let row = |i: usize, c: usize| q[(i * HQ + h) * D + c] as f64;
+        for c in 0..D {
+            mean[h * D + c] = (n_sink..T).map(|i| row(i, c)).sum::<f64>() / n;
+        }
+        for a in 0..D {
+            for b in 0..D {
+                cov[(h * D + a) * D + b] = (n_sink..T)
+                    .map(|i| (row(i, a) - mean[h * D + a]) * (row(i, b) - mean[h * D + b]))
+                    .sum::<f64>()
+                    / n;
+            }
+        }
+    }
+    let r = rope();
+    let (kk, vv) = ([&k[..]], [&v[..]]);
+    let mut sig = signals(&s, &kk, &vv);
+    sig.query_stats = Some(QueryStats {
+        n: T - n_sink,
+        mean: &mean,
+        cov: &cov,
+        rope: &r,
+    });
+    let ea = ExpectedAttention {
+        n_future_positions: 8,
+        n_sink,
+        ..Default::default()
+    };
+    let mut out = vec![0.0f32; HQ * T];
+    ea.score(&sig, &mut out).unwrap();
+    let want = [
+        1.239843, 1.239843, 0.088136, 0.084837, 0.144565, 0.160685, 0.239843, 0.101608, 0.081912,
+        0.184238, 0.156003, 0.123131, 1.239843, 1.239843, 0.093360, 0.083532, 0.147411, 0.140426,
+        0.239322, 0.120375, 0.082421, 0.185850, 0.153121, 0.106915,
+    ];
+    close(&out, &want, 2e-5);
+    // Without statistics (decode-time re-scoring) the scorer says what is missing.
+    let err = ea.score(&signals(&s, &kk, &vv), &mut out).unwrap_err();
+    assert!(
+        err.to_string().contains("pre-RoPE query statistics"),
+        "{err}"
+    );
+}
+
+/// Decodes one query over `c` and checks the output equals exact attention
+/// over exactly the prompt rows `rows` plus the appended row 0 of `k`/`v`
+/// (fp16-rounded): the kept set, seen from outside.
+fn assert_kept(c: &mut dyn KvCache, rows: &[usize], k: &[f32], v: &[f32], hq: usize) {
+    let d = c.spec().head_dim;
+    let q: Vec<f32> = (0..hq * d).map(|i| 0.3 - 0.17 * i as f32).collect();
+    let mut o = vec![0.0f32; hq * d];
+    c.append(0, &k[..d], &v[..d], 1).unwrap();
+    c.attend(0, &q, 1, &mut o).unwrap();
+    let all: Vec<usize> = rows.iter().copied().chain([0]).collect();
+    let f = |x: f32| half::f16::from_f32(x).to_f64();
+    for h in 0..hq {
+        let qh = &q[h * d..(h + 1) * d];
+        let logits: Vec<f64> = all
+            .iter()
+            .map(|&r| {
+                (0..d).map(|x| f(k[r * d + x]) * qh[x] as f64).sum::<f64>() / (d as f64).sqrt()
+            })
+            .collect();
+        let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+        let z: f64 = w.iter().sum();
+        for x in 0..d {
+            let e: f64 = all
+                .iter()
+                .zip(&w)
+                .map(|(&r, wi)| wi * f(v[r * d + x]))
+                .sum::<f64>()
+                / z;
+            assert!(
+                (o[h * d + x] as f64 - e).abs() < 1e-4,
+                "head {h} ch {x}: {} vs {e}",
+                o[h * d + x]
+            );
+        }
+    }
+}
+
+/// Through a cache: the model hands the pre-RoPE queries (in two chunks) and
+/// its RoPE; the cache's statistics give the mirror's kept set
+/// [0, 1, 5, 6] + the window [9, 10, 11].
+#[test]
+fn expected_attention_through_the_cache() {
+    let s = spec(1, HQ, 1, D);
+    let (k, v, q) = (keys(), values(), queries());
+    let cfg = RunConfig::parse(
+        "[cache]\nheavy_tokens = 4\nrecent_tokens = 3\nscorer = { type = \"expected_attention\", n_sink = 2, n_future_positions = 8 }",
+        false,
+    )
+    .unwrap();
+    let mut c = CacheBuilder::new(s).build(&cfg.cache).unwrap();
+    assert!(c.wants(0).pre_rope_queries && !c.wants(0).output_projection);
+    let r = rope();
+    let mut o = vec![0.0f32; T * HQ * D];
+    for (a, b) in [(0usize, 5usize), (5, T)] {
+        let n = b - a;
+        let qs = &q[a * HQ * D..b * HQ * D];
+        c.observe(0, Observation::PreRopeQueries { q: qs, n, rope: &r })
+            .unwrap();
+        c.append(0, &k[a * D..b * D], &v[a * D..b * D], n).unwrap();
+        c.attend(0, qs, n, &mut o[..n * HQ * D]).unwrap();
+    }
+    c.end_prefill().unwrap();
+    assert!(!c.wants(0).pre_rope_queries, "nothing wanted after prefill");
+    assert_kept(c.as_mut(), &[0, 1, 5, 6, 9, 10, 11], &k, &v, HQ);
+}
+
+/// CriticalKV over key norm, 4 heavy tokens, first stage 0.5: the mirror's
+/// scores (stage-1 tokens 7 and 10 on top), written for both query heads.
+#[test]
+fn criticalkv_worked_example() {
+    let s = spec(1, HQ, 1, D);
+    let (k, v) = (keys(), values());
+    let wo: Vec<f32> = (0..3)
+        .flat_map(|r| (0..HQ * D).map(move |c| 0.5 * (0.3 * r as f32 + 0.7 * c as f32).cos()))
+        .collect();
+    let (kk, vv) = ([&k[..]], [&v[..]]);
+    let mut sig = signals(&s, &kk, &vv);
+    sig.output_projection = Some(&wo);
+    sig.budget = Some(4);
+    let ck = CriticalKv {
+        scorer: Box::new(KeyNorm {}),
+        ..Default::default()
+    };
+    assert!(ck.needs().output_projection);
+    let mut out = vec![0.0f32; HQ * T];
+    ck.score(&sig, &mut out).unwrap();
+    let want = [
+        -5.791797, -3.273870, -1.952643, -4.964839, -5.482912, -4.576213, -2.462251, -0.952643,
+        -5.807618, -5.554185, -0.952643, -2.119951,
+    ];
+    close(&out[..T], &want, 2e-5);
+    close(&out[T..], &want, 2e-5);
+}
+
+/// LagKV, 2 sinks, partitions of 3: ranks, cross scores, and the short-prompt
+/// rule, as the mirror computes them.
+#[test]
+fn lagkv_worked_example() {
+    let s = spec(1, HQ, 1, D);
+    let (k, v) = (keys(), values());
+    let (kk, vv) = ([&k[..]], [&v[..]]);
+    let mut out = vec![0.0f32; HQ * T];
+    let mut lag = LagKv {
+        n_sink: 2,
+        lag_size: 3,
+        cross_scoring: false,
+    };
+    lag.score(&signals(&s, &kk, &vv), &mut out).unwrap();
+    let ranks = [
+        1.0, 1.0, 0.666667, 0.333333, 0.0, 0.666667, 0.333333, 0.0, 1.0, 1.0, 1.0, 1.0,
+    ];
+    close(&out[..T], &ranks, 1e-5);
+    close(&out[T..], &ranks, 1e-5);
+    lag.cross_scoring = true;
+    lag.score(&signals(&s, &kk, &vv), &mut out).unwrap();
+    let cross = [
+        1.0, 1.0, 0.435528, 0.389388, 0.175084, 0.448197, 0.356539, 0.195264, 1.0, 1.0, 1.0, 1.0,
+    ];
+    close(&out[..T], &cross, 1e-5);
+    let (k7, v7) = ([&k[..7 * D]], [&v[..7 * D]]);
+    let mut o7 = vec![0.0f32; HQ * 7];
+    lag.score(&signals(&s, &k7, &v7), &mut o7).unwrap();
+    close(&o7[..7], &[1.0, 1.0, 0.0, 0.2, 0.4, 0.6, 0.8], 1e-6);
+}
+
+/// CaM merge with a window of 2 kept successors: the mirror's merged values,
+/// plain (CaM's sum) and normalized; keys and the kept set unchanged.
+#[test]
+fn cam_merge_worked_example() {
+    let (k, v) = (keys(), values());
+    let kept = [0u32, 3, 4, 8, 10, 11];
+    let scores: Vec<f32> = (0..T).map(|j| 1.0 + (j % 5) as f32).collect();
+    let inp = CompensateInput {
+        layer: 0,
+        head: 0,
+        d: D,
+        t: T,
+        keys: &k,
+        values: &v,
+        kept: &kept,
+        scores: &scores,
+        sinks: 0,
+        recent: 2,
+        queries: &[],
+        n_queries: 0,
+    };
+    let mut cam = CamMerge {
+        merge_budget: 2,
+        ..Default::default()
+    };
+    let c = cam.compensate(&inp).unwrap();
+    assert_eq!(c.kept, kept);
+    assert!(c.entries.is_empty());
+    let want = [
+        0.980067, 0.980067, 0.825336, 0.540302, -0.537874, -0.007485, 0.524085, 0.972913,
+        -0.861590, -0.541084, -0.135154, 0.292115, 0.781955, 0.169545, -0.469632, -1.034665,
+        0.993081, 0.895884, 0.657247, 0.314845, 0.442292, 0.838270, 1.101903, 1.191570,
+    ];
+    close(c.values.as_ref().unwrap(), &want, 1e-5);
+    cam.normalize = true;
+    let c = cam.compensate(&inp).unwrap();
+    let want = [
+        0.980067, 0.980067, 0.825336, 0.540302, -0.345776, -0.004812, 0.336912, 0.625444,
+        -0.553879, -0.347840, -0.086884, 0.187788, 0.372360, 0.080736, -0.223634, -0.492698,
+        0.381954, 0.344571, 0.252787, 0.121094, 0.294861, 0.558846, 0.734602, 0.794380,
+    ];
+    close(c.values.as_ref().unwrap(), &want, 1e-5);
+}
+
+/// kvpress's PyramidKV schedule (window counted inside) against the mirror,
+/// including its uniform fallback; KVCache-Factory's schedule differs.
+#[test]
+fn pyramidkv_kvpress_schedule() {
+    let p = PyramidKvPress::default();
+    let run = |l: usize, t: usize, r: f64| {
+        let heavy = (t as f64 * (1.0 - r)) as usize;
+        let req = BudgetRequest {
+            n_layers: l,
+            prompt_len: t,
+            heavy,
+            recent: 0,
+            sinks: 0,
+            layers: &[],
+        };
+        p.layer_budgets(&req)
+            .unwrap()
+            .iter()
+            .map(|b| b.heavy)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        run(30, 2048, 0.5),
+        [
+            1984, 1918, 1852, 1785, 1719, 1653, 1587, 1521, 1454, 1388, 1322, 1256, 1190, 1123,
+            1057, 991, 925, 858, 792, 726, 660, 594, 527, 461, 395, 329, 263, 196, 130, 64
+        ]
+    );
+    assert_eq!(run(30, 2048, 0.75), vec![512; 30]);
+    assert_eq!(run(4, 1000, 0.5), [936, 645, 355, 64]);
+    let r300 = run(30, 300, 0.5);
+    assert_eq!(&r300[..4], &[236, 230, 224, 218]);
+    assert_eq!(r300[29], 64);
+    let f = minikv_policies::PyramidKv::default()
+        .layer_budgets(&BudgetRequest {
+            n_layers: 4,
+            prompt_len: 1000,
+            heavy: 436,
+            recent: 64,
+            sinks: 0,
+            layers: &[],
+        })
+        .unwrap();
+    assert_ne!(
+        f.iter().map(|b| b.heavy).collect::<Vec<_>>(),
+        [936, 645, 355, 64]
+    );
+}
+
+/// Runs a prefill of noise through a 2-layer cache built from `toml`,
+/// handing the model facts it wants, then 20 decode steps.
+fn run_with_facts(toml: &str, t: usize) -> Box<dyn KvCache> {
+    let s = spec(2, 4, 2, 16);
+    let cfg = RunConfig::parse(toml, false).unwrap();
+    let mut c = CacheBuilder::new(s).build(&cfg.cache).unwrap();
+    let r = Rope {
+        inv_freq: (0..8)
+            .map(|i| 10000f64.powf(-2.0 * i as f64 / 16.0))
+            .collect(),
+        pairs: RopePairs::Halves,
+    };
+    let noise = |n: usize, seed: u64| -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 2000) as f32 / 500.0 - 2.0
+            })
+            .collect()
+    };
+    let wo = noise(32 * 64, 5);
+    let mut o = vec![0.0f32; t * 64];
+    for l in 0..2 {
+        let (k, v, q) = (
+            noise(t * 32, 1 + l as u64),
+            noise(t * 32, 3 + l as u64),
+            noise(t * 64, 7),
+        );
+        let w = c.wants(l);
+        if w.pre_rope_queries {
+            c.observe(
+                l,
+                Observation::PreRopeQueries {
+                    q: &q,
+                    n: t,
+                    rope: &r,
+                },
+            )
+            .unwrap();
+        }
+        if w.output_projection {
+            c.observe(l, Observation::OutputProjection { w: &wo, hidden: 32 })
+                .unwrap();
+        }
+        c.append(l, &k, &v, t).unwrap();
+        c.attend(l, &q, t, &mut o).unwrap();
+    }
+    c.end_prefill().unwrap();
+    for step in 0..20 {
+        for l in 0..2 {
+            c.append(l, &noise(32, 100 + step), &noise(32, 200 + step), 1)
+                .unwrap();
+            c.attend(l, &noise(64, 300 + step), 1, &mut o[..64])
+                .unwrap();
+            assert!(o[..64].iter().all(|x| x.is_finite()));
+        }
+    }
+    c
+}
+
+/// Every new method composes with 2-bit storage and Ada-KV per-head budgets
+/// in one config: ragged heads whose total is the layer budget, packed codes.
+#[test]
+fn new_methods_compose_with_2bit_and_adakv() {
+    let quant = "[cache.quant]\nresidual = 16\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }\nvalues = { type = \"minmax\", bits = 2, group = 16, axis = \"token\" }\n";
+    for (name, scorer, extra) in [
+        (
+            "expected_attention",
+            "{ type = \"expected_attention\" }",
+            "",
+        ),
+        (
+            "criticalkv",
+            "{ type = \"criticalkv\", scorer = { type = \"snapkv\", window = 8 } }",
+            "",
+        ),
+        (
+            "lagkv",
+            "{ type = \"lagkv\", lag_size = 16, cross_scoring = true }",
+            "",
+        ),
+        (
+            "cam",
+            "{ type = \"snapkv\", window = 8 }",
+            "[cache.compensator]\ntype = \"cam\"\n",
+        ),
+    ] {
+        let toml = format!(
+            "[cache]\nheavy_tokens = 48\nrecent_tokens = 8\nscorer = {scorer}\nselector = {{ type = \"ada_kv\", alpha = 0.2 }}\n{quant}{extra}"
+        );
+        let c = run_with_facts(&toml, 160);
+        for layer in &c.memory().layers {
+            let toks: Vec<usize> = layer.heads.iter().map(|h| h.tokens).collect();
+            assert_eq!(
+                toks.iter().sum::<usize>(),
+                2 * (48 + 8) + 2 * 20,
+                "{name}: {toks:?}"
+            );
+            assert!(layer.heads.iter().all(|h| h.quant_codes > 0), "{name}");
+            if name == "expected_attention" || name == "criticalkv" {
+                assert!(
+                    toks.iter().any(|&n| n != toks[0]),
+                    "{name}: ragged heads {toks:?}"
+                );
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Protected tokens are kept: Expected Attention's sinks and LagKV's sinks
+    /// and tail score above every other token, whatever the keys and values.
+    #[test]
+    fn protected_tokens_score_highest(seed in 0u64..10_000, t in 20usize..90, sink in 0usize..6, lag in 2usize..12) {
+        let s = spec(1, 2, 1, 16);
+        let mut x = seed | 1;
+        let mut rnd = |n: usize| -> Vec<f32> {
+            (0..n).map(|_| { x ^= x << 13; x ^= x >> 7; x ^= x << 17; (x % 4001) as f32 / 400.0 - 5.0 }).collect()
+        };
+        let (k, v) = (rnd(t * 16), rnd(t * 16));
+        let (kk, vv) = ([&k[..]], [&v[..]]);
+        let mut out = vec![0.0f32; 2 * t];
+        let lagkv = LagKv { n_sink: sink, lag_size: lag, cross_scoring: seed % 2 == 0 };
+        lagkv.score(&signals(&s, &kk, &vv), &mut out).unwrap();
+        if t >= sink + 2 * lag {
+            let end = sink + (t - sink) / lag * lag;
+            let protected: Vec<usize> = (0..sink).chain(end - lag..t).collect();
+            let rest = (sink..end - lag).map(|j| out[j]).fold(f32::NEG_INFINITY, f32::max);
+            for j in protected {
+                prop_assert!(out[j] > rest, "token {j}: {} vs {rest}", out[j]);
+            }
+        }
+        prop_assert!(out.iter().all(|x| x.is_finite()));
+        // Expected Attention with random statistics (covariance A·Aᵀ).
+        let mean: Vec<f64> = rnd(32).iter().map(|&x| x as f64).collect();
+        let a = rnd(2 * 256);
+        let cov: Vec<f64> = (0..2 * 256)
+            .map(|i| {
+                let (h, r, c) = (i / 256, (i % 256) / 16, i % 16);
+                (0..16).map(|m| a[h * 256 + r * 16 + m] as f64 * a[h * 256 + c * 16 + m] as f64).sum::<f64>() / 16.0
+            })
+            .collect();
+        let r = Rope { inv_freq: (0..8).map(|i| 500f64.powf(-(i as f64) / 8.0)).collect(), pairs: RopePairs::Adjacent };
+        let mut sig = signals(&s, &kk, &vv);
+        sig.query_stats = Some(QueryStats { n: t, mean: &mean, cov: &cov, rope: &r });
+        ExpectedAttention { n_sink: sink, ..Default::default() }.score(&sig, &mut out).unwrap();
+        prop_assert!(out.iter().all(|x| x.is_finite() && *x >= 0.0));
+        for h in 0..2 {
+            let row = &out[h * t..(h + 1) * t];
+            let rest = row[sink.min(t)..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            for (j, &x) in row.iter().enumerate().take(sink.min(t)) {
+                prop_assert!(x > rest, "sink {j}: {x} vs {rest}");
+            }
+        }
+    }
+}
