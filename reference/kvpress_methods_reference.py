@@ -112,7 +112,9 @@ def lag_stat(x, ref):
 
 
 def lagkv(n_sink=2, lag=3, cross=False, t=T):
-    score = [1.0] * t
+    # protected tokens: 1 (above every rank); 2 with cross scoring (above any
+    # softmax value, which can round to 1)
+    score = [2.0 if cross else 1.0] * t
     if t < n_sink + 2 * lag:
         for i in range(n_sink, t):
             score[i] = (i - n_sink) / (t - n_sink)
@@ -186,3 +188,17 @@ def pyramid_kvpress(L, q_len, ratio, window=64, beta=20):
 
 for L, q, r in [(30, 2048, 0.5), (30, 2048, 0.75), (30, 2048, 0.25), (4, 1000, 0.5), (30, 300, 0.5)]:
     print(f"pyramid_kvpress L={L} T={q} r={r}:", pyramid_kvpress(L, q, r))
+
+
+# ---- ThinK: window 3 (queries Q used as post-RoPE), ratio 0.5 ------------
+def think(window=3, ratio=0.5):
+    qn = [sum(Q[i][h][c] ** 2 for h in range(HQ) for i in range(T - window, T)) / (HQ * window) for c in range(D)]
+    kn = [sum(K[j][c] ** 2 for j in range(T)) / T for c in range(D)]
+    score = [a * b for a, b in zip(qn, kn)]
+    pruned = int(D * ratio)
+    keep = sorted(sorted(range(D), key=lambda c: (-score[c], c))[: D - pruned])
+    return score, keep
+
+
+ts, tk = think()
+print("think channel scores:", fmt(ts), "kept:", tk)

@@ -172,6 +172,7 @@ fn config_text(choice: &[usize]) -> String {
         (11, "policy", "policy"),
         (12, "selector", "selector"),
         (18, "compensator", "compensator"),
+        (19, "channels", "channels"),
     ] {
         if (c(i) % 3 != 0 || key == "scorer")
             && let Some(t) = component(point, c(i) / 3, &choice[20 + i..])

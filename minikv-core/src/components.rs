@@ -21,6 +21,8 @@ pub enum ExtensionPoint {
     Quantizer,
     /// [`crate::Compensator`]: compensation for evicted tokens.
     Compensator,
+    /// [`crate::ChannelPruner`]: which key channels are stored.
+    Channels,
 }
 
 impl ExtensionPoint {
@@ -32,6 +34,7 @@ impl ExtensionPoint {
             ExtensionPoint::Selector => "cache.selector",
             ExtensionPoint::Quantizer => "cache.quant.keys / cache.quant.values",
             ExtensionPoint::Compensator => "cache.compensator",
+            ExtensionPoint::Channels => "cache.channels",
         }
     }
 }
@@ -44,6 +47,7 @@ impl fmt::Display for ExtensionPoint {
             ExtensionPoint::Selector => "selector",
             ExtensionPoint::Quantizer => "quantizer",
             ExtensionPoint::Compensator => "compensator",
+            ExtensionPoint::Channels => "channels",
         };
         f.write_str(s)
     }
@@ -75,7 +79,7 @@ pub fn all() -> Vec<&'static ComponentInfo> {
 /// `register!(Scorer, "snapkv", SnapKv, "summary")` requires `SnapKv: Default` and
 /// that its `#[typetag::serde(name = "snapkv")]` impl uses the same name. The
 /// extension point is one of `Scorer`, `Policy`, `Selector`, `Quantizer`,
-/// `Compensator`.
+/// `Compensator`, `Channels`.
 #[macro_export]
 macro_rules! register {
     (Scorer, $name:literal, $ty:ty, $summary:literal) => {
@@ -92,6 +96,9 @@ macro_rules! register {
     };
     (Compensator, $name:literal, $ty:ty, $summary:literal) => {
         $crate::register!(@inner Compensator, Compensator, $name, $ty, $summary);
+    };
+    (Channels, $name:literal, $ty:ty, $summary:literal) => {
+        $crate::register!(@inner Channels, ChannelPruner, $name, $ty, $summary);
     };
     (@inner $point:ident, $tr:ident, $name:literal, $ty:ty, $summary:literal) => {
         $crate::__inventory::submit! {

@@ -154,6 +154,9 @@ pub struct CacheConfig {
     /// they are dropped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compensator: Option<Box<dyn crate::Compensator>>,
+    /// Key-channel pruning (e.g. `type = "think"`); none keeps every channel.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub channels: Option<Box<dyn crate::ChannelPruner>>,
 }
 
 fn default_evict_every() -> usize {
@@ -182,6 +185,7 @@ impl Default for CacheConfig {
             selector: None,
             quant: None,
             compensator: None,
+            channels: None,
         }
     }
 }
@@ -368,6 +372,9 @@ impl CacheConfig {
                     "cache.compensator with cache.decode = \"evict\": compensation is computed at the end of prefill only".into(),
                 ));
             }
+        }
+        if let Some(c) = &self.channels {
+            c.validate()?;
         }
         if let Some(q) = &self.quant {
             if q.keys.is_none() && q.values.is_none() {

@@ -46,6 +46,7 @@ pub mod attention;
 pub mod budget;
 pub mod builder;
 pub mod cache;
+pub mod channels;
 pub mod compensate;
 pub mod components;
 pub mod config;
@@ -68,6 +69,7 @@ pub use builder::{CacheBuilder, build_cache};
 pub use cache::{
     HeadMemory, KvCache, LayerMemory, MemoryReport, ModelWants, Observation, Phase, Rope, RopePairs,
 };
+pub use channels::{ChannelInput, ChannelPruner};
 pub use compensate::{CompensateInput, Compensation, Compensator, ExtraEntries, LogitGate};
 pub use config::{
     CacheConfig, DecodeMode, HeadMode, QuantConfig, ResidualMode, RunConfig, check_finite_fields,

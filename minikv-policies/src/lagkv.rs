@@ -9,7 +9,8 @@
 //! `p + 1`, `(x − min)/(max − min)`; its score is the standard deviation of
 //! that over channels, softmaxed within the partition, averaged over keys and
 //! values. Without `cross_scoring` the score is the token's rank within its
-//! partition divided by `lag`. Sinks and the tail score 1 (above all ranks).
+//! partition divided by `lag`. Sinks and the tail score 1 (above all ranks;
+//! 2 with cross scoring, above any softmax value).
 //! A prompt shorter than `n_sink + 2·lag` is not partitioned: scores rise
 //! with position. Channels whose successor range is 0 contribute 0.
 
@@ -103,9 +104,12 @@ impl TokenScorer for LagKv {
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
         let (t, d, g) = (inp.t, inp.spec.head_dim, inp.spec.group());
         let (sink, lag) = (self.n_sink, self.lag_size);
-        let mut row = vec![1.0f32; t];
+        // Protected tokens score 1 above every rank; with cross scoring 2, as
+        // a softmax can round to exactly 1 (kvpress writes 1 in both modes).
+        let top = if self.cross_scoring { 2.0 } else { 1.0 };
+        let mut row = vec![top; t];
         for kv in 0..inp.spec.n_kv_heads {
-            row.fill(1.0);
+            row.fill(top);
             if t < sink + 2 * lag {
                 if t > sink {
                     for (i, r) in row[sink..].iter_mut().enumerate() {

@@ -27,6 +27,7 @@ pub mod lagkv;
 pub mod reskv;
 pub mod scorers;
 pub mod selectors;
+pub mod think;
 
 pub use budgets::{
     LayerStatistic, PerLayer, Pyramid, PyramidKv, PyramidKvPress, Uniform, VarInv, VarProp,
@@ -41,6 +42,7 @@ pub use scorers::{
     Recency, SnapKv, Tova, pool1d,
 };
 pub use selectors::{AdaKv, TopK};
+pub use think::Think;
 
 #[cfg(doctest)]
 #[doc = include_str!("../../docs/adding-a-policy.md")]

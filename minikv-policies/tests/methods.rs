@@ -137,6 +137,19 @@ fn expected_attention_worked_example() {
 /// over exactly the prompt rows `rows` plus the appended row 0 of `k`/`v`
 /// (fp16-rounded): the kept set, seen from outside.
 fn assert_kept(c: &mut dyn KvCache, rows: &[usize], k: &[f32], v: &[f32], hq: usize) {
+    let all: Vec<usize> = (0..c.spec().head_dim).collect();
+    assert_kept_channels(c, rows, &all, k, v, hq);
+}
+
+/// As [`assert_kept`], with the dot products over key channels `ch` only.
+fn assert_kept_channels(
+    c: &mut dyn KvCache,
+    rows: &[usize],
+    ch: &[usize],
+    k: &[f32],
+    v: &[f32],
+    hq: usize,
+) {
     let d = c.spec().head_dim;
     let q: Vec<f32> = (0..hq * d).map(|i| 0.3 - 0.17 * i as f32).collect();
     let mut o = vec![0.0f32; hq * d];
@@ -149,7 +162,10 @@ fn assert_kept(c: &mut dyn KvCache, rows: &[usize], k: &[f32], v: &[f32], hq: us
         let logits: Vec<f64> = all
             .iter()
             .map(|&r| {
-                (0..d).map(|x| f(k[r * d + x]) * qh[x] as f64).sum::<f64>() / (d as f64).sqrt()
+                ch.iter()
+                    .map(|&x| f(k[r * d + x]) * qh[x] as f64)
+                    .sum::<f64>()
+                    / (d as f64).sqrt()
             })
             .collect();
         let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -198,6 +214,31 @@ fn expected_attention_through_the_cache() {
     c.end_prefill().unwrap();
     assert!(!c.wants(0).pre_rope_queries, "nothing wanted after prefill");
     assert_kept(c.as_mut(), &[0, 1, 5, 6, 9, 10, 11], &k, &v, HQ);
+}
+
+/// ThinK, window 3, ratio 0.5, alone (every token kept): channels [0, 2]
+/// are stored (the mirror's), decoding equals attention with keys cut to
+/// them, and the key store holds half the bytes of the value store.
+#[test]
+fn think_worked_example() {
+    let s = spec(1, HQ, 1, D);
+    let (k, v, q) = (keys(), values(), queries());
+    let cfg = RunConfig::parse(
+        "[cache.channels]\ntype = \"think\"\nratio = 0.5\nwindow = 3",
+        false,
+    )
+    .unwrap();
+    let mut c = CacheBuilder::new(s).build(&cfg.cache).unwrap();
+    let mut o = vec![0.0f32; T * HQ * D];
+    c.append(0, &k, &v, T).unwrap();
+    c.attend(0, &q, T, &mut o).unwrap();
+    c.end_prefill().unwrap();
+    let all: Vec<usize> = (0..T).collect();
+    assert_kept_channels(c.as_mut(), &all, &[0, 2], &k, &v, HQ);
+    let m = c.memory().layers[0].heads[0];
+    assert_eq!(m.tokens, T + 1);
+    // Keys: 13 rows x 2 channels x 2 bytes + 2 channel indices; values 13 x 4 x 2.
+    assert_eq!(m.used, 13 * 2 * 2 + 2 * 2 + 13 * 4 * 2);
 }
 
 /// CriticalKV over key norm, 4 heavy tokens, first stage 0.5: the mirror's
@@ -250,9 +291,10 @@ fn lagkv_worked_example() {
     lag.cross_scoring = true;
     lag.score(&signals(&s, &kk, &vv), &mut out).unwrap();
     let cross = [
-        1.0, 1.0, 0.435528, 0.389388, 0.175084, 0.448197, 0.356539, 0.195264, 1.0, 1.0, 1.0, 1.0,
+        2.0, 2.0, 0.435528, 0.389388, 0.175084, 0.448197, 0.356539, 0.195264, 2.0, 2.0, 2.0, 2.0,
     ];
     close(&out[..T], &cross, 1e-5);
+    lag.cross_scoring = false;
     let (k7, v7) = ([&k[..7 * D]], [&v[..7 * D]]);
     let mut o7 = vec![0.0f32; HQ * 7];
     lag.score(&signals(&s, &k7, &v7), &mut o7).unwrap();

@@ -186,10 +186,46 @@ impl LayeredCache {
         })
     }
 
+    /// Key channels each storage head keeps, when a channel pruner is set.
+    fn plan_channels(&self, layer: usize, t: usize) -> Result<Option<Vec<Vec<u16>>>> {
+        let Some(pruner) = self.cfg.channels.as_ref() else {
+            return Ok(None);
+        };
+        let spec = &self.spec;
+        let l = &self.layers[layer];
+        let w = l
+            .staging
+            .staged_queries(spec)
+            .min(pruner.needs().query_window);
+        let views = l.staging.views(spec, w);
+        let signals = views.signals(spec, layer, t);
+        let g = spec.n_q_heads / self.n_store;
+        (0..self.n_store)
+            .map(|s| {
+                let ch = pruner.select(&crate::ChannelInput {
+                    signals: &signals,
+                    kv: self.kv_of_store(s),
+                    q_heads: s * g..(s + 1) * g,
+                })?;
+                if ch.is_empty()
+                    || ch.windows(2).any(|w| w[0] >= w[1])
+                    || ch.last().is_some_and(|&c| c as usize >= spec.head_dim)
+                {
+                    return Err(Error::Input(format!(
+                        "channel pruner returned an empty, unsorted or out-of-range channel list for layer {layer}, head {s}"
+                    )));
+                }
+                Ok(ch)
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
     /// Moves one layer's kept rows into its stores and frees its staging.
     fn store_layer(&mut self, layer: usize, plan: Plan, budget: LayerBudget) -> Result<()> {
         let d = self.spec.head_dim;
         let t = self.layers[layer].seen;
+        let channels = self.plan_channels(layer, t)?;
         let st = self.backend.clone();
         let st = st.storage();
         let mut kept_all = Vec::with_capacity(self.n_store);
@@ -208,6 +244,9 @@ impl LayeredCache {
             }
             if let Some(v) = &c.values {
                 vbuf.copy_from_slice(v);
+            }
+            if let Some(ch) = &channels {
+                heads[s].restrict_keys(&self.cfg, st, ch[s].clone(), d)?;
             }
             heads[s].load(st, &kbuf, &vbuf, d, &self.residual, c.entries)?;
             if !c.stats.is_empty() {

@@ -76,6 +76,9 @@ impl LayeredCache {
         if let Some(c) = &cfg.compensator {
             needs = needs.union(c.needs());
         }
+        if let Some(c) = &cfg.channels {
+            needs = needs.union(c.needs());
+        }
         let n_store = match cfg.heads {
             HeadMode::PerKv => spec.n_kv_heads,
             HeadMode::PerQuery => spec.n_q_heads,

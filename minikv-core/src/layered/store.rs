@@ -124,6 +124,37 @@ impl HeadStore {
         })
     }
 
+    /// Replaces the (still empty) key stores by stores of only `channels`
+    /// of each row (key-channel pruning; memory drops with the channels).
+    pub fn restrict_keys(
+        &mut self,
+        cfg: &CacheConfig,
+        st: &dyn StorageFactory,
+        channels: Vec<u16>,
+        d: usize,
+    ) -> Result<()> {
+        use crate::channels::{ChannelSubsetFp, ChannelSubsetQuant};
+        let dk = channels.len();
+        if dk == d {
+            return Ok(());
+        }
+        let page = cfg.page_tokens;
+        if let Some(z) = cfg.quant.as_ref().and_then(|q| q.keys.as_deref()) {
+            let inner = st.quant_store(z, dk, page)?;
+            self.qk = Some(Box::new(ChannelSubsetQuant::new(
+                inner,
+                channels.clone(),
+                d,
+            )));
+        }
+        let fp_page = cfg
+            .quant
+            .as_ref()
+            .map_or(page, |q| page.min(q.residual + 1));
+        self.fk = Box::new(ChannelSubsetFp::new(st.fp_store(dk, fp_page), channels, d));
+        Ok(())
+    }
+
     /// Loads the kept prompt rows (`[n][d]`, in position order), split by the
     /// residual rule, and the extra entries; every store is trimmed to fit.
     pub fn load(

@@ -1,0 +1,214 @@
+//! Key-channel pruning (ThinK-style): a [`ChannelPruner`] chooses, at the end
+//! of prefill, which channels of each storage head's keys are stored. The
+//! head's key stores then hold only those channels (`d' < d` per row, fp16 or
+//! packed codes), so memory really drops; a query is gathered to the same
+//! channels before its dot products, which equals attention with the pruned
+//! key channels set to zero. Values are untouched. Composes with token
+//! selection, quantization and decode-time eviction: the wrappers below are
+//! ordinary stores to every backend.
+
+use crate::quant::{QuantBytes, QuantStore};
+use crate::storage::FpStore;
+use crate::{LayerSignals, Needs, Result};
+use smallvec::SmallVec;
+use std::any::Any;
+use std::fmt::Debug;
+use std::ops::Range;
+
+/// One storage head at the end of prefill, as a channel pruner sees it.
+#[derive(Debug, Clone)]
+pub struct ChannelInput<'a> {
+    /// The layer's signals (keys, values, window queries, ...).
+    pub signals: &'a LayerSignals<'a>,
+    /// KV head the storage head holds.
+    pub kv: usize,
+    /// Query heads that read it.
+    pub q_heads: Range<usize>,
+}
+
+/// Chooses the key channels a storage head keeps. Implementations live in
+/// `minikv-policies` (`think`); set under `[cache.channels]` with a `type`.
+#[typetag::serde(tag = "type")]
+pub trait ChannelPruner: Send + Sync + Debug + dyn_clone::DynClone {
+    /// What the cache must collect during prefill.
+    fn needs(&self) -> Needs {
+        Needs::default()
+    }
+    /// Checks parameters; errors name the field (`cache.channels.x`).
+    fn validate(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Kept channels of one storage head, increasing, at least one.
+    fn select(&self, input: &ChannelInput<'_>) -> Result<Vec<u16>>;
+}
+
+dyn_clone::clone_trait_object!(ChannelPruner);
+
+/// Inline capacity of the gather buffers (no allocation per decode step for
+/// `g * d' <= 2048`).
+type Buf = SmallVec<[f32; 2048]>;
+
+fn gather(rows: &[f32], d: usize, ch: &[u16], out: &mut Buf) {
+    out.clear();
+    for r in rows.chunks_exact(d) {
+        out.extend(ch.iter().map(|&c| r[c as usize]));
+    }
+}
+
+fn scatter(rows: &[f32], ch: &[u16], d: usize, out: &mut [f32]) {
+    for (r, o) in rows.chunks_exact(ch.len()).zip(out.chunks_exact_mut(d)) {
+        o.fill(0.0);
+        for (&c, &x) in ch.iter().zip(r) {
+            o[c as usize] = x;
+        }
+    }
+}
+
+/// An fp16 key store holding only `channels` of each `d`-wide row.
+#[derive(Debug)]
+pub struct ChannelSubsetFp {
+    inner: Box<dyn FpStore>,
+    channels: Vec<u16>,
+    d: usize,
+}
+
+impl ChannelSubsetFp {
+    /// Wraps `inner`, a store of `channels.len()`-wide rows.
+    pub fn new(inner: Box<dyn FpStore>, channels: Vec<u16>, d: usize) -> Self {
+        Self { inner, channels, d }
+    }
+}
+
+impl FpStore for ChannelSubsetFp {
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn push(&mut self, rows: &[f32]) {
+        let mut b = Buf::new();
+        gather(rows, self.d, &self.channels, &mut b);
+        self.inner.push(&b);
+    }
+    fn replace(&mut self, idx: usize, row: &[f32]) {
+        let mut b = Buf::new();
+        gather(row, self.d, &self.channels, &mut b);
+        self.inner.replace(idx, &b);
+    }
+    fn swap_remove(&mut self, idx: usize) {
+        self.inner.swap_remove(idx);
+    }
+    fn drain_front(&mut self, n: usize, out: &mut Vec<f32>) {
+        let mut part = Vec::with_capacity(n * self.channels.len());
+        self.inner.drain_front(n, &mut part);
+        let start = out.len();
+        out.resize(start + n * self.d, 0.0);
+        scatter(&part, &self.channels, self.d, &mut out[start..]);
+    }
+    fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
+        let mut b = Buf::new();
+        gather(&q[..g * self.d], self.d, &self.channels, &mut b);
+        self.inner.scores(&b, g, out, stride);
+    }
+    fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
+        let mut b: Buf = SmallVec::from_elem(0.0, g * self.channels.len());
+        self.inner.accumulate(p, g, stride, &mut b);
+        for (part, o) in b
+            .chunks_exact(self.channels.len())
+            .zip(out.chunks_exact_mut(self.d))
+        {
+            for (&c, &x) in self.channels.iter().zip(part) {
+                o[c as usize] += x;
+            }
+        }
+    }
+    fn to_f32(&self, out: &mut [f32]) {
+        let mut part = vec![0.0f32; self.inner.len() * self.channels.len()];
+        self.inner.to_f32(&mut part);
+        scatter(&part, &self.channels, self.d, out);
+    }
+    fn bytes(&self) -> usize {
+        self.inner.bytes() + 2 * self.channels.capacity()
+    }
+    fn used_bytes(&self) -> usize {
+        self.inner.used_bytes() + 2 * self.channels.len()
+    }
+    fn reserve_exact(&mut self, rows: usize) {
+        self.inner.reserve_exact(rows);
+    }
+    fn shrink(&mut self) {
+        self.inner.shrink();
+        self.channels.shrink_to_fit();
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A quantized key store holding only `channels` of each `d`-wide row.
+#[derive(Debug)]
+pub struct ChannelSubsetQuant {
+    inner: Box<dyn QuantStore>,
+    channels: Vec<u16>,
+    d: usize,
+}
+
+impl ChannelSubsetQuant {
+    /// Wraps `inner`, a store of `channels.len()`-wide rows.
+    pub fn new(inner: Box<dyn QuantStore>, channels: Vec<u16>, d: usize) -> Self {
+        Self { inner, channels, d }
+    }
+}
+
+impl QuantStore for ChannelSubsetQuant {
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn head_dim(&self) -> usize {
+        self.d
+    }
+    fn append(&mut self, rows: &[f32]) -> Result<()> {
+        let mut part = Vec::with_capacity(rows.len() / self.d * self.channels.len());
+        for r in rows.chunks_exact(self.d) {
+            part.extend(self.channels.iter().map(|&c| r[c as usize]));
+        }
+        self.inner.append(&part)
+    }
+    fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
+        let mut b = Buf::new();
+        gather(&q[..g * self.d], self.d, &self.channels, &mut b);
+        self.inner.scores(&b, g, out, stride);
+    }
+    fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
+        let mut b: Buf = SmallVec::from_elem(0.0, g * self.channels.len());
+        self.inner.accumulate(p, g, stride, &mut b);
+        for (part, o) in b
+            .chunks_exact(self.channels.len())
+            .zip(out.chunks_exact_mut(self.d))
+        {
+            for (&c, &x) in self.channels.iter().zip(part) {
+                o[c as usize] += x;
+            }
+        }
+    }
+    fn dequantize(&self, out: &mut [f32]) {
+        let mut part = vec![0.0f32; self.inner.len() * self.channels.len()];
+        self.inner.dequantize(&mut part);
+        scatter(&part, &self.channels, self.d, out);
+    }
+    fn bytes(&self) -> QuantBytes {
+        let b = self.inner.bytes();
+        QuantBytes {
+            scales: b.scales + 2 * self.channels.capacity(),
+            ..b
+        }
+    }
+    fn used_bytes(&self) -> usize {
+        self.inner.used_bytes() + 2 * self.channels.len()
+    }
+    fn shrink(&mut self) {
+        self.inner.shrink();
+        self.channels.shrink_to_fit();
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
