@@ -202,3 +202,25 @@ def think(window=3, ratio=0.5):
 
 ts, tk = think()
 print("think channel scores:", fmt(ts), "kept:", tk)
+
+
+# ---- Quest: pages of 4, budget 8 rows; 12 prompt rows + the decode row ---
+def quest(page=4, budget=8):
+    rows = K + [K[0]]  # the decode step appends row 0's key again
+    n = len(rows)
+    q = [[0.3 - 0.17 * (h * D + c) for c in range(D)] for h in range(HQ)]
+    pages = (n + page - 1) // page
+    bounds = []
+    for p in range(pages - 1):
+        blk = rows[p * page:(p + 1) * page]
+        lo = [min(r[c] for r in blk) for c in range(D)]
+        hi = [max(r[c] for r in blk) for c in range(D)]
+        bounds.append(max(sum(max(qh[c] * lo[c], qh[c] * hi[c]) for c in range(D)) for qh in q))
+    room = (budget - (n - (pages - 1) * page)) // page
+    top = sorted(sorted(range(pages - 1), key=lambda p: (-bounds[p], p))[:room] + [pages - 1])
+    read = [r for p in top for r in range(p * page, min((p + 1) * page, n))]
+    return bounds, read
+
+
+qb, qr = quest()
+print("quest bounds:", fmt(qb), "rows read:", qr)

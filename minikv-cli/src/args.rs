@@ -32,6 +32,14 @@ pub fn tokens(s: &str) -> Result<usize, String> {
 }
 
 /// Tokens to generate or score after a context: 1 ..= 2^20.
+/// A token count that may be 0 (at most 2^24).
+pub fn tokens_or_zero(s: &str) -> Result<usize, String> {
+    if s.trim() == "0" {
+        return Ok(0);
+    }
+    tokens(s)
+}
+
 pub fn new_tokens(s: &str) -> Result<usize, String> {
     int_in(s, 1, 1 << 20)
 }

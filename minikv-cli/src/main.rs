@@ -75,6 +75,50 @@ enum Cmd {
         #[command(subcommand)]
         cmd: BenchCmd,
     },
+    /// Per-model calibration files for methods that need one.
+    Calibrate {
+        #[command(subcommand)]
+        cmd: CalibrateCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum CalibrateCmd {
+    /// DuoAttention head pattern: per (layer, KV head) the attention mass that
+    /// seeded passkey prompts' last queries put outside the sinks and the
+    /// recent window, written as a JSON pattern file for the `duo_attention`
+    /// selector.
+    Duo(DuoArgs),
+}
+
+#[derive(Args)]
+pub struct DuoArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Haystack text file or directory (default: the fetched Paul Graham essays).
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 1024, value_parser = args::tokens)]
+    pub context: usize,
+    /// Prompts.
+    #[arg(long, default_value_t = 8, value_parser = args::count)]
+    pub trials: usize,
+    /// Seed of the prompts (keys, offsets, depths).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Leading tokens a streaming head keeps (the preset's `cache.sinks`).
+    #[arg(long, default_value_t = 4, value_parser = args::tokens_or_zero)]
+    pub sinks: usize,
+    /// Recent tokens a streaming head keeps (the preset's `recent_tokens`).
+    #[arg(long, default_value_t = 128, value_parser = args::tokens_or_zero)]
+    pub recent: usize,
+    /// Final prompt queries measured (the question).
+    #[arg(long, default_value_t = 8, value_parser = args::tokens)]
+    pub window: usize,
+    /// Output pattern file (JSON; written atomically).
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -291,6 +335,9 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench {
             cmd: BenchCmd::Attention(a),
         } => bench::attention(&a),
+        Cmd::Calibrate {
+            cmd: CalibrateCmd::Duo(a),
+        } => commands::calibrate_duo(&a),
     }
 }
 

@@ -50,6 +50,7 @@ fn components_lists_every_extension_point() {
         points.into_iter().collect::<Vec<_>>(),
         [
             "backend",
+            "channels",
             "compensator",
             "policy",
             "quantizer",
@@ -274,9 +275,11 @@ fn bad_model_and_long_prompt_are_clear_errors() {
 /// results carry provenance.
 #[test]
 fn every_preset_generates_and_scores() {
-    let mut presets: Vec<PathBuf> = std::fs::read_dir(root().join("configs"))
-        .unwrap()
+    let mut presets: Vec<PathBuf> = ["configs", "configs/kvpress"]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(root().join(d)).unwrap())
         .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
         .collect();
     presets.sort();
     for p in presets {
@@ -315,6 +318,107 @@ fn every_preset_generates_and_scores() {
         );
         assert!(r["memory"]["kv_bytes"].as_u64().unwrap() > 0);
     }
+}
+
+/// The kvpress / KVCache-Factory methods that need more than scores, on the
+/// real model: Quest reads a fraction of what it holds; ThinK holds fewer key
+/// bytes than the same selection without it; `minikv calibrate duo` writes a
+/// 30 x 3 pattern, the same twice for one seed, that the DuoAttention preset
+/// reads; Expected Attention and CriticalKV get the model facts they ask for.
+#[test]
+fn kvpress_methods_on_the_real_model() {
+    let dir = std::env::temp_dir().join(format!("minikv-kvpress-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = |name: &str, body: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, body).unwrap();
+        p.to_string_lossy().into_owned()
+    };
+    let eval = |c: &str| {
+        ok_json(&[
+            "eval",
+            "--config",
+            c,
+            "--task",
+            "fidelity",
+            "--context",
+            "384",
+            "--tokens",
+            "6",
+            "--json",
+        ])
+    };
+    let quest = cfg(
+        "quest.toml",
+        "[cache.quest]\npage_size = 16\ntoken_budget = 128\n",
+    );
+    let q = eval(&quest);
+    let frac = q["metrics"]["quest_read_fraction"].as_f64().unwrap();
+    assert!(frac > 0.3 && frac < 0.6, "Quest read fraction {frac}");
+    assert!(q["metrics"]["kl"].as_f64().unwrap().is_finite());
+    let snap = cfg(
+        "snap.toml",
+        "[cache]\nheavy = 0.25\nrecent_tokens = 32\nscorer = { type = \"snapkv\" }\n",
+    );
+    let think = cfg(
+        "think.toml",
+        "[cache]\nheavy = 0.25\nrecent_tokens = 32\nscorer = { type = \"snapkv\" }\n[cache.channels]\ntype = \"think\"\nratio = 0.5\n",
+    );
+    let (a, b) = (eval(&snap), eval(&think));
+    let bytes = |v: &serde_json::Value| v["memory"]["kv_bytes"].as_f64().unwrap();
+    // Keys lose half their channels: K+V bytes drop by about a quarter.
+    let r = bytes(&b) / bytes(&a);
+    assert!(r > 0.72 && r < 0.78, "ThinK/SnapKV bytes {r}");
+    for p in ["configs/expected-attention.toml", "configs/criticalkv.toml"] {
+        let v = eval(p);
+        let kl = v["metrics"]["kl"].as_f64().unwrap();
+        assert!(kl.is_finite() && kl > 0.0 && kl < 1.0, "{p}: {kl}");
+    }
+    let pat = |n: &str| {
+        let out = dir.join(n);
+        let (ok, _, err) = minikv(&[
+            "calibrate",
+            "duo",
+            "--context",
+            "256",
+            "--trials",
+            "1",
+            "--seed",
+            "3",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(ok, "{err}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        (out, v)
+    };
+    let ((p1, v1), (_, v2)) = (pat("a.json"), pat("b.json"));
+    assert_eq!(v1["scores"], v2["scores"]);
+    let s = v1["scores"].as_array().unwrap();
+    assert_eq!(s.len(), 30);
+    assert!(s.iter().all(|l| l.as_array().unwrap().len() == 3));
+    let duo = cfg(
+        "duo.toml",
+        &format!(
+            "[cache]\nsinks = 4\nheavy_tokens = 0\nrecent_tokens = 64\nscorer = {{ type = \"recency\" }}\nselector = {{ type = \"duo_attention\", pattern = \"{}\", retrieval_fraction = 0.25 }}\n",
+            p1.display()
+        ),
+    );
+    let d = eval(&duo);
+    let toks: Vec<u64> = d["memory"]["per_layer_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    // All-streaming layers hold 4 + 64 tokens per head plus the decoded
+    // ones; layers with a retrieval head hold the whole prompt there.
+    assert!(
+        toks.iter().any(|&n| n < 3 * 80) && toks.iter().any(|&n| n > 384),
+        "{toks:?}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// ResKV on the real model: the proxy gives some heads cluster entries, which

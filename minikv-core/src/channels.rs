@@ -83,6 +83,9 @@ impl FpStore for ChannelSubsetFp {
     fn len(&self) -> usize {
         self.inner.len()
     }
+    fn dim(&self) -> usize {
+        self.d
+    }
     fn push(&mut self, rows: &[f32]) {
         let mut b = Buf::new();
         gather(rows, self.d, &self.channels, &mut b);

@@ -157,6 +157,10 @@ pub struct CacheConfig {
     /// Key-channel pruning (e.g. `type = "think"`); none keeps every channel.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub channels: Option<Box<dyn crate::ChannelPruner>>,
+    /// Quest's query-aware page selection at decode (every token stored, the
+    /// top pages read); none reads every stored token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quest: Option<crate::layered::QuestConfig>,
 }
 
 fn default_evict_every() -> usize {
@@ -186,6 +190,7 @@ impl Default for CacheConfig {
             quant: None,
             compensator: None,
             channels: None,
+            quest: None,
         }
     }
 }
@@ -375,6 +380,20 @@ impl CacheConfig {
         }
         if let Some(c) = &self.channels {
             c.validate()?;
+        }
+        if let Some(q) = &self.quest {
+            q.validate()?;
+            if self.quant.is_some() {
+                return Err(Error::Unsupported(
+                    "cache.quest with cache.quant: Quest's page bounds cover full-precision keys only".into(),
+                ));
+            }
+            if self.decode == DecodeMode::Evict {
+                return Err(Error::Unsupported(
+                    "cache.quest with cache.decode = \"evict\": pages need rows in position order"
+                        .into(),
+                ));
+            }
         }
         if let Some(q) = &self.quant {
             if q.keys.is_none() && q.values.is_none() {

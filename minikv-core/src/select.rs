@@ -16,6 +16,8 @@ pub struct SelectionInput<'a> {
     pub budget: LayerBudget,
     /// Protected prefix (attention sinks).
     pub sinks: usize,
+    /// Layer index (for per-layer patterns, e.g. DuoAttention's head split).
+    pub layer: usize,
 }
 
 /// Picks kept token positions. Implementations live in `minikv-policies`.

@@ -13,6 +13,8 @@ use std::fmt::Debug;
 pub trait FpStore: Send + Sync + Debug {
     /// Rows held.
     fn len(&self) -> usize;
+    /// Width of a row as pushed and read (`d`).
+    fn dim(&self) -> usize;
     /// True when empty.
     fn is_empty(&self) -> bool {
         self.len() == 0
@@ -31,6 +33,21 @@ pub trait FpStore: Send + Sync + Debug {
     fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]);
     /// Rows as f32 `[len][d]`.
     fn to_f32(&self, out: &mut [f32]);
+    /// Rows `rows` as f32 into `out` (resized to `rows.len() * d`).
+    fn gather(&self, rows: &[u32], out: &mut Vec<f32>) {
+        let d = self.dim();
+        let mut all = vec![0.0f32; self.len() * d];
+        self.to_f32(&mut all);
+        out.clear();
+        for &r in rows {
+            out.extend_from_slice(&all[r as usize * d..(r as usize + 1) * d]);
+        }
+    }
+    /// Removes every row, keeping the allocation.
+    fn clear(&mut self) {
+        let mut sink = Vec::new();
+        self.drain_front(self.len(), &mut sink);
+    }
     /// Bytes actually allocated.
     fn bytes(&self) -> usize;
     /// Bytes holding rows (`bytes() - used_bytes()` is growth slack).
@@ -105,6 +122,9 @@ impl Fp16Rows {
 impl FpStore for Fp16Rows {
     fn len(&self) -> usize {
         self.data.len() / self.d
+    }
+    fn dim(&self) -> usize {
+        self.d
     }
     fn push(&mut self, rows: &[f32]) {
         let n = rows.len() / self.d;
@@ -182,6 +202,24 @@ impl FpStore for Fp16Rows {
     }
     fn to_f32(&self, out: &mut [f32]) {
         self.data.convert_to_f32_slice(&mut out[..self.data.len()]);
+    }
+    fn gather(&self, rows: &[u32], out: &mut Vec<f32>) {
+        let d = self.d;
+        out.resize(rows.len() * d, 0.0);
+        // Runs of consecutive rows (Quest's pages) convert in one call.
+        let mut i = 0;
+        while i < rows.len() {
+            let mut j = i + 1;
+            while j < rows.len() && rows[j] == rows[j - 1] + 1 {
+                j += 1;
+            }
+            let r0 = rows[i] as usize;
+            self.data[r0 * d..(r0 + j - i) * d].convert_to_f32_slice(&mut out[i * d..j * d]);
+            i = j;
+        }
+    }
+    fn clear(&mut self) {
+        self.data.clear();
     }
     fn bytes(&self) -> usize {
         self.data.capacity() * 2

@@ -19,6 +19,7 @@
 
 #![warn(missing_docs)]
 
+pub mod duo;
 pub mod qa;
 pub mod ruler;
 

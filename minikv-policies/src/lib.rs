@@ -22,6 +22,7 @@
 pub mod budgets;
 pub mod cam;
 pub mod criticalkv;
+pub mod duo;
 pub mod expected_attention;
 pub mod lagkv;
 pub mod reskv;
@@ -34,6 +35,7 @@ pub use budgets::{
 };
 pub use cam::CamMerge;
 pub use criticalkv::CriticalKv;
+pub use duo::{DuoAttention, DuoPattern};
 pub use expected_attention::ExpectedAttention;
 pub use lagkv::LagKv;
 pub use reskv::ResKvConfig;

@@ -241,6 +241,42 @@ fn think_worked_example() {
     assert_eq!(m.used, 13 * 2 * 2 + 2 * 2 + 13 * 4 * 2);
 }
 
+/// Quest, pages of 4, budget 8 rows, every token stored: after the decode
+/// row is appended (13 rows, pages 0-3, 4-7, 8-11, 12), the newest page and
+/// the one page with the highest bound (page 0, bounds 4.944746 / 4.155117 /
+/// 3.241712 in the mirror) are read, and attention equals attention over
+/// exactly rows 0-3 and the new row; 208 bytes read (5 rows x 16 B + bounds
+/// 4 pages x 2 x 16 B) against 13 rows stored.
+#[test]
+fn quest_worked_example() {
+    let s = spec(1, HQ, 1, D);
+    let (k, v, q) = (keys(), values(), queries());
+    let cfg = RunConfig::parse("[cache.quest]\npage_size = 4\ntoken_budget = 8", false).unwrap();
+    let mut c = CacheBuilder::new(s).build(&cfg.cache).unwrap();
+    let mut o = vec![0.0f32; T * HQ * D];
+    c.append(0, &k, &v, T).unwrap();
+    c.attend(0, &q, T, &mut o).unwrap();
+    c.end_prefill().unwrap();
+    assert_kept(c.as_mut(), &[0, 1, 2, 3], &k, &v, HQ);
+    assert_eq!(c.memory().layers[0].heads[0].tokens, T + 1);
+    let diag = c.diagnostics();
+    assert_eq!(diag["quest"]["decode_steps"], 1);
+    assert_eq!(diag["quest"]["bytes_read_per_token"], 208.0);
+    // Quantized storage or decode-time eviction with Quest: a clear error.
+    for extra in [
+        "[cache.quant]\nkeys = { type = \"minmax\", bits = 2, group = 4, axis = \"channel\" }",
+        "[cache]\nheavy_tokens = 4\ndecode = \"evict\"\nscorer = { type = \"h2o\" }",
+    ] {
+        let e = RunConfig::parse(
+            &format!("{extra}\n[cache.quest]\npage_size = 4\ntoken_budget = 8"),
+            false,
+        )
+        .and_then(|c| CacheBuilder::new(s).build(&c.cache))
+        .unwrap_err();
+        assert!(e.to_string().contains("cache.quest"), "{e}");
+    }
+}
+
 /// CriticalKV over key norm, 4 heavy tokens, first stage 0.5: the mirror's
 /// scores (stage-1 tokens 7 and 10 on top), written for both query heads.
 #[test]
@@ -554,4 +590,80 @@ proptest! {
             }
         }
     }
+}
+
+/// DuoAttention: with a pattern file whose scores make heads 1 and 2 of layer
+/// 0 the retrieval heads (fraction 0.5 of 4 heads), those keep all 40 prompt
+/// tokens, the others keep 2 sinks + 6 recent; a missing or ill-shaped
+/// pattern is a clear error naming the file.
+#[test]
+fn duo_attention_splits_heads_by_pattern() {
+    let dir = std::env::temp_dir().join(format!("minikv-duo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, scores: &str| {
+        let p = dir.join(name);
+        std::fs::write(
+            &p,
+            format!(
+                "{{\"format\": \"minikv-duo-pattern-v1\", \"model\": \"m\", \"model_sha256\": \"0\", \"calibration\": {{}}, \"scores\": {scores}}}"
+            ),
+        )
+        .unwrap();
+        p.to_string_lossy().into_owned()
+    };
+    let good = write("good.json", "[[0.1, 0.9, 0.8, 0.2], [0.3, 0.0, 0.05, 0.1]]");
+    let s = spec(2, 4, 4, 16);
+    let cfg = |pattern: &str| {
+        RunConfig::parse(
+            &format!("[cache]\nsinks = 2\nheavy_tokens = 0\nrecent_tokens = 6\nscorer = {{ type = \"recency\" }}\nselector = {{ type = \"duo_attention\", pattern = \"{pattern}\", retrieval_fraction = 0.5 }}"),
+            false,
+        )
+        .unwrap()
+    };
+    let mut c = CacheBuilder::new(s).build(&cfg(&good).cache).unwrap();
+    let t = 40;
+    let x: Vec<f32> = (0..t * 64)
+        .map(|i| ((i * 7919) % 97) as f32 / 50.0 - 1.0)
+        .collect();
+    let mut o = vec![0.0f32; t * 64];
+    for l in 0..2 {
+        c.append(l, &x, &x, t).unwrap();
+        c.attend(l, &x, t, &mut o).unwrap();
+    }
+    c.end_prefill().unwrap();
+    let m = c.memory();
+    let toks = |l: usize| {
+        m.layers[l]
+            .heads
+            .iter()
+            .map(|h| h.tokens)
+            .collect::<Vec<_>>()
+    };
+    // Top half of 8 (layer, head) scores: 0.9, 0.8 (layer 0), 0.3 (layer 1), 0.2 (layer 0).
+    assert_eq!(toks(0), [8, 40, 40, 40]);
+    assert_eq!(toks(1), [40, 8, 8, 8]);
+    let mut c = CacheBuilder::new(s)
+        .build(&cfg(&dir.join("missing.json").to_string_lossy()).cache)
+        .unwrap();
+    for l in 0..2 {
+        c.append(l, &x, &x, t).unwrap();
+        c.attend(l, &x, t, &mut o).unwrap();
+    }
+    let e = c.end_prefill().unwrap_err().to_string();
+    assert!(
+        e.contains("missing.json") && e.contains("minikv calibrate duo"),
+        "{e}"
+    );
+    let bad = write("bad.json", "[[0.1, 0.9, 0.8]]");
+    let mut c = CacheBuilder::new(s).build(&cfg(&bad).cache).unwrap();
+    for l in 0..2 {
+        c.append(l, &x, &x, t).unwrap();
+        c.attend(l, &x, t, &mut o).unwrap();
+    }
+    let e = c.end_prefill().unwrap_err().to_string();
+    assert!(
+        e.contains("bad.json") && e.contains("3 heads per layer"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }

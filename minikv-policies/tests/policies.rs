@@ -81,6 +81,7 @@ fn minikv_worked_example_keeps_the_documented_set() {
                 t,
                 budget,
                 sinks: 0,
+                layer: 0,
             },
             &mut kept,
         )
@@ -230,7 +231,7 @@ proptest! {
     ) {
         let scores: Vec<f32> = (0..heads * t).map(|i| seed[i % seed.len()] + (i % 7) as f32).collect();
         let budget = LayerBudget { heavy: (t as f64 * hr) as usize, recent: (t as f64 * rr) as usize };
-        let input = SelectionInput { scores: &scores, n_heads: heads, t, budget, sinks };
+        let input = SelectionInput { scores: &scores, n_heads: heads, t, budget, sinks, layer: 0 };
         let keep_all = sinks + budget.heavy + budget.recent >= t;
         for sel in [Box::new(TopK::default()) as Box<dyn Selector>, Box::new(AdaKv::default())] {
             let mut out = Vec::new();

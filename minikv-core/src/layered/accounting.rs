@@ -23,13 +23,18 @@ impl LayeredCache {
                             m.indices = alloc;
                             m.used += used;
                         }
+                        if let Some(qh) = l.quest.get(s) {
+                            m.indices += qh.bytes().0;
+                            m.used += qh.bound_bytes_used();
+                        }
                         m
                     })
                     .collect();
                 LayerMemory {
                     heads,
                     staging: l.staging.bytes(),
-                    work: l.evict.as_ref().map_or(0, Evictor::work_bytes),
+                    work: l.evict.as_ref().map_or(0, Evictor::work_bytes)
+                        + l.quest.iter().map(|q| q.bytes().1).sum::<usize>(),
                 }
             })
             .collect();

@@ -2,6 +2,7 @@
 //! compensation -> stores. Each step is a component; this file only wires them.
 
 use super::evict::Evictor;
+use super::quest::QuestHead;
 use super::{Layer, LayeredCache};
 use crate::compensate::{CompensateInput, Compensation};
 use crate::config::HeadMode;
@@ -132,6 +133,7 @@ impl LayeredCache {
                 t,
                 budget,
                 sinks: self.cfg.sinks,
+                layer,
             },
             &mut kept,
         )?;
@@ -274,6 +276,26 @@ impl LayeredCache {
                 h.reserve_fp(max.saturating_sub(h.len()));
             }
             l.evict = Some(ev);
+        }
+        if let Some(qc) = &self.cfg.quest {
+            let l = &mut self.layers[layer];
+            l.quest = l
+                .heads
+                .iter()
+                .map(|h| {
+                    let (fk, _) = h.fp();
+                    let mut qh = QuestHead::new(
+                        qc,
+                        d,
+                        st.fp_store(d, qc.token_budget),
+                        st.fp_store(d, qc.token_budget),
+                    );
+                    let mut rows = vec![0.0f32; fk.len() * d];
+                    fk.to_f32(&mut rows);
+                    qh.add_rows(&rows);
+                    qh
+                })
+                .collect();
         }
         self.layers[layer].staging = Default::default();
         Ok(())

@@ -14,6 +14,7 @@
 mod accounting;
 mod compress;
 mod evict;
+mod quest;
 mod staging;
 mod store;
 
@@ -23,6 +24,8 @@ use crate::compensate::LogitGate;
 use crate::config::{CacheConfig, HeadMode};
 use crate::{Error, LayerBudget, ModelSpec, Needs, Result, check_finite, check_len};
 use evict::{EvictParams, Evictor};
+pub use quest::QuestConfig;
+use quest::QuestHead;
 use smallvec::SmallVec;
 use staging::Staging;
 use std::sync::Arc;
@@ -35,6 +38,16 @@ struct Layer {
     staging: Staging,
     heads: Vec<HeadStore>,
     evict: Option<Evictor>,
+    /// Quest's page bounds per storage head (empty without `cache.quest`).
+    quest: Vec<QuestHead>,
+}
+
+/// Quest's running byte counts.
+#[derive(Debug, Default, Clone, Copy)]
+struct QuestStats {
+    steps: u64,
+    bytes_read: u64,
+    bytes_all: u64,
 }
 
 /// The cache built from a [`CacheConfig`].
@@ -54,6 +67,7 @@ pub struct LayeredCache {
     scratch: Vec<f32>,
     /// Compensator statistics per layer and head.
     comp_stats: Vec<Vec<Vec<(&'static str, f64)>>>,
+    quest_stats: QuestStats,
 }
 
 impl LayeredCache {
@@ -96,9 +110,24 @@ impl LayeredCache {
             n_store,
             scratch: Vec::new(),
             comp_stats: Vec::new(),
+            quest_stats: QuestStats::default(),
         };
         c.reset_layers()?;
         Ok(c)
+    }
+
+    /// Quest: bytes read per decoded token (all layers) next to bytes held.
+    fn quest_diagnostics(&self) -> serde_json::Value {
+        let q = &self.quest_stats;
+        let steps = q.steps.max(1) as f64;
+        serde_json::json!({
+            "quest": {
+                "decode_steps": q.steps,
+                "bytes_read_per_token": q.bytes_read as f64 / steps,
+                "bytes_held_per_token": q.bytes_all as f64 / steps,
+                "read_fraction": if q.bytes_all == 0 { 1.0 } else { q.bytes_read as f64 / q.bytes_all as f64 },
+            }
+        })
     }
 
     /// The resolved config.
@@ -118,11 +147,13 @@ impl LayeredCache {
                         .map(|_| HeadStore::new(&self.cfg, st, d))
                         .collect::<Result<_>>()?,
                     evict: None,
+                    quest: Vec::new(),
                 })
             })
             .collect::<Result<_>>()?;
         self.budgets.clear();
         self.comp_stats.clear();
+        self.quest_stats = QuestStats::default();
         self.phase = Phase::Prefill;
         Ok(())
     }
@@ -151,6 +182,10 @@ impl LayeredCache {
             let (k, v) = (&k[kv * d..(kv + 1) * d], &v[kv * d..(kv + 1) * d]);
             h.push(k, v, &self.residual, &mut self.scratch)?;
         }
+        for (s, qh) in l.quest.iter_mut().enumerate() {
+            let kv = s * hkv / n_store;
+            qh.add_rows(&k[kv * d..(kv + 1) * d]);
+        }
         if let Some(ev) = l.evict.as_mut() {
             ev.push(
                 l.seen as u32,
@@ -164,9 +199,34 @@ impl LayeredCache {
     fn decode_attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]) -> Result<()> {
         let l = &mut self.layers[layer];
         let gate = self.gate.as_deref();
+        if let Some(qc) = &self.cfg.quest {
+            let (d, g) = (self.spec.head_dim, self.spec.n_q_heads / self.n_store);
+            let mut read = 0usize;
+            for (s, qh) in l.quest.iter_mut().enumerate() {
+                let rows = qh.select(&l.heads[s], &q[s * g * d..(s + 1) * g * d], qc.token_budget);
+                read += 4 * d * rows + qh.bound_bytes_used();
+            }
+            self.quest_stats.bytes_read += read as u64;
+            self.quest_stats.bytes_all +=
+                l.heads.iter().map(|h| h.memory().used as u64).sum::<u64>();
+            if layer == 0 {
+                self.quest_stats.steps += 1;
+            }
+        }
         {
-            let views: SmallVec<[HeadView<'_>; 16]> =
-                l.heads.iter().map(|h| h.view(gate)).collect();
+            let views: SmallVec<[HeadView<'_>; 16]> = l
+                .heads
+                .iter()
+                .enumerate()
+                .map(|(s, h)| {
+                    let mut v = h.view(gate);
+                    if let Some(qh) = l.quest.get(s).filter(|qh| qh.selected) {
+                        v.fp_keys = qh.sel_k.as_ref();
+                        v.fp_values = qh.sel_v.as_ref();
+                    }
+                    v
+                })
+                .collect();
             self.backend.decode(DecodeArgs {
                 q,
                 heads: &views,
@@ -292,6 +352,9 @@ impl KvCache for LayeredCache {
     /// With a compensator: its per-head statistics averaged per layer and
     /// overall, under the compensator's type name.
     fn diagnostics(&self) -> serde_json::Value {
+        if self.cfg.quest.is_some() {
+            return self.quest_diagnostics();
+        }
         self.compensator_diagnostics()
     }
 

@@ -1,0 +1,137 @@
+//! Calibration of a DuoAttention head split (docs/algorithms.md
+//! "DuoAttention"): per (layer, KV head), the mean attention mass that the
+//! last `window` queries of seeded passkey prompts put *outside* the first
+//! `sinks` tokens and the last `recent` tokens. Heads that read far back are
+//! retrieval heads; heads whose attention stays on sinks and recent tokens can
+//! stream. The prompts run through a full cache; a recording wrapper keeps
+//! the keys and the last queries of each layer.
+
+use crate::{PasskeySpec, passkey_prompt};
+use minikv_core::{KvCache, LayerBudget, MemoryReport, ModelSpec, Phase, Result, simd};
+use minikv_models::{LanguageModel, Logits, Tokenizer, Workspace};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use serde::Serialize;
+
+/// What is measured.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct DuoCalibration {
+    /// Prompts, context, seed.
+    pub prompts: PasskeySpec,
+    /// Leading tokens a streaming head keeps.
+    pub sinks: usize,
+    /// Recent tokens a streaming head keeps.
+    pub recent: usize,
+    /// Final prompt queries whose attention is measured.
+    pub window: usize,
+}
+
+/// A full cache that also keeps every key and the last queries per layer.
+#[derive(Debug)]
+struct Recording {
+    inner: Box<dyn KvCache>,
+    keys: Vec<Vec<f32>>,
+    queries: Vec<Vec<f32>>,
+    window: usize,
+}
+
+impl KvCache for Recording {
+    fn spec(&self) -> &ModelSpec {
+        self.inner.spec()
+    }
+    fn phase(&self) -> Phase {
+        self.inner.phase()
+    }
+    fn seq_len(&self, layer: usize) -> usize {
+        self.inner.seq_len(layer)
+    }
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n: usize) -> Result<()> {
+        self.keys[layer].extend_from_slice(k);
+        self.inner.append(layer, k, v, n)
+    }
+    fn attend(&mut self, layer: usize, q: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
+        let row = q.len() / n.max(1);
+        let w = &mut self.queries[layer];
+        w.extend_from_slice(q);
+        if w.len() > self.window * row {
+            w.drain(..w.len() - self.window * row);
+        }
+        self.inner.attend(layer, q, n, out)
+    }
+    fn end_prefill(&mut self) -> Result<()> {
+        self.inner.end_prefill()
+    }
+    fn memory(&self) -> MemoryReport {
+        self.inner.memory()
+    }
+    fn budgets(&self) -> Vec<LayerBudget> {
+        self.inner.budgets()
+    }
+    fn reset(&mut self) {
+        self.inner.reset();
+        self.keys.iter_mut().for_each(Vec::clear);
+        self.queries.iter_mut().for_each(Vec::clear);
+    }
+}
+
+/// Per (layer, KV head) scores, averaged over the prompts.
+pub fn calibrate_duo(
+    model: &dyn LanguageModel,
+    tok: &Tokenizer,
+    haystack: &[u32],
+    cal: DuoCalibration,
+    full_cache: impl Fn() -> Result<Box<dyn KvCache>>,
+) -> Result<Vec<Vec<f32>>> {
+    let spec = model.spec();
+    let (l, hq, hkv, d) = (
+        spec.n_layers,
+        spec.n_q_heads,
+        spec.n_kv_heads,
+        spec.head_dim,
+    );
+    let g = hq / hkv;
+    let mut acc = vec![vec![0.0f64; hkv]; l];
+    let mut rng = StdRng::seed_from_u64(cal.prompts.seed);
+    let mut ws = Workspace::default();
+    for _ in 0..cal.prompts.trials {
+        let depth = cal
+            .prompts
+            .depth
+            .unwrap_or_else(|| rng.random_range(0.0..1.0));
+        let (ids, _) = passkey_prompt(tok, haystack, cal.prompts.context, depth, &mut rng)?;
+        let mut c = Recording {
+            inner: full_cache()?,
+            keys: vec![Vec::new(); l],
+            queries: vec![Vec::new(); l],
+            window: cal.window,
+        };
+        model.forward(&ids, &mut c, &mut ws, Logits::None)?;
+        let t = ids.len();
+        let w = c.queries[0].len() / (hq * d);
+        let inv = 1.0 / (d as f32).sqrt();
+        let mut s = vec![0.0f32; t];
+        for (layer, acc) in acc.iter_mut().enumerate() {
+            let (k, q) = (&c.keys[layer], &c.queries[layer]);
+            for h in 0..hq {
+                let kv = h / g;
+                let mut mass = 0.0f64;
+                for i in 0..w {
+                    let pos = t - w + i;
+                    let qi = &q[(i * hq + h) * d..(i * hq + h + 1) * d];
+                    for (j, sj) in s[..=pos].iter_mut().enumerate() {
+                        *sj = simd::dot(qi, &k[(j * hkv + kv) * d..(j * hkv + kv + 1) * d]) * inv;
+                    }
+                    simd::softmax_inplace(&mut s[..=pos]);
+                    let lo = cal.sinks.min(pos + 1);
+                    let hi = (pos + 1).saturating_sub(cal.recent).max(lo);
+                    mass += s[lo..hi].iter().map(|&x| x as f64).sum::<f64>();
+                }
+                acc[kv] += mass / (w.max(1) * g) as f64;
+            }
+        }
+    }
+    let n = cal.prompts.trials.max(1) as f64;
+    Ok(acc
+        .into_iter()
+        .map(|hs| hs.into_iter().map(|x| (x / n) as f32).collect())
+        .collect())
+}
