@@ -224,3 +224,24 @@ def quest(page=4, budget=8):
 
 qb, qr = quest()
 print("quest bounds:", fmt(qb), "rows read:", qr)
+
+
+# ---- KVzip: one pass over the whole context (sink 0 for the first chunk) --
+def kvzip(n_sink=2, n=3):
+    kp = [[math.cos(0.5 + 0.9 * i + 0.3 * c) for c in range(D)] for i in range(n)]
+    qp = [[[math.sin(0.2 + 0.6 * i + 0.8 * c + 0.4 * h) for c in range(D)] for h in range(HQ)] for i in range(n)]
+    best = [0.0] * T
+    for i in range(n):
+        for h in range(HQ):
+            keys = K + kp[: i + 1]
+            p = softmax([sum(a * b for a, b in zip(qp[i][h], k)) / math.sqrt(D) for k in keys])
+            for j in range(T):
+                best[j] = max(best[j], p[j])
+    score = [1.0 if j < n_sink else best[j] for j in range(T)]
+    kept = sorted(sorted(range(T - 3), key=lambda j: (-score[j], j))[:3]) + [9, 10, 11]
+    return score, kept
+
+
+kz, kzk = kvzip()
+print("kvzip scores:", fmt(kz))
+print("kvzip kept (3 heavy + 3 recent):", kzk)

@@ -405,13 +405,10 @@ pub fn budgets(a: &BudgetsArgs) -> Result<()> {
             })?;
             let ids = first_tokens(&l.tok, &read_text(tp)?, t, tp)?;
             let mut cache = build_cache(l.model.as_ref(), &cfg)?;
-            l.model.forward(
-                &ids,
-                cache.as_mut(),
-                &mut Workspace::default(),
-                Logits::None,
-            )?;
-            cache.end_prefill()?;
+            let mut ws = Workspace::default();
+            l.model
+                .forward(&ids, cache.as_mut(), &mut ws, Logits::None)?;
+            minikv_models::finish_prefill(l.model.as_ref(), cache.as_mut(), &ids, &mut ws)?;
             let heads = cache
                 .memory()
                 .layers

@@ -369,11 +369,19 @@ fn kvpress_methods_on_the_real_model() {
     // Keys lose half their channels: K+V bytes drop by about a quarter.
     let r = bytes(&b) / bytes(&a);
     assert!(r > 0.72 && r < 0.78, "ThinK/SnapKV bytes {r}");
-    for p in ["configs/expected-attention.toml", "configs/criticalkv.toml"] {
+    for p in [
+        "configs/expected-attention.toml",
+        "configs/criticalkv.toml",
+        "configs/kvzip.toml",
+    ] {
         let v = eval(p);
         let kl = v["metrics"]["kl"].as_f64().unwrap();
         assert!(kl.is_finite() && kl > 0.0 && kl < 1.0, "{p}: {kl}");
     }
+    // KVzip's second forward: the instruction, a newline and the 384-token prompt.
+    let z = eval("configs/kvzip.toml");
+    let pass = z["metrics"]["reconstruction_pass_tokens"].as_f64().unwrap();
+    assert!(pass > 384.0 && pass < 400.0, "{pass}");
     let pat = |n: &str| {
         let out = dir.join(n);
         let (ok, _, err) = minikv(&[

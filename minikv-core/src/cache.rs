@@ -60,6 +60,22 @@ pub trait KvCache: Send + Debug {
         let _ = (layer, obs);
         Ok(())
     }
+    /// Starts a context-reconstruction pass over prompt positions `context`
+    /// (KVzip; asked for through [`ModelWants::reconstruction`]): the tokens
+    /// appended until [`end_pass`](KvCache::end_pass) are attended as usual
+    /// but only scored, then removed.
+    fn begin_pass(&mut self, context: std::ops::Range<usize>) -> Result<()> {
+        let _ = context;
+        Err(crate::Error::Unsupported(
+            "this cache does not run context-reconstruction passes".into(),
+        ))
+    }
+    /// Ends a pass: its tokens leave the cache.
+    fn end_pass(&mut self) -> Result<()> {
+        Err(crate::Error::Unsupported(
+            "this cache does not run context-reconstruction passes".into(),
+        ))
+    }
 }
 
 /// Model facts a component asked for through its needs, beyond K, V and Q.
@@ -71,10 +87,14 @@ pub struct ModelWants {
     /// The layer's attention output projection
     /// ([`Observation::OutputProjection`]; CriticalKV).
     pub output_projection: bool,
+    /// Context-reconstruction passes before the end of prefill (KVzip): the
+    /// driver runs them ([`KvCache::begin_pass`]); models ignore this.
+    pub reconstruction: bool,
 }
 
 impl ModelWants {
-    /// True when nothing is wanted.
+    /// True when the model has nothing to hand over (reconstruction passes
+    /// are the driver's business, not the model's).
     pub fn is_empty(&self) -> bool {
         !self.pre_rope_queries && !self.output_projection
     }

@@ -138,6 +138,20 @@ impl KvCache for AttentionProbe {
         self.reference.end_prefill()?;
         self.shadow.end_prefill()
     }
+    /// Model facts either cache asks for (reconstruction passes are not
+    /// probed: both caches would have to run them).
+    fn wants(&self, layer: usize) -> crate::ModelWants {
+        let (a, b) = (self.reference.wants(layer), self.shadow.wants(layer));
+        crate::ModelWants {
+            pre_rope_queries: a.pre_rope_queries || b.pre_rope_queries,
+            output_projection: a.output_projection || b.output_projection,
+            reconstruction: false,
+        }
+    }
+    fn observe(&mut self, layer: usize, obs: crate::Observation<'_>) -> Result<()> {
+        self.reference.observe(layer, obs)?;
+        self.shadow.observe(layer, obs)
+    }
     /// The reference cache's memory (see [`AttentionProbe::shadow`] for the other).
     fn memory(&self) -> MemoryReport {
         self.reference.memory()

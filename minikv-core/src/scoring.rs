@@ -18,6 +18,10 @@ pub struct Needs {
     pub query_stats_from: Option<usize>,
     /// The layer's attention output projection (CriticalKV).
     pub output_projection: bool,
+    /// Per prompt token, the maximum attention it receives from a context
+    /// reconstruction pass (KVzip); the value is the number of leading sink
+    /// tokens the pass's attention also sees.
+    pub reconstruction: Option<usize>,
 }
 
 impl Needs {
@@ -31,6 +35,10 @@ impl Needs {
                 (a, b) => a.or(b),
             },
             output_projection: self.output_projection || o.output_projection,
+            reconstruction: match (self.reconstruction, o.reconstruction) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            },
         }
     }
 }
@@ -104,6 +112,9 @@ pub struct LayerSignals<'a> {
     pub query_stats: Option<QueryStats<'a>>,
     /// The layer's output projection `[hidden][Hq * d]`, if requested.
     pub output_projection: Option<&'a [f32]>,
+    /// KVzip's reconstruction scores `[Hkv][T]` (max attention each prompt
+    /// token received from the reconstruction queries), if requested.
+    pub reconstruction: Option<&'a [f32]>,
     /// Tokens the selection will keep per storage head in this layer (heavy
     /// hitters, recent window excluded), when scores feed a selection (not
     /// when a layer-budget policy reads the signals).

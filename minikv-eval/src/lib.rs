@@ -85,7 +85,7 @@ pub fn reference_logits(
     let mut w = Workspace::default();
     let mut rows = Vec::with_capacity(ids.len() - context);
     rows.push(model.forward(&ids[..context], full, &mut w, Logits::Last)?);
-    full.end_prefill()?;
+    minikv_models::finish_prefill(model, full, &ids[..context], &mut w)?;
     for i in context..ids.len() - 1 {
         rows.push(model.forward(&ids[i..i + 1], full, &mut w, Logits::Last)?);
     }
@@ -121,7 +121,7 @@ pub fn fidelity_against(
     }
     let mut wc = Workspace::default();
     let mut lc = model.forward(&ids[..context], comp, &mut wc, Logits::Last)?;
-    comp.end_prefill()?;
+    minikv_models::finish_prefill(model, comp, &ids[..context], &mut wc)?;
     let (mut kl, mut agree, mut nf, mut nc) = (0.0, 0usize, 0.0, 0.0);
     for (j, i) in (context..ids.len()).enumerate() {
         let lf = &reference[j];
@@ -175,7 +175,7 @@ pub fn attention_error(
     let mut probe = minikv_core::AttentionProbe::new(full, comp)?;
     let mut w = Workspace::default();
     model.forward(&ids[..context], &mut probe, &mut w, Logits::None)?;
-    probe.end_prefill()?;
+    minikv_models::finish_prefill(model, &mut probe, &ids[..context], &mut w)?;
     for i in context..ids.len() {
         model.forward(&ids[i..i + 1], &mut probe, &mut w, Logits::None)?;
     }

@@ -234,12 +234,12 @@ pub fn answer(
             let mut p = ctx.clone();
             p.extend_from_slice(&q);
             let l = model.forward(&p, cache, &mut ws, Logits::Last)?;
-            cache.end_prefill()?;
+            minikv_models::finish_prefill(model, cache, &p, &mut ws)?;
             l
         }
         QueryMode::Agnostic => {
             model.forward(&ctx, cache, &mut ws, Logits::None)?;
-            cache.end_prefill()?;
+            minikv_models::finish_prefill(model, cache, &ctx, &mut ws)?;
             // One decode step per question token; only the last one's logits
             // are needed.
             let (last, head) = q.split_last().expect("checked non-empty");

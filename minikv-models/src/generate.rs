@@ -61,7 +61,7 @@ pub fn generate(
     let mut ws = Workspace::default();
     let t0 = Instant::now();
     let mut logits = model.forward(prompt, cache, &mut ws, Logits::Last)?;
-    cache.end_prefill()?;
+    crate::finish_prefill(model, cache, prompt, &mut ws)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut out: Vec<u32> = Vec::new();
@@ -157,7 +157,7 @@ pub fn perplexity(
     for i in 0..prefill.min(n - 1) {
         total += nll_of(&logits[i * v..(i + 1) * v], ids[i + 1]);
     }
-    cache.end_prefill()?;
+    crate::finish_prefill(model, cache, &ids[..prefill], &mut ws)?;
     let mut dec = 0.0;
     let mut ndec = 0usize;
     for i in prefill..n - 1 {

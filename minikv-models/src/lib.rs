@@ -75,6 +75,11 @@ pub trait LanguageModel: Send + Sync {
     fn spec(&self) -> ModelSpec;
     /// Vocabulary size.
     fn vocab_size(&self) -> usize;
+    /// The instruction tokens of a context-reconstruction pass, if the model
+    /// has them (see [`finish_prefill`]).
+    fn reconstruction_prompts(&self) -> Option<&ReconstructionPrompts> {
+        None
+    }
     /// Runs `tokens` at the cache's next positions; returns the requested logits.
     fn forward(
         &self,
@@ -103,12 +108,88 @@ pub fn load(path: &Path) -> Result<(Box<Llama>, Tokenizer)> {
                 path.display()
             )));
         }
-        let m = load_hf(path).map_err(named)?;
+        let mut m = load_hf(path).map_err(named)?;
         let t = Tokenizer::from_file(&path.join("tokenizer.json")).map_err(named)?;
+        m.reconstruction = Some(ReconstructionPrompts::new(&t)?);
         return Ok((Box::new(m), t));
     }
     let g = gguf::Gguf::open(path).map_err(named)?;
-    let m = Llama::from_gguf(&g).map_err(named)?;
+    let mut m = Llama::from_gguf(&g).map_err(named)?;
     let t = Tokenizer::from_gguf(&g).map_err(named)?;
+    m.reconstruction = Some(ReconstructionPrompts::new(&t)?);
     Ok((Box::new(m), t))
+}
+
+/// KVzip's context-reconstruction instructions, tokenized (kvpress's
+/// wording; no chat template: the suffix is a newline).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReconstructionPrompts {
+    /// "\n\nRepeat the previous context exactly."
+    pub first: Vec<u32>,
+    /// "\n\nRepeat the part of the previous context exactly, starting with"
+    /// (followed by the previous chunk's last 8 tokens).
+    pub next: Vec<u32>,
+    /// Between the instruction and the repeated text: "\n".
+    pub suffix: Vec<u32>,
+}
+
+impl ReconstructionPrompts {
+    /// Tokenizes the instructions.
+    pub fn new(tok: &Tokenizer) -> Result<Self> {
+        Ok(Self {
+            first: tok.encode("\n\nRepeat the previous context exactly.")?,
+            next: tok
+                .encode("\n\nRepeat the part of the previous context exactly, starting with")?,
+            suffix: tok.encode("\n")?,
+        })
+    }
+}
+
+/// Context chunk length of a reconstruction pass (kvpress: 2048).
+pub const RECONSTRUCTION_CHUNK: usize = 2048;
+
+/// Ends the prefill of `context` (the tokens just run through `cache`): when
+/// the cache asks for context reconstruction (KVzip), runs one pass per chunk
+/// of at most [`RECONSTRUCTION_CHUNK`] tokens (instruction, the previous
+/// chunk's last 8 tokens for later chunks, a newline, the chunk itself) and
+/// removes the pass tokens; then compresses. Every driver calls this instead
+/// of [`KvCache::end_prefill`] directly.
+pub fn finish_prefill(
+    model: &dyn LanguageModel,
+    cache: &mut dyn KvCache,
+    context: &[u32],
+    ws: &mut Workspace,
+) -> Result<()> {
+    if cache.wants(0).reconstruction && !context.is_empty() {
+        let p = model.reconstruction_prompts().ok_or_else(|| {
+            Error::Unsupported(
+                "this cache scores by context reconstruction (KVzip), but the model has no reconstruction prompt".into(),
+            )
+        })?;
+        if cache.seq_len(0) != context.len() {
+            return Err(Error::Input(format!(
+                "finish_prefill: the cache holds {} tokens, the context {}",
+                cache.seq_len(0),
+                context.len()
+            )));
+        }
+        for (i, chunk) in context.chunks(RECONSTRUCTION_CHUNK).enumerate() {
+            let start = i * RECONSTRUCTION_CHUNK;
+            let mut ids = if i == 0 {
+                p.first.clone()
+            } else {
+                p.next.clone()
+            };
+            if i > 0 {
+                ids.extend_from_slice(&context[start.saturating_sub(8)..start]);
+            }
+            ids.extend_from_slice(&p.suffix);
+            ids.extend_from_slice(chunk);
+            cache.begin_pass(start..start + chunk.len())?;
+            let r = model.forward(&ids, cache, ws, Logits::None);
+            cache.end_pass()?;
+            r?;
+        }
+    }
+    cache.end_prefill()
 }

@@ -131,6 +131,9 @@ pub struct Llama {
     /// the channel pairing, as caches that ask for it see it.
     rope_info: minikv_core::Rope,
     fused: Vec<Fused>,
+    /// The instruction tokens of a context-reconstruction pass (KVzip), set
+    /// by [`crate::load`] from the model's tokenizer.
+    pub reconstruction: Option<crate::ReconstructionPrompts>,
 }
 
 fn vector(g: &Gguf, name: &str, n: usize) -> Result<Vec<f32>> {
@@ -272,6 +275,7 @@ impl Llama {
             lm_head,
             rope_info: minikv_core::Rope { inv_freq, pairs },
             fused,
+            reconstruction: None,
         }
     }
 
@@ -515,6 +519,10 @@ impl LanguageModel for Llama {
             head_dim: self.cfg.head_dim,
             max_seq_len: self.cfg.max_seq_len,
         }
+    }
+
+    fn reconstruction_prompts(&self) -> Option<&crate::ReconstructionPrompts> {
+        self.reconstruction.as_ref()
     }
 
     fn vocab_size(&self) -> usize {

@@ -24,6 +24,7 @@ pub mod cam;
 pub mod criticalkv;
 pub mod duo;
 pub mod expected_attention;
+pub mod kvzip;
 pub mod lagkv;
 pub mod reskv;
 pub mod scorers;
@@ -37,6 +38,7 @@ pub use cam::CamMerge;
 pub use criticalkv::CriticalKv;
 pub use duo::{DuoAttention, DuoPattern};
 pub use expected_attention::ExpectedAttention;
+pub use kvzip::KvZip;
 pub use lagkv::LagKv;
 pub use reskv::ResKvConfig;
 pub use scorers::{

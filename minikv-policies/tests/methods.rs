@@ -69,6 +69,7 @@ fn signals<'a>(s: &'a ModelSpec, k: &'a [&'a [f32]], v: &'a [&'a [f32]]) -> Laye
         window: 0,
         query_stats: None,
         output_projection: None,
+        reconstruction: None,
         budget: None,
     }
 }
@@ -497,6 +498,16 @@ fn run_with_facts(toml: &str, t: usize) -> Box<dyn KvCache> {
 /// in one config: ragged heads whose total is the layer budget, packed codes.
 #[test]
 fn new_methods_compose_with_2bit_and_adakv() {
+    // ThinK's half of the key channels: key codes halve, value codes stay,
+    // against the same selection without it.
+    let codes = |channels: &str| {
+        let toml = format!(
+            "[cache]\nheavy_tokens = 48\nrecent_tokens = 8\nscorer = {{ type = \"snapkv\", window = 8 }}\nselector = {{ type = \"ada_kv\", alpha = 0.2 }}\n[cache.quant]\nresidual = 16\nkeys = {{ type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }}\nvalues = {{ type = \"minmax\", bits = 2, group = 16, axis = \"token\" }}\n{channels}"
+        );
+        run_with_facts(&toml, 160).memory().sum(|h| h.quant_codes) as f64
+    };
+    let r = codes("[cache.channels]\ntype = \"think\"\nratio = 0.5\nwindow = 8\n") / codes("");
+    assert!((r - 0.75).abs() < 0.02, "ThinK codes ratio {r}");
     let quant = "[cache.quant]\nresidual = 16\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }\nvalues = { type = \"minmax\", bits = 2, group = 16, axis = \"token\" }\n";
     for (name, scorer, extra) in [
         (
@@ -519,6 +530,11 @@ fn new_methods_compose_with_2bit_and_adakv() {
             "{ type = \"snapkv\", window = 8 }",
             "[cache.compensator]\ntype = \"cam\"\n",
         ),
+        (
+            "think",
+            "{ type = \"snapkv\", window = 8 }",
+            "[cache.channels]\ntype = \"think\"\nratio = 0.5\nwindow = 8\n",
+        ),
     ] {
         let toml = format!(
             "[cache]\nheavy_tokens = 48\nrecent_tokens = 8\nscorer = {scorer}\nselector = {{ type = \"ada_kv\", alpha = 0.2 }}\n{quant}{extra}"
@@ -532,6 +548,7 @@ fn new_methods_compose_with_2bit_and_adakv() {
                 "{name}: {toks:?}"
             );
             assert!(layer.heads.iter().all(|h| h.quant_codes > 0), "{name}");
+
             if name == "expected_attention" || name == "criticalkv" {
                 assert!(
                     toks.iter().any(|&n| n != toks[0]),
@@ -666,4 +683,53 @@ fn duo_attention_splits_heads_by_pattern() {
         "{e}"
     );
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// KVzip through the cache's pass API: after the 12-token prompt, a pass
+/// over positions 0..12 appends 3 reconstruction tokens and attends with
+/// their queries; the pass tokens leave the cache, and the mirror's scores
+/// (token 4 the best of 2..8) give the kept set [0, 1, 4] + [9, 10, 11].
+#[test]
+fn kvzip_worked_example() {
+    let s = spec(1, HQ, 1, D);
+    let (k, v, q) = (keys(), values(), queries());
+    let cfg = RunConfig::parse(
+        "[cache]\nheavy_tokens = 3\nrecent_tokens = 3\nscorer = { type = \"kvzip\", n_sink = 2 }",
+        false,
+    )
+    .unwrap();
+    let mut c = CacheBuilder::new(s).build(&cfg.cache).unwrap();
+    assert!(c.wants(0).reconstruction);
+    let mut o = vec![0.0f32; T * HQ * D];
+    c.append(0, &k, &v, T).unwrap();
+    c.attend(0, &q, T, &mut o).unwrap();
+    let n = 3;
+    let kp: Vec<f32> = (0..n)
+        .flat_map(|i| (0..D).map(move |c| (0.5 + 0.9 * i as f32 + 0.3 * c as f32).cos()))
+        .collect();
+    let qp: Vec<f32> = (0..n)
+        .flat_map(|i| {
+            (0..HQ).flat_map(move |h| {
+                (0..D).map(move |c| (0.2 + 0.6 * i as f32 + 0.8 * c as f32 + 0.4 * h as f32).sin())
+            })
+        })
+        .collect();
+    c.begin_pass(0..T).unwrap();
+    // The pass tokens arrive in two chunks, as a model's forward may send them.
+    c.append(0, &kp[..D], &kp[..D], 1).unwrap();
+    c.attend(0, &qp[..HQ * D], 1, &mut o[..HQ * D]).unwrap();
+    c.append(0, &kp[D..], &kp[D..], 2).unwrap();
+    c.attend(0, &qp[HQ * D..], 2, &mut o[..2 * HQ * D]).unwrap();
+    assert_eq!(c.seq_len(0), T + n);
+    c.end_pass().unwrap();
+    assert_eq!(c.seq_len(0), T);
+    c.end_prefill().unwrap();
+    assert_kept(c.as_mut(), &[0, 1, 4, 9, 10, 11], &k, &v, HQ);
+    assert_eq!(c.diagnostics()["reconstruction"]["pass_tokens"], 3);
+    // Without a pass the scorer says what is missing.
+    let mut c = CacheBuilder::new(s).build(&cfg.cache).unwrap();
+    c.append(0, &k, &v, T).unwrap();
+    c.attend(0, &q, T, &mut o).unwrap();
+    let e = c.end_prefill().unwrap_err().to_string();
+    assert!(e.contains("context-reconstruction pass"), "{e}");
 }

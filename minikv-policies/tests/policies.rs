@@ -628,6 +628,7 @@ fn keydiff_worked_example() {
                 window: 0,
                 query_stats: None,
                 output_projection: None,
+                reconstruction: None,
                 budget: None,
             },
             &mut out,
@@ -772,6 +773,7 @@ fn chunkkv_keeps_whole_chunks() {
         window: 0,
         query_stats: None,
         output_projection: None,
+        reconstruction: None,
         budget: None,
     };
     s.score(&sig, &mut out).unwrap();

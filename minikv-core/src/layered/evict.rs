@@ -301,6 +301,7 @@ impl Evictor {
             window: w,
             query_stats: None,
             output_projection: None,
+            reconstruction: None,
             budget: None,
         };
         self.sbuf.resize(g * n, 0.0);

@@ -68,6 +68,9 @@ pub struct LayeredCache {
     /// Compensator statistics per layer and head.
     comp_stats: Vec<Vec<Vec<(&'static str, f64)>>>,
     quest_stats: QuestStats,
+    /// The context-reconstruction pass in progress, and the passes' totals.
+    pass: Option<(staging::Pass, std::time::Instant)>,
+    pass_stats: (usize, f64),
 }
 
 impl LayeredCache {
@@ -111,6 +114,8 @@ impl LayeredCache {
             scratch: Vec::new(),
             comp_stats: Vec::new(),
             quest_stats: QuestStats::default(),
+            pass: None,
+            pass_stats: (0, 0.0),
         };
         c.reset_layers()?;
         Ok(c)
@@ -154,6 +159,8 @@ impl LayeredCache {
         self.budgets.clear();
         self.comp_stats.clear();
         self.quest_stats = QuestStats::default();
+        self.pass = None;
+        self.pass_stats = (0, 0.0);
         self.phase = Phase::Prefill;
         Ok(())
     }
@@ -305,8 +312,31 @@ impl KvCache for LayeredCache {
             Phase::Prefill => {
                 let l = &mut self.layers[layer];
                 let t = l.seen;
-                l.staging
-                    .attend(self.backend.as_ref(), &self.spec, self.needs, t, q, n, out)
+                match &self.pass {
+                    None => l.staging.attend(
+                        self.backend.as_ref(),
+                        &self.spec,
+                        self.needs,
+                        t,
+                        q,
+                        n,
+                        out,
+                    ),
+                    Some((pass, _)) => {
+                        // A pass's tokens feed no other signal.
+                        l.staging.attend(
+                            self.backend.as_ref(),
+                            &self.spec,
+                            Needs::default(),
+                            t,
+                            q,
+                            n,
+                            out,
+                        )?;
+                        l.staging.pass_scores(&self.spec, pass, q, n, t);
+                        Ok(())
+                    }
+                }
             }
             Phase::Decode if n != 1 => Err(Error::Unsupported(
                 "decode attends one query per head".into(),
@@ -327,9 +357,50 @@ impl KvCache for LayeredCache {
             return ModelWants::default();
         }
         ModelWants {
-            pre_rope_queries: self.needs.query_stats_from.is_some(),
+            pre_rope_queries: self.needs.query_stats_from.is_some() && self.pass.is_none(),
             output_projection: self.needs.output_projection && l.staging.out_proj.is_empty(),
+            reconstruction: self.needs.reconstruction.is_some(),
         }
+    }
+
+    fn begin_pass(&mut self, context: std::ops::Range<usize>) -> Result<()> {
+        let Some(sink) = self.needs.reconstruction else {
+            return Err(Error::Unsupported(
+                "no component of this cache asked for a reconstruction pass".into(),
+            ));
+        };
+        if self.phase != Phase::Prefill || self.pass.is_some() {
+            return Err(Error::Unsupported(
+                "a reconstruction pass starts during prefill, one at a time".into(),
+            ));
+        }
+        let t0 = self.layers[0].seen;
+        if self.layers.iter().any(|l| l.seen != t0)
+            || context.start >= context.end
+            || context.end > t0
+        {
+            return Err(Error::Input(format!(
+                "reconstruction pass over {context:?}: the prompt holds {t0} tokens in every layer"
+            )));
+        }
+        self.pass = Some((
+            staging::Pass { context, t0, sink },
+            std::time::Instant::now(),
+        ));
+        Ok(())
+    }
+
+    fn end_pass(&mut self) -> Result<()> {
+        let Some((pass, t)) = self.pass.take() else {
+            return Err(Error::Unsupported("end_pass without begin_pass".into()));
+        };
+        for l in &mut self.layers {
+            self.pass_stats.0 += l.seen - pass.t0;
+            l.staging.truncate(&self.spec, pass.t0);
+            l.seen = pass.t0;
+        }
+        self.pass_stats.1 += t.elapsed().as_secs_f64();
+        Ok(())
     }
 
     fn observe(&mut self, layer: usize, obs: Observation<'_>) -> Result<()> {
@@ -354,6 +425,13 @@ impl KvCache for LayeredCache {
     fn diagnostics(&self) -> serde_json::Value {
         if self.cfg.quest.is_some() {
             return self.quest_diagnostics();
+        }
+        if self.needs.reconstruction.is_some() {
+            // Per layer tokens are counted once.
+            return serde_json::json!({"reconstruction": {
+                "pass_tokens": self.pass_stats.0 / self.spec.n_layers.max(1),
+                "pass_seconds": self.pass_stats.1,
+            }});
         }
         self.compensator_diagnostics()
     }

@@ -20,6 +20,19 @@ pub(crate) struct Staging {
     pub qstats: Option<QuerySums>,
     /// The layer's output projection `[hidden][Hq * d]` (when needed).
     pub out_proj: Vec<f32>,
+    /// KVzip's reconstruction scores `[Hkv][t0]` (when a pass ran).
+    pub recon: Vec<f32>,
+}
+
+/// A context-reconstruction pass in progress (see [`Staging::pass_scores`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Pass {
+    /// Prompt positions being reconstructed.
+    pub context: std::ops::Range<usize>,
+    /// Prompt length before the pass (its tokens start here).
+    pub t0: usize,
+    /// Leading sink tokens the pass's scoring attention also sees.
+    pub sink: usize,
 }
 
 /// Sums of a layer's pre-RoPE prompt queries per query head, in f64.
@@ -200,6 +213,57 @@ impl Staging {
         Ok(())
     }
 
+    /// KVzip scoring of a reconstruction pass's last `n` of `t` staged
+    /// tokens (queries `q`, token-major): per query head and query, the
+    /// softmax over the sinks, the reconstructed context and the pass tokens
+    /// so far (causal); each context token keeps the maximum probability it
+    /// receives over queries and the query heads of its KV head.
+    pub fn pass_scores(&mut self, spec: &ModelSpec, pass: &Pass, q: &[f32], n: usize, t: usize) {
+        use rayon::prelude::*;
+        let (hq, hkv, d) = (spec.n_q_heads, spec.n_kv_heads, spec.head_dim);
+        let g = hq / hkv;
+        let t0 = pass.t0;
+        if self.recon.len() != hkv * t0 {
+            self.recon = vec![0.0; hkv * t0];
+        }
+        let sink = pass.sink.min(pass.context.start);
+        let ctx = pass.context.clone();
+        let scale = 1.0 / (d as f32).sqrt();
+        let keys = &self.k;
+        let per_head: Vec<Vec<f32>> = (0..hq)
+            .into_par_iter()
+            .map(|h| {
+                let k = &keys[h / g];
+                let mut best = vec![0.0f32; ctx.len()];
+                let mut s = Vec::with_capacity(sink + ctx.len() + n);
+                for i in 0..n {
+                    let pos = t - n + i;
+                    let qi = &q[(i * hq + h) * d..(i * hq + h + 1) * d];
+                    s.clear();
+                    let idx = (0..sink).chain(ctx.clone()).chain(t0..=pos);
+                    s.extend(idx.map(|j| crate::simd::dot(qi, &k[j * d..(j + 1) * d]) * scale));
+                    crate::simd::softmax_inplace(&mut s);
+                    for (b, &p) in best.iter_mut().zip(&s[sink..sink + ctx.len()]) {
+                        *b = b.max(p);
+                    }
+                }
+                best
+            })
+            .collect();
+        for (h, best) in per_head.iter().enumerate() {
+            let row = &mut self.recon[(h / g) * t0 + ctx.start..(h / g) * t0 + ctx.end];
+            row.iter_mut().zip(best).for_each(|(r, &b)| *r = r.max(b));
+        }
+    }
+
+    /// Removes the tokens staged after position `t0` (the end of a pass).
+    pub fn truncate(&mut self, spec: &ModelSpec, t0: usize) {
+        let d = spec.head_dim;
+        for x in self.k.iter_mut().chain(self.v.iter_mut()) {
+            x.truncate(t0 * d);
+        }
+    }
+
     /// Records an observation from the model (see [`crate::Observation`]).
     pub fn observe(
         &mut self,
@@ -298,7 +362,8 @@ impl Staging {
             .sum::<usize>()
             + self.cumul.capacity()
             + self.window.capacity()
-            + self.out_proj.capacity())
+            + self.out_proj.capacity()
+            + self.recon.capacity())
             + self.qstats.as_ref().map_or(0, QuerySums::bytes)
             + std::mem::size_of::<Vec<f32>>() * (self.k.capacity() + self.v.capacity())
     }
@@ -337,6 +402,7 @@ impl<'a> Views<'a> {
             },
             output_projection: (!self.staging.out_proj.is_empty())
                 .then_some(&self.staging.out_proj[..]),
+            reconstruction: (!self.staging.recon.is_empty()).then_some(&self.staging.recon[..]),
             budget: None,
         }
     }
