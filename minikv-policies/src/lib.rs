@@ -1,9 +1,13 @@
 //! # minikv-policies
 //!
-//! Token scorers, layer budget policies, selectors and compensators: the parts
-//! of MiniKV, H2O, SnapKV, StreamingLLM, TOVA, PyramidKV, Ada-KV and ResKV that
-//! decide *which* tokens a KV cache keeps and what stands in for the others. Each component is one struct, one `typetag` impl and one
-//! `register!` line; configs name them by `type`.
+//! Token scorers, layer budget policies, selectors, channel pruners and
+//! compensators: the parts of MiniKV, H2O, SnapKV, StreamingLLM, TOVA,
+//! PyramidKV, Ada-KV, ResKV and the kvpress / KVCache-Factory methods
+//! (KeyDiff, ChunkKV, Expected Attention, CriticalKV, LagKV, KVzip, ThinK,
+//! DuoAttention, CaM merge) that decide *which* tokens (and key channels) a KV
+//! cache keeps and what stands in for the others. Each component is one
+//! struct, one `typetag` impl and one `register!` line; configs name them by
+//! `type`.
 //!
 //! ```
 //! use minikv_core::{BudgetRequest, SelectionPolicy};

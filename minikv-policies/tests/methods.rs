@@ -481,6 +481,17 @@ fn run_with_facts(toml: &str, t: usize) -> Box<dyn KvCache> {
         c.append(l, &k, &v, t).unwrap();
         c.attend(l, &q, t, &mut o).unwrap();
     }
+    if c.wants(0).reconstruction {
+        // A reconstruction pass of 24 tokens over the whole prompt.
+        c.begin_pass(0..t).unwrap();
+        for l in 0..2 {
+            c.append(l, &noise(24 * 32, 11), &noise(24 * 32, 12), 24)
+                .unwrap();
+            c.attend(l, &noise(24 * 64, 13), 24, &mut o[..24 * 64])
+                .unwrap();
+        }
+        c.end_pass().unwrap();
+    }
     c.end_prefill().unwrap();
     for step in 0..20 {
         for l in 0..2 {
@@ -535,6 +546,7 @@ fn new_methods_compose_with_2bit_and_adakv() {
             "{ type = \"snapkv\", window = 8 }",
             "[cache.channels]\ntype = \"think\"\nratio = 0.5\nwindow = 8\n",
         ),
+        ("kvzip", "{ type = \"kvzip\" }", ""),
     ] {
         let toml = format!(
             "[cache]\nheavy_tokens = 48\nrecent_tokens = 8\nscorer = {scorer}\nselector = {{ type = \"ada_kv\", alpha = 0.2 }}\n{quant}{extra}"
@@ -549,7 +561,7 @@ fn new_methods_compose_with_2bit_and_adakv() {
             );
             assert!(layer.heads.iter().all(|h| h.quant_codes > 0), "{name}");
 
-            if name == "expected_attention" || name == "criticalkv" {
+            if ["expected_attention", "criticalkv"].contains(&name) {
                 assert!(
                     toks.iter().any(|&n| n != toks[0]),
                     "{name}: ragged heads {toks:?}"

