@@ -212,3 +212,216 @@ fn rayon_threads() -> usize {
         .map(|n| n.get())
         .unwrap_or(1)
 }
+
+/// `minikv bench decode`: end-to-end decode speed of the real model by depth.
+#[derive(Args)]
+pub struct DecodeBenchArgs {
+    #[command(flatten)]
+    pub model: crate::ModelArg,
+    /// Cache configs (repeatable; none = the full cache). Labels are file stems.
+    #[arg(long = "config")]
+    pub configs: Vec<std::path::PathBuf>,
+    /// Context depths in tokens before the timed steps (comma-separated; 0 =
+    /// one prompt token, llama-bench's `-d 0`).
+    #[arg(long, value_delimiter = ',', default_value = "0,4096,8192", value_parser = crate::args::tokens_or_zero)]
+    pub depth: Vec<usize>,
+    /// Decode steps per timed run (llama-bench's `-n`).
+    #[arg(long, default_value_t = 64, value_parser = crate::args::new_tokens)]
+    pub tokens: usize,
+    /// Timed runs per (config, depth); the median is reported with the spread.
+    #[arg(long, default_value_t = 3, value_parser = crate::args::count)]
+    pub runs: usize,
+    /// Untimed decode steps before the runs.
+    #[arg(long, default_value_t = 8, value_parser = crate::args::tokens_or_zero)]
+    pub warmup: usize,
+    /// Text the context is cut from (default: the fetched Paul Graham essays).
+    #[arg(long)]
+    pub text: Option<std::path::PathBuf>,
+    /// JSON output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `minikv bench prefill`: prompt processing speed by prompt length.
+#[derive(Args)]
+pub struct PrefillBenchArgs {
+    #[command(flatten)]
+    pub model: crate::ModelArg,
+    /// Cache configs (repeatable; none = the full cache).
+    #[arg(long = "config")]
+    pub configs: Vec<std::path::PathBuf>,
+    /// Prompt lengths (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "512,4096", value_parser = crate::args::tokens)]
+    pub tokens: Vec<usize>,
+    /// Timed runs per (config, length), each on a fresh cache.
+    #[arg(long, default_value_t = 3, value_parser = crate::args::count)]
+    pub runs: usize,
+    /// Text the prompt is cut from (default: the fetched Paul Graham essays).
+    #[arg(long)]
+    pub text: Option<std::path::PathBuf>,
+    /// JSON output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn median_spread(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    let med = if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    };
+    (med, v[0], v[n - 1])
+}
+
+/// The configs to run: (label, config); the full cache when none is given.
+fn bench_configs(paths: &[std::path::PathBuf]) -> Result<Vec<(String, minikv_core::RunConfig)>> {
+    if paths.is_empty() {
+        return Ok(vec![("full".into(), minikv_core::RunConfig::default())]);
+    }
+    paths
+        .iter()
+        .map(|p| {
+            let label = p
+                .file_stem()
+                .map_or_else(|| p.display().to_string(), |s| s.to_string_lossy().into_owned());
+            Ok((label, crate::commands::load_config(Some(p))?))
+        })
+        .collect()
+}
+
+/// `n` tokens of the text, repeated if the text is shorter.
+fn text_tokens(l: &crate::commands::Loaded, text: Option<&std::path::Path>, n: usize) -> Result<Vec<u32>> {
+    let path = text.map_or_else(crate::commands::default_text, |p| p.to_path_buf());
+    let ids = l.tok.encode(&crate::commands::read_text(&path)?)?;
+    if ids.is_empty() {
+        return Err(Error::Input(format!("{}: no tokens", path.display())));
+    }
+    Ok(ids.iter().copied().cycle().take(n).collect())
+}
+
+pub fn decode(a: &DecodeBenchArgs) -> Result<()> {
+    use minikv_models::{LanguageModel, Logits, Workspace};
+    let l = crate::commands::load_model(&a.model)?;
+    let m = l.model.as_ref();
+    let max_depth = a.depth.iter().copied().max().unwrap_or(0).max(1);
+    let need = max_depth + a.warmup + a.runs * a.tokens + 1;
+    if need > m.spec().max_seq_len {
+        return Err(Error::ContextOverflow {
+            len: need,
+            max: m.spec().max_seq_len,
+        });
+    }
+    let ids = text_tokens(&l, a.text.as_deref(), need)?;
+    let mut rows = Vec::new();
+    for (label, cfg) in bench_configs(&a.configs)? {
+        for &depth in &a.depth {
+            let d = depth.max(1);
+            let mut cache = crate::commands::build_cache(m, &cfg)?;
+            let mut ws = Workspace::default();
+            let t0 = Instant::now();
+            m.forward(&ids[..d], cache.as_mut(), &mut ws, Logits::Last)?;
+            minikv_models::finish_prefill(m, cache.as_mut(), &ids[..d], &mut ws)?;
+            let prefill_s = t0.elapsed().as_secs_f64();
+            let mut pos = d;
+            for _ in 0..a.warmup {
+                m.forward(&ids[pos..pos + 1], cache.as_mut(), &mut ws, Logits::Last)?;
+                pos += 1;
+            }
+            let mut rates = Vec::with_capacity(a.runs);
+            for _ in 0..a.runs {
+                let t = Instant::now();
+                for _ in 0..a.tokens {
+                    m.forward(&ids[pos..pos + 1], cache.as_mut(), &mut ws, Logits::Last)?;
+                    pos += 1;
+                }
+                rates.push(a.tokens as f64 / t.elapsed().as_secs_f64());
+            }
+            let (med, lo, hi) = median_spread(rates.clone());
+            let mem = cache.memory();
+            rows.push(json!({
+                "config": label, "depth": depth, "tokens": a.tokens, "runs": rates,
+                "tokens_per_s": med, "min": lo, "max": hi,
+                "prefill_s": prefill_s, "kv_bytes": mem.used_bytes(),
+            }));
+        }
+    }
+    let v = json!({
+        "bench": "decode", "model": l.path.file_name().map(|f| f.to_string_lossy().into_owned()),
+        "model_sha256": l.sha256()?, "threads": rayon::current_num_threads(),
+        "git_rev": crate::provenance::git_rev(), "results": rows,
+    });
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+    } else {
+        println!("{:<28} {:>7} {:>10} {:>19}", "config", "depth", "tok/s", "min - max");
+        for r in &rows {
+            println!(
+                "{:<28} {:>7} {:>10.1} {:>8.1} - {:>8.1}",
+                r["config"].as_str().unwrap_or(""),
+                r["depth"],
+                r["tokens_per_s"].as_f64().unwrap_or(0.0),
+                r["min"].as_f64().unwrap_or(0.0),
+                r["max"].as_f64().unwrap_or(0.0)
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn prefill(a: &PrefillBenchArgs) -> Result<()> {
+    use minikv_models::{LanguageModel, Logits, Workspace};
+    let l = crate::commands::load_model(&a.model)?;
+    let m = l.model.as_ref();
+    let max = a.tokens.iter().copied().max().unwrap_or(1);
+    if max > m.spec().max_seq_len {
+        return Err(Error::ContextOverflow {
+            len: max,
+            max: m.spec().max_seq_len,
+        });
+    }
+    let ids = text_tokens(&l, a.text.as_deref(), max)?;
+    let mut rows = Vec::new();
+    for (label, cfg) in bench_configs(&a.configs)? {
+        for &n in &a.tokens {
+            let (mut rates, mut compress) = (Vec::new(), Vec::new());
+            for _ in 0..a.runs {
+                let mut cache = crate::commands::build_cache(m, &cfg)?;
+                let mut ws = Workspace::default();
+                let t = Instant::now();
+                m.forward(&ids[..n], cache.as_mut(), &mut ws, Logits::Last)?;
+                let tc = Instant::now();
+                minikv_models::finish_prefill(m, cache.as_mut(), &ids[..n], &mut ws)?;
+                compress.push(tc.elapsed().as_secs_f64());
+                rates.push(n as f64 / t.elapsed().as_secs_f64());
+            }
+            let (med, lo, hi) = median_spread(rates.clone());
+            rows.push(json!({
+                "config": label, "tokens": n, "runs": rates, "tokens_per_s": med,
+                "min": lo, "max": hi, "end_prefill_s": median_spread(compress).0,
+            }));
+        }
+    }
+    let v = json!({
+        "bench": "prefill", "model": l.path.file_name().map(|f| f.to_string_lossy().into_owned()),
+        "model_sha256": l.sha256()?, "threads": rayon::current_num_threads(),
+        "git_rev": crate::provenance::git_rev(), "results": rows,
+    });
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+    } else {
+        println!("{:<28} {:>7} {:>10} {:>19}", "config", "tokens", "tok/s", "min - max");
+        for r in &rows {
+            println!(
+                "{:<28} {:>7} {:>10.1} {:>8.1} - {:>8.1}",
+                r["config"].as_str().unwrap_or(""),
+                r["tokens"],
+                r["tokens_per_s"].as_f64().unwrap_or(0.0),
+                r["min"].as_f64().unwrap_or(0.0),
+                r["max"].as_f64().unwrap_or(0.0)
+            );
+        }
+    }
+    Ok(())
+}

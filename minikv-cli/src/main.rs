@@ -137,6 +137,11 @@ enum ConfigCmd {
 enum BenchCmd {
     /// Decode attention per token: full fp16 cache vs fused 2-bit and 4-bit caches.
     Attention(bench::AttentionArgs),
+    /// End-to-end decode tokens/s of the real model by context depth (prefill
+    /// excluded, warm-up, median of several runs with the spread).
+    Decode(bench::DecodeBenchArgs),
+    /// Prompt processing tokens/s by prompt length (compression included).
+    Prefill(bench::PrefillBenchArgs),
 }
 
 /// The model to load.
@@ -335,6 +340,12 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench {
             cmd: BenchCmd::Attention(a),
         } => bench::attention(&a),
+        Cmd::Bench {
+            cmd: BenchCmd::Decode(a),
+        } => bench::decode(&a),
+        Cmd::Bench {
+            cmd: BenchCmd::Prefill(a),
+        } => bench::prefill(&a),
         Cmd::Calibrate {
             cmd: CalibrateCmd::Duo(a),
         } => commands::calibrate_duo(&a),

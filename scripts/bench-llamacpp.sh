@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# minikv against llama.cpp on the same GGUF, same threads, same minutes: decode
+# tokens/s by depth (llama-bench -p 0 -n N -d D, flash attention on, f16 and
+# q4_0 KV) beside `minikv bench decode` (full cache, MiniKV 2-bit, KIVI-2), and
+# prompt processing beside `minikv bench prefill`; prints one markdown table
+# with ratios (docs/performance.md keeps the latest). llama.cpp is built once
+# by scripts/build-llamacpp.sh. Knobs (env): MODEL (the fetched SmolLM2 GGUF),
+# THREADS (nproc), DEPTHS (0,4096,8192), N (64), REPS (3), PROMPTS (4096,8000),
+# OUT (results/bench-llamacpp), CONFIGS (configs/minikv.toml configs/kivi-2bit.toml).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${MODEL:-assets/SmolLM2-135M-Instruct.Q4_1.gguf}
+THREADS=${THREADS:-$(nproc)}
+DEPTHS=${DEPTHS:-0,4096,8192}
+N=${N:-64}
+REPS=${REPS:-3}
+PROMPTS=${PROMPTS:-4096,8000}
+OUT=${OUT:-results/bench-llamacpp}
+CONFIGS=${CONFIGS:-configs/minikv.toml configs/kivi-2bit.toml}
+mkdir -p "$OUT"
+[ -f "$MODEL" ] || ./scripts/fetch-assets.sh >&2
+BIN=$(./scripts/build-llamacpp.sh)
+cargo build --release -q -p minikv-cli
+MK=target/release/minikv
+CFG_ARGS=()
+for c in $CONFIGS; do CFG_ARGS+=(--config "$c"); done
+echo "bench-llamacpp: llama.cpp decode (f16 KV)" >&2
+"$BIN/llama-bench" -m "$MODEL" -t "$THREADS" -fa 1 -p 0 -n "$N" -d "$DEPTHS" -r "$REPS" -o json > "$OUT/llamacpp-decode-f16.json"
+echo "bench-llamacpp: llama.cpp decode (q4_0 KV)" >&2
+"$BIN/llama-bench" -m "$MODEL" -t "$THREADS" -fa 1 -ctk q4_0 -ctv q4_0 -p 0 -n "$N" -d "$DEPTHS" -r "$REPS" -o json > "$OUT/llamacpp-decode-q4_0.json"
+echo "bench-llamacpp: llama.cpp prefill" >&2
+"$BIN/llama-bench" -m "$MODEL" -t "$THREADS" -fa 1 -p "$PROMPTS" -n 0 -r "$REPS" -o json > "$OUT/llamacpp-prefill.json"
+echo "bench-llamacpp: minikv decode" >&2
+RAYON_NUM_THREADS=$THREADS $MK bench decode --model "$MODEL" --config configs/full.toml "${CFG_ARGS[@]}" \
+  --depth "$DEPTHS" --tokens "$N" --runs "$REPS" --json > "$OUT/minikv-decode.json"
+echo "bench-llamacpp: minikv prefill" >&2
+RAYON_NUM_THREADS=$THREADS $MK bench prefill --model "$MODEL" --config configs/full.toml --config configs/minikv.toml \
+  --tokens "$PROMPTS" --runs "$REPS" --json > "$OUT/minikv-prefill.json"
+python3 - "$OUT" "$THREADS" <<'PY'
+import json, sys, os
+out, threads = sys.argv[1], sys.argv[2]
+def ll(name):
+    rows = json.load(open(os.path.join(out, name)))
+    return {(r["n_depth"] if r["n_gen"] else r["n_prompt"]): r["avg_ts"] for r in rows}
+f16, q4 = ll("llamacpp-decode-f16.json"), ll("llamacpp-decode-q4_0.json")
+pre = ll("llamacpp-prefill.json")
+mk = json.load(open(os.path.join(out, "minikv-decode.json")))
+mkp = json.load(open(os.path.join(out, "minikv-prefill.json")))
+cfgs = []
+for r in mk["results"]:
+    if r["config"] not in cfgs: cfgs.append(r["config"])
+dec = {(r["config"], r["depth"]): r for r in mk["results"]}
+print(f"Decode tokens/s ({threads} threads, {mk['model']}, minikv {mk['git_rev']}; median of runs, minikv spread in brackets; ratio = minikv / llama.cpp f16):\n")
+print("| depth | llama.cpp f16 KV | llama.cpp q4_0 KV | " + " | ".join(f"minikv {c}" for c in cfgs) + " |")
+print("|---|---|---|" + "---|" * len(cfgs))
+for d in sorted(f16):
+    cells = []
+    for c in cfgs:
+        r = dec.get((c, d))
+        cells.append("-" if r is None else f"{r['tokens_per_s']:.1f} [{r['min']:.1f}, {r['max']:.1f}] (x{r['tokens_per_s'] / f16[d]:.2f})")
+    print(f"| {d} | {f16[d]:.1f} | {q4.get(d, float('nan')):.1f} | " + " | ".join(cells) + " |")
+print(f"\nPrefill tokens/s:\n")
+pcfg = []
+for r in mkp["results"]:
+    if r["config"] not in pcfg: pcfg.append(r["config"])
+pr = {(r["config"], r["tokens"]): r for r in mkp["results"]}
+print("| prompt | llama.cpp | " + " | ".join(f"minikv {c}" for c in pcfg) + " |")
+print("|---|---|" + "---|" * len(pcfg))
+for n in sorted(pre):
+    cells = [f"{pr[(c, n)]['tokens_per_s']:.1f} (x{pr[(c, n)]['tokens_per_s'] / pre[n]:.2f})" if (c, n) in pr else "-" for c in pcfg]
+    print(f"| {n} | {pre[n]:.1f} | " + " | ".join(cells) + " |")
+PY
