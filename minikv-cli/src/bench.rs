@@ -283,16 +283,21 @@ fn bench_configs(paths: &[std::path::PathBuf]) -> Result<Vec<(String, minikv_cor
     paths
         .iter()
         .map(|p| {
-            let label = p
-                .file_stem()
-                .map_or_else(|| p.display().to_string(), |s| s.to_string_lossy().into_owned());
+            let label = p.file_stem().map_or_else(
+                || p.display().to_string(),
+                |s| s.to_string_lossy().into_owned(),
+            );
             Ok((label, crate::commands::load_config(Some(p))?))
         })
         .collect()
 }
 
 /// `n` tokens of the text, repeated if the text is shorter.
-fn text_tokens(l: &crate::commands::Loaded, text: Option<&std::path::Path>, n: usize) -> Result<Vec<u32>> {
+fn text_tokens(
+    l: &crate::commands::Loaded,
+    text: Option<&std::path::Path>,
+    n: usize,
+) -> Result<Vec<u32>> {
     let path = text.map_or_else(crate::commands::default_text, |p| p.to_path_buf());
     let ids = l.tok.encode(&crate::commands::read_text(&path)?)?;
     if ids.is_empty() {
@@ -355,7 +360,10 @@ pub fn decode(a: &DecodeBenchArgs) -> Result<()> {
     if a.json {
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     } else {
-        println!("{:<28} {:>7} {:>10} {:>19}", "config", "depth", "tok/s", "min - max");
+        println!(
+            "{:<28} {:>7} {:>10} {:>19}",
+            "config", "depth", "tok/s", "min - max"
+        );
         for r in &rows {
             println!(
                 "{:<28} {:>7} {:>10.1} {:>8.1} - {:>8.1}",
@@ -411,7 +419,10 @@ pub fn prefill(a: &PrefillBenchArgs) -> Result<()> {
     if a.json {
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     } else {
-        println!("{:<28} {:>7} {:>10} {:>19}", "config", "tokens", "tok/s", "min - max");
+        println!(
+            "{:<28} {:>7} {:>10} {:>19}",
+            "config", "tokens", "tok/s", "min - max"
+        );
         for r in &rows {
             println!(
                 "{:<28} {:>7} {:>10.1} {:>8.1} - {:>8.1}",

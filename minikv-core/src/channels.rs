@@ -111,6 +111,18 @@ impl FpStore for ChannelSubsetFp {
         gather(&q[..g * self.d], self.d, &self.channels, &mut b);
         self.inner.scores(&b, g, out, stride);
     }
+    fn scores_rows(
+        &self,
+        q: &[f32],
+        g: usize,
+        out: &mut [f32],
+        stride: usize,
+        rows: std::ops::Range<usize>,
+    ) {
+        let mut b = Buf::new();
+        gather(&q[..g * self.d], self.d, &self.channels, &mut b);
+        self.inner.scores_rows(&b, g, out, stride, rows);
+    }
     fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
         let mut b: Buf = SmallVec::from_elem(0.0, g * self.channels.len());
         self.inner.accumulate(p, g, stride, &mut b);

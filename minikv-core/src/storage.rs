@@ -7,6 +7,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use std::any::Any;
 use std::fmt::Debug;
+use std::ops::Range;
 
 /// Rows of one head kept in full precision (the residual, or the whole cache when
 /// nothing is quantized).
@@ -33,6 +34,39 @@ pub trait FpStore: Send + Sync + Debug {
     fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]);
     /// Rows as f32 `[len][d]`.
     fn to_f32(&self, out: &mut [f32]);
+    /// [`scores`](FpStore::scores) of rows `rows` only:
+    /// `out[j * stride + (t - rows.start)] = q_j . x_t` (split-K decode).
+    fn scores_rows(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize, rows: Range<usize>) {
+        let d = self.dim();
+        let idx: Vec<u32> = (rows.start as u32..rows.end as u32).collect();
+        let mut x = Vec::new();
+        self.gather(&idx, &mut x);
+        for (t, r) in x.chunks_exact(d).enumerate() {
+            for j in 0..g {
+                out[j * stride + t] = simd::dot(&q[j * d..(j + 1) * d], r);
+            }
+        }
+    }
+    /// [`accumulate`](FpStore::accumulate) of rows `rows` only, with
+    /// `p[j * stride + (t - rows.start)]` as the weights.
+    fn accumulate_rows(
+        &self,
+        p: &[f32],
+        g: usize,
+        stride: usize,
+        out: &mut [f32],
+        rows: Range<usize>,
+    ) {
+        let d = self.dim();
+        let idx: Vec<u32> = (rows.start as u32..rows.end as u32).collect();
+        let mut x = Vec::new();
+        self.gather(&idx, &mut x);
+        for (t, r) in x.chunks_exact(d).enumerate() {
+            for j in 0..g {
+                simd::axpy(p[j * stride + t], r, &mut out[j * d..(j + 1) * d]);
+            }
+        }
+    }
     /// Rows `rows` as f32 into `out` (resized to `rows.len() * d`).
     fn gather(&self, rows: &[u32], out: &mut Vec<f32>) {
         let d = self.dim();
@@ -153,28 +187,30 @@ impl FpStore for Fp16Rows {
         self.data.drain(..k);
     }
     fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
+        self.scores_rows(q, g, out, stride, 0..self.len());
+    }
+    fn scores_rows(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize, rows: Range<usize>) {
         let d = self.d;
-        let mut buf = [0.0f32; CHUNK * 256];
-        let rows_per = if d <= 256 { CHUNK } else { 1 };
+        let (lo, hi) = (rows.start, rows.end);
         if d > 256 {
             let mut row = vec![0.0f32; d];
-            for t in 0..self.len() {
+            for t in lo..hi {
                 self.data[t * d..(t + 1) * d].convert_to_f32_slice(&mut row);
                 for j in 0..g {
-                    out[j * stride + t] = simd::dot(&q[j * d..(j + 1) * d], &row);
+                    out[j * stride + t - lo] = simd::dot(&q[j * d..(j + 1) * d], &row);
                 }
             }
             return;
         }
-        let n = self.len();
-        let mut t0 = 0;
-        while t0 < n {
-            let m = rows_per.min(n - t0);
+        let mut buf = [0.0f32; CHUNK * 256];
+        let mut t0 = lo;
+        while t0 < hi {
+            let m = CHUNK.min(hi - t0);
             let b = &mut buf[..m * d];
             self.data[t0 * d..(t0 + m) * d].convert_to_f32_slice(b);
             for j in 0..g {
                 let qj = &q[j * d..(j + 1) * d];
-                let o = &mut out[j * stride + t0..j * stride + t0 + m];
+                let o = &mut out[j * stride + t0 - lo..j * stride + t0 - lo + m];
                 for (r, o) in o.iter_mut().enumerate() {
                     *o = simd::dot(qj, &b[r * d..(r + 1) * d]);
                 }
@@ -183,21 +219,43 @@ impl FpStore for Fp16Rows {
         }
     }
     fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
+        self.accumulate_rows(p, g, stride, out, 0..self.len());
+    }
+    fn accumulate_rows(
+        &self,
+        p: &[f32],
+        g: usize,
+        stride: usize,
+        out: &mut [f32],
+        rows: Range<usize>,
+    ) {
         let d = self.d;
-        let n = self.len();
-        let mut row = [0.0f32; 256];
-        let mut heap;
-        let row: &mut [f32] = if d <= 256 {
-            &mut row[..d]
-        } else {
-            heap = vec![0.0f32; d];
-            &mut heap
-        };
-        for t in 0..n {
-            self.data[t * d..(t + 1) * d].convert_to_f32_slice(row);
-            for j in 0..g {
-                simd::axpy(p[j * stride + t], row, &mut out[j * d..(j + 1) * d]);
+        let lo = rows.start;
+        if d > 256 {
+            let mut row = vec![0.0f32; d];
+            for t in rows {
+                self.data[t * d..(t + 1) * d].convert_to_f32_slice(&mut row);
+                for j in 0..g {
+                    simd::axpy(p[j * stride + t - lo], &row, &mut out[j * d..(j + 1) * d]);
+                }
             }
+            return;
+        }
+        // Rows converted CHUNK at a time (one conversion call per block).
+        let mut buf = [0.0f32; CHUNK * 256];
+        let hi = rows.end;
+        let mut t0 = lo;
+        while t0 < hi {
+            let m = CHUNK.min(hi - t0);
+            let b = &mut buf[..m * d];
+            self.data[t0 * d..(t0 + m) * d].convert_to_f32_slice(b);
+            for j in 0..g {
+                let o = &mut out[j * d..(j + 1) * d];
+                for r in 0..m {
+                    simd::axpy(p[j * stride + t0 - lo + r], &b[r * d..(r + 1) * d], o);
+                }
+            }
+            t0 += m;
         }
     }
     fn to_f32(&self, out: &mut [f32]) {

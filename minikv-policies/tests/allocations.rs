@@ -199,22 +199,24 @@ fn accounting() {
 fn decode_steps_allocate_nothing() {
     on_one_thread(|| {
         let backend: Arc<dyn AttentionBackend> = Arc::new(TiledBackend::default());
-        for (name, toml) in [
-            ("full", ""),
-            ("minikv", MINIKV),
-            ("kivi", KIVI),
-            ("h2o", H2O),
-            ("h2o every 8", EVERY),
-            ("tova", TOVA),
-            ("streaming", STREAMING),
-            ("reskv", RESKV),
+        for (name, toml, t) in [
+            ("full", "", 300),
+            // Long enough for split-K decode over token blocks.
+            ("full, split-K", "", 2100),
+            ("minikv", MINIKV, 300),
+            ("kivi", KIVI, 300),
+            ("h2o", H2O, 300),
+            ("h2o every 8", EVERY, 300),
+            ("tova", TOVA, 300),
+            ("streaming", STREAMING, 300),
+            ("reskv", RESKV, 300),
         ] {
             let toml = if toml.contains("[cache]") {
                 toml.replacen("[cache]\n", "[cache]\npage_tokens = 1024\n", 1)
             } else {
                 format!("[cache]\npage_tokens = 1024\n{toml}")
             };
-            let (t, warm, n) = (300, 130, 100);
+            let (warm, n) = (130, 100);
             let mut s = steps(warm + n);
             // A first run sizes the backend's per-thread scratch.
             let mut c = build(&toml, backend.clone());

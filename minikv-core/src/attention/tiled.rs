@@ -29,7 +29,12 @@ impl Default for TiledBackend {
 
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Split-K partial results of one decode call (on the calling thread).
+    static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
+
+/// Rows per task when a decode splits heads over their tokens.
+const SPLIT_ROWS: usize = 1024;
 
 /// Runs `f` with a thread-local scratch buffer of at least `n` floats (reused
 /// across calls: no allocation per token once warm).
@@ -232,6 +237,15 @@ impl AttentionBackend for TiledBackend {
 
     fn decode(&self, a: DecodeArgs<'_>) -> Result<()> {
         let g = check_decode(&a)?;
+        let nmax = a.heads.iter().map(|h| h.len()).max().unwrap_or(0);
+        let plain = a.probs.is_none()
+            && a.heads
+                .iter()
+                .all(|h| h.quant_keys.is_none() && h.quant_values.is_none() && h.extra.is_none());
+        if plain && nmax >= 2 * SPLIT_ROWS {
+            split_decode(a, g, nmax);
+            return Ok(());
+        }
         let d = a.head_dim;
         let scale = 1.0 / (d as f32).sqrt();
         let q = a.q;
@@ -300,4 +314,78 @@ impl AttentionBackend for TiledBackend {
     fn storage(&self) -> &dyn StorageFactory {
         &CpuStorage
     }
+}
+
+/// Flash-decoding over full-precision heads: every head's tokens are cut into
+/// blocks of [`SPLIT_ROWS`], each (head, block) task computes its block's
+/// maximum logit, exp-sum and unnormalized output per query head, and the
+/// blocks are combined exactly (`out = Σ e^{m_b - M} o_b / Σ e^{m_b - M} l_b`).
+/// Balances 3 KV heads over 2 cores (or any heads over any cores).
+fn split_decode(a: DecodeArgs<'_>, g: usize, nmax: usize) {
+    let d = a.head_dim;
+    let scale = 1.0 / (d as f32).sqrt();
+    let blocks = nmax.div_ceil(SPLIT_ROWS);
+    let part = g * (d + 2);
+    let heads = a.heads;
+    let q = a.q;
+    PARTIALS.with(|pb| {
+        let mut pb = pb.borrow_mut();
+        let need = heads.len() * blocks * part;
+        if pb.len() < need {
+            pb.resize(need, 0.0);
+        }
+        pb[..need]
+            .par_chunks_mut(part)
+            .enumerate()
+            .for_each(|(task, pt)| {
+                let (s, b) = (task / blocks, task % blocks);
+                let head = &heads[s];
+                let (lo, hi) = (b * SPLIT_ROWS, ((b + 1) * SPLIT_ROWS).min(head.len()));
+                let (ms, rest) = pt.split_at_mut(g);
+                let (ls, os) = rest.split_at_mut(g);
+                if lo >= hi {
+                    ms.fill(f32::NEG_INFINITY);
+                    ls.fill(0.0);
+                    return;
+                }
+                let len = hi - lo;
+                with_scratch(g * d + g * len, |buf| {
+                    let (qs, sc) = buf.split_at_mut(g * d);
+                    for (dst, src) in qs.iter_mut().zip(&q[s * g * d..(s + 1) * g * d]) {
+                        *dst = src * scale;
+                    }
+                    head.fp_keys.scores_rows(qs, g, sc, len, lo..hi);
+                    for j in 0..g {
+                        let row = &mut sc[j * len..(j + 1) * len];
+                        let m = crate::simd::max(row);
+                        ms[j] = m;
+                        ls[j] = crate::simd::exp_sub_sum(row, m);
+                    }
+                    os.fill(0.0);
+                    head.fp_values.accumulate_rows(sc, g, len, os, lo..hi);
+                });
+            });
+        for (s, out) in a.out.chunks_mut(g * d).enumerate() {
+            let parts = &pb[s * blocks * part..(s + 1) * blocks * part];
+            for j in 0..g {
+                let m = parts
+                    .chunks_exact(part)
+                    .map(|p| p[j])
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let o = &mut out[j * d..(j + 1) * d];
+                o.fill(0.0);
+                let mut z = 0.0f32;
+                for p in parts.chunks_exact(part) {
+                    if p[j] == f32::NEG_INFINITY {
+                        continue;
+                    }
+                    let w = (p[j] - m).exp();
+                    z += w * p[g + j];
+                    crate::simd::axpy(w, &p[2 * g + j * d..2 * g + (j + 1) * d], o);
+                }
+                let inv = 1.0 / z;
+                o.iter_mut().for_each(|x| *x *= inv);
+            }
+        }
+    });
 }
