@@ -36,6 +36,53 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// Four dot products of `q` with rows `r`, interleaved so that the four
+/// dependency chains overlap; each is computed exactly as [`dot`] computes
+/// it (same lanes, same reduction), so results are bitwise equal.
+#[inline]
+pub fn dot4(q: &[f32], r: [&[f32]; 4]) -> [f32; 4] {
+    let n = q.len().min(r.iter().map(|x| x.len()).min().unwrap_or(0));
+    let full = n - n % 8;
+    let (mut a0, mut a1, mut a2, mut a3) = ([0.0f32; 8], [0.0f32; 8], [0.0f32; 8], [0.0f32; 8]);
+    let it = q[..full]
+        .chunks_exact(8)
+        .zip(r[0][..full].chunks_exact(8))
+        .zip(r[1][..full].chunks_exact(8))
+        .zip(r[2][..full].chunks_exact(8))
+        .zip(r[3][..full].chunks_exact(8));
+    for ((((x, y0), y1), y2), y3) in it {
+        for l in 0..8 {
+            a0[l] = fmadd(x[l], y0[l], a0[l]);
+            a1[l] = fmadd(x[l], y1[l], a1[l]);
+            a2[l] = fmadd(x[l], y2[l], a2[l]);
+            a3[l] = fmadd(x[l], y3[l], a3[l]);
+        }
+    }
+    let red = |a: &[f32; 8]| (a[0] + a[4]) + (a[1] + a[5]) + ((a[2] + a[6]) + (a[3] + a[7]));
+    let mut out = [red(&a0), red(&a1), red(&a2), red(&a3)];
+    for (k, o) in out.iter_mut().enumerate() {
+        for j in full..n {
+            *o += q[j] * r[k][j];
+        }
+    }
+    out
+}
+
+/// `y += p[0] r[0] + p[1] r[1] + p[2] r[2] + p[3] r[3]`, applied row after
+/// row with fused multiply-adds exactly as four [`axpy`] calls would (bitwise
+/// equal), with `y` kept in registers across the four rows.
+#[inline]
+pub fn axpy4(p: [f32; 4], r: [&[f32]; 4], y: &mut [f32]) {
+    let n = y.len();
+    let (r0, r1, r2, r3) = (&r[0][..n], &r[1][..n], &r[2][..n], &r[3][..n]);
+    for c in 0..n {
+        let mut v = fmadd(p[0], r0[c], y[c]);
+        v = fmadd(p[1], r1[c], v);
+        v = fmadd(p[2], r2[c], v);
+        y[c] = fmadd(p[3], r3[c], v);
+    }
+}
+
 /// `y += a * x`.
 #[inline]
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {

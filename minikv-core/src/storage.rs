@@ -211,8 +211,14 @@ impl FpStore for Fp16Rows {
             for j in 0..g {
                 let qj = &q[j * d..(j + 1) * d];
                 let o = &mut out[j * stride + t0 - lo..j * stride + t0 - lo + m];
-                for (r, o) in o.iter_mut().enumerate() {
-                    *o = simd::dot(qj, &b[r * d..(r + 1) * d]);
+                let row = |r: usize| &b[r * d..(r + 1) * d];
+                let m4 = m - m % 4;
+                for r in (0..m4).step_by(4) {
+                    let s = simd::dot4(qj, [row(r), row(r + 1), row(r + 2), row(r + 3)]);
+                    o[r..r + 4].copy_from_slice(&s);
+                }
+                for (r, o) in o.iter_mut().enumerate().skip(m4) {
+                    *o = simd::dot(qj, row(r));
                 }
             }
             t0 += m;
@@ -251,8 +257,18 @@ impl FpStore for Fp16Rows {
             self.data[t0 * d..(t0 + m) * d].convert_to_f32_slice(b);
             for j in 0..g {
                 let o = &mut out[j * d..(j + 1) * d];
-                for r in 0..m {
-                    simd::axpy(p[j * stride + t0 - lo + r], &b[r * d..(r + 1) * d], o);
+                let w = &p[j * stride + t0 - lo..j * stride + t0 - lo + m];
+                let row = |r: usize| &b[r * d..(r + 1) * d];
+                let m4 = m - m % 4;
+                for r in (0..m4).step_by(4) {
+                    simd::axpy4(
+                        [w[r], w[r + 1], w[r + 2], w[r + 3]],
+                        [row(r), row(r + 1), row(r + 2), row(r + 3)],
+                        o,
+                    );
+                }
+                for r in m4..m {
+                    simd::axpy(w[r], row(r), o);
                 }
             }
             t0 += m;
