@@ -267,8 +267,8 @@ impl FpStore for Fp16Rows {
                         o,
                     );
                 }
-                for r in m4..m {
-                    simd::axpy(w[r], row(r), o);
+                for (r, &wr) in w.iter().enumerate().skip(m4) {
+                    simd::axpy(wr, row(r), o);
                 }
             }
             t0 += m;
