@@ -24,12 +24,18 @@ cargo build --release -q -p minikv-cli
 MK=target/release/minikv
 CFG_ARGS=()
 for c in $CONFIGS; do CFG_ARGS+=(--config "$c"); done
-echo "bench-llamacpp: llama.cpp decode (f16 KV)" >&2
-"$BIN/llama-bench" -m "$MODEL" -t "$THREADS" -fa 1 -p 0 -n "$N" -d "$DEPTHS" -r "$REPS" -o json > "$OUT/llamacpp-decode-f16.json"
-echo "bench-llamacpp: llama.cpp decode (q4_0 KV)" >&2
-"$BIN/llama-bench" -m "$MODEL" -t "$THREADS" -fa 1 -ctk q4_0 -ctv q4_0 -p 0 -n "$N" -d "$DEPTHS" -r "$REPS" -o json > "$OUT/llamacpp-decode-q4_0.json"
-echo "bench-llamacpp: llama.cpp prefill" >&2
-"$BIN/llama-bench" -m "$MODEL" -t "$THREADS" -fa 1 -p "$PROMPTS" -n 0 -r "$REPS" -o json > "$OUT/llamacpp-prefill.json"
+# Each result file is kept: a rerun measures only what is missing (delete
+# OUT to measure everything again).
+run_ll() { # name, llama-bench args...
+  local f="$OUT/$1.json"; shift
+  [ -s "$f" ] && return 0
+  echo "bench-llamacpp: llama.cpp $*" >&2
+  "$BIN/llama-bench" -m "$MODEL" -t "$THREADS" -fa 1 -r "$REPS" -o json "$@" > "$f.part"
+  mv "$f.part" "$f"
+}
+run_ll llamacpp-decode-f16 -p 0 -n "$N" -d "$DEPTHS"
+run_ll llamacpp-decode-q4_0 -ctk q4_0 -ctv q4_0 -p 0 -n "$N" -d "$DEPTHS"
+run_ll llamacpp-prefill -p "$PROMPTS" -n 0
 echo "bench-llamacpp: minikv decode" >&2
 RAYON_NUM_THREADS=$THREADS $MK bench decode --model "$MODEL" --config configs/full.toml "${CFG_ARGS[@]}" \
   --depth "$DEPTHS" --tokens "$N" --runs "$REPS" --json > "$OUT/minikv-decode.json"
@@ -50,6 +56,7 @@ cfgs = []
 for r in mk["results"]:
     if r["config"] not in cfgs: cfgs.append(r["config"])
 dec = {(r["config"], r["depth"]): r for r in mk["results"]}
+lowered = sorted({(r["depth"], r["depth_used"]) for r in mk["results"] if r.get("depth_used", r["depth"]) != r["depth"]})
 print(f"Decode tokens/s ({threads} threads, {mk['model']}, minikv {mk['git_rev']}; median of runs, minikv spread in brackets; ratio = minikv / llama.cpp f16):\n")
 print("| depth | llama.cpp f16 KV | llama.cpp q4_0 KV | " + " | ".join(f"minikv {c}" for c in cfgs) + " |")
 print("|---|---|---|" + "---|" * len(cfgs))
@@ -59,6 +66,8 @@ for d in sorted(f16):
         r = dec.get((c, d))
         cells.append("-" if r is None else f"{r['tokens_per_s']:.1f} [{r['min']:.1f}, {r['max']:.1f}] (x{r['tokens_per_s'] / f16[d]:.2f})")
     print(f"| {d} | {f16[d]:.1f} | {q4.get(d, float('nan')):.1f} | " + " | ".join(cells) + " |")
+for d, u in lowered:
+    print(f"\nminikv's depth {d} is {u}: the timed steps must fit SmolLM2's 8192-token context (llama.cpp runs past it).")
 print(f"\nPrefill tokens/s:\n")
 pcfg = []
 for r in mkp["results"]:

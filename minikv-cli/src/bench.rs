@@ -310,19 +310,28 @@ pub fn decode(a: &DecodeBenchArgs) -> Result<()> {
     use minikv_models::{LanguageModel, Logits, Workspace};
     let l = crate::commands::load_model(&a.model)?;
     let m = l.model.as_ref();
-    let max_depth = a.depth.iter().copied().max().unwrap_or(0).max(1);
-    let need = max_depth + a.warmup + a.runs * a.tokens + 1;
-    if need > m.spec().max_seq_len {
+    // Steps after the context; a depth that leaves no room for them within
+    // the model's context is lowered to fit (reported as `depth_used`).
+    let steps = a.warmup + a.runs * a.tokens + 1;
+    let max = m.spec().max_seq_len;
+    if steps + 1 > max {
         return Err(Error::ContextOverflow {
-            len: need,
-            max: m.spec().max_seq_len,
+            len: steps + 1,
+            max,
         });
     }
+    let fit = |depth: usize| depth.max(1).min(max - steps);
+    let need = a.depth.iter().map(|&d| fit(d)).max().unwrap_or(1) + steps;
     let ids = text_tokens(&l, a.text.as_deref(), need)?;
     let mut rows = Vec::new();
     for (label, cfg) in bench_configs(&a.configs)? {
         for &depth in &a.depth {
-            let d = depth.max(1);
+            let d = fit(depth);
+            if d < depth {
+                eprintln!(
+                    "bench decode: depth {depth} lowered to {d} so that {steps} more tokens fit the model's {max}"
+                );
+            }
             let mut cache = crate::commands::build_cache(m, &cfg)?;
             let mut ws = Workspace::default();
             let t0 = Instant::now();
@@ -346,7 +355,7 @@ pub fn decode(a: &DecodeBenchArgs) -> Result<()> {
             let (med, lo, hi) = median_spread(rates.clone());
             let mem = cache.memory();
             rows.push(json!({
-                "config": label, "depth": depth, "tokens": a.tokens, "runs": rates,
+                "config": label, "depth": depth, "depth_used": d, "tokens": a.tokens, "runs": rates,
                 "tokens_per_s": med, "min": lo, "max": hi,
                 "prefill_s": prefill_s, "kv_bytes": mem.used_bytes(),
             }));
