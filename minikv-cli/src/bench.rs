@@ -213,6 +213,41 @@ fn rayon_threads() -> usize {
         .unwrap_or(1)
 }
 
+/// Prints a decode or prefill benchmark: JSON with provenance, or a table
+/// keyed by `key` (depth or prompt tokens).
+fn emit(
+    bench: &str,
+    key: &str,
+    l: &crate::commands::Loaded,
+    rows: Vec<serde_json::Value>,
+    as_json: bool,
+) -> Result<()> {
+    if as_json {
+        let v = json!({
+            "bench": bench, "model": l.path.file_name().map(|f| f.to_string_lossy().into_owned()),
+            "model_sha256": l.sha256()?, "threads": rayon::current_num_threads(),
+            "git_rev": crate::provenance::git_rev(), "results": rows,
+        });
+        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+        return Ok(());
+    }
+    println!(
+        "{:<28} {:>7} {:>10} {:>19}",
+        "config", key, "tok/s", "min - max"
+    );
+    for r in &rows {
+        println!(
+            "{:<28} {:>7} {:>10.1} {:>8.1} - {:>8.1}",
+            r["config"].as_str().unwrap_or(""),
+            r[key].to_string(),
+            r["tokens_per_s"].as_f64().unwrap_or(0.0),
+            r["min"].as_f64().unwrap_or(0.0),
+            r["max"].as_f64().unwrap_or(0.0)
+        );
+    }
+    Ok(())
+}
+
 /// `minikv bench decode`: end-to-end decode speed of the real model by depth.
 #[derive(Args)]
 pub struct DecodeBenchArgs {
@@ -361,30 +396,7 @@ pub fn decode(a: &DecodeBenchArgs) -> Result<()> {
             }));
         }
     }
-    let v = json!({
-        "bench": "decode", "model": l.path.file_name().map(|f| f.to_string_lossy().into_owned()),
-        "model_sha256": l.sha256()?, "threads": rayon::current_num_threads(),
-        "git_rev": crate::provenance::git_rev(), "results": rows,
-    });
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
-    } else {
-        println!(
-            "{:<28} {:>7} {:>10} {:>19}",
-            "config", "depth", "tok/s", "min - max"
-        );
-        for r in &rows {
-            println!(
-                "{:<28} {:>7} {:>10.1} {:>8.1} - {:>8.1}",
-                r["config"].as_str().unwrap_or(""),
-                r["depth"],
-                r["tokens_per_s"].as_f64().unwrap_or(0.0),
-                r["min"].as_f64().unwrap_or(0.0),
-                r["max"].as_f64().unwrap_or(0.0)
-            );
-        }
-    }
-    Ok(())
+    emit("decode", "depth", &l, rows, a.json)
 }
 
 pub fn prefill(a: &PrefillBenchArgs) -> Result<()> {
@@ -420,28 +432,5 @@ pub fn prefill(a: &PrefillBenchArgs) -> Result<()> {
             }));
         }
     }
-    let v = json!({
-        "bench": "prefill", "model": l.path.file_name().map(|f| f.to_string_lossy().into_owned()),
-        "model_sha256": l.sha256()?, "threads": rayon::current_num_threads(),
-        "git_rev": crate::provenance::git_rev(), "results": rows,
-    });
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&v).expect("json"));
-    } else {
-        println!(
-            "{:<28} {:>7} {:>10} {:>19}",
-            "config", "tokens", "tok/s", "min - max"
-        );
-        for r in &rows {
-            println!(
-                "{:<28} {:>7} {:>10.1} {:>8.1} - {:>8.1}",
-                r["config"].as_str().unwrap_or(""),
-                r["tokens"],
-                r["tokens_per_s"].as_f64().unwrap_or(0.0),
-                r["min"].as_f64().unwrap_or(0.0),
-                r["max"].as_f64().unwrap_or(0.0)
-            );
-        }
-    }
-    Ok(())
+    emit("prefill", "tokens", &l, rows, a.json)
 }

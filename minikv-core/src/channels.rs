@@ -48,19 +48,57 @@ dyn_clone::clone_trait_object!(ChannelPruner);
 /// `g * d' <= 2048`).
 type Buf = SmallVec<[f32; 2048]>;
 
-fn gather(rows: &[f32], d: usize, ch: &[u16], out: &mut Buf) {
-    out.clear();
-    for r in rows.chunks_exact(d) {
-        out.extend(ch.iter().map(|&c| r[c as usize]));
-    }
+/// The kept channels of `d`-wide rows: gathering rows to them, scattering
+/// back (zeros elsewhere), adding back. Shared by both store wrappers.
+#[derive(Debug)]
+struct Subset {
+    channels: Vec<u16>,
+    d: usize,
 }
 
-fn scatter(rows: &[f32], ch: &[u16], d: usize, out: &mut [f32]) {
-    for (r, o) in rows.chunks_exact(ch.len()).zip(out.chunks_exact_mut(d)) {
-        o.fill(0.0);
-        for (&c, &x) in ch.iter().zip(r) {
-            o[c as usize] = x;
+impl Subset {
+    /// Rows `[n][d]` cut to the kept channels `[n][d']`.
+    fn gather(&self, rows: &[f32]) -> Buf {
+        let mut out = Buf::new();
+        for r in rows.chunks_exact(self.d) {
+            out.extend(self.channels.iter().map(|&c| r[c as usize]));
         }
+        out
+    }
+    /// Rows `[n][d']` written to `out` `[n][d]`, zeros in the dropped channels.
+    fn scatter(&self, rows: &[f32], out: &mut [f32]) {
+        for (r, o) in rows
+            .chunks_exact(self.channels.len())
+            .zip(out.chunks_exact_mut(self.d))
+        {
+            o.fill(0.0);
+            for (&c, &x) in self.channels.iter().zip(r) {
+                o[c as usize] = x;
+            }
+        }
+    }
+    /// `out[j][c] += part[j][c']` for the `g` rows of an accumulation.
+    fn scatter_add(&self, part: &[f32], out: &mut [f32]) {
+        for (r, o) in part
+            .chunks_exact(self.channels.len())
+            .zip(out.chunks_exact_mut(self.d))
+        {
+            for (&c, &x) in self.channels.iter().zip(r) {
+                o[c as usize] += x;
+            }
+        }
+    }
+    /// Accumulation through a narrow store: `f` adds into `[g][d']`.
+    fn accumulate(&self, g: usize, out: &mut [f32], f: impl FnOnce(&mut [f32])) {
+        let mut b: Buf = SmallVec::from_elem(0.0, g * self.channels.len());
+        f(&mut b);
+        self.scatter_add(&b, out);
+    }
+    fn bytes(&self) -> usize {
+        2 * self.channels.capacity()
+    }
+    fn used_bytes(&self) -> usize {
+        2 * self.channels.len()
     }
 }
 
@@ -68,14 +106,16 @@ fn scatter(rows: &[f32], ch: &[u16], d: usize, out: &mut [f32]) {
 #[derive(Debug)]
 pub struct ChannelSubsetFp {
     inner: Box<dyn FpStore>,
-    channels: Vec<u16>,
-    d: usize,
+    sub: Subset,
 }
 
 impl ChannelSubsetFp {
     /// Wraps `inner`, a store of `channels.len()`-wide rows.
     pub fn new(inner: Box<dyn FpStore>, channels: Vec<u16>, d: usize) -> Self {
-        Self { inner, channels, d }
+        Self {
+            inner,
+            sub: Subset { channels, d },
+        }
     }
 }
 
@@ -84,32 +124,27 @@ impl FpStore for ChannelSubsetFp {
         self.inner.len()
     }
     fn dim(&self) -> usize {
-        self.d
+        self.sub.d
     }
     fn push(&mut self, rows: &[f32]) {
-        let mut b = Buf::new();
-        gather(rows, self.d, &self.channels, &mut b);
-        self.inner.push(&b);
+        self.inner.push(&self.sub.gather(rows));
     }
     fn replace(&mut self, idx: usize, row: &[f32]) {
-        let mut b = Buf::new();
-        gather(row, self.d, &self.channels, &mut b);
-        self.inner.replace(idx, &b);
+        self.inner.replace(idx, &self.sub.gather(row));
     }
     fn swap_remove(&mut self, idx: usize) {
         self.inner.swap_remove(idx);
     }
     fn drain_front(&mut self, n: usize, out: &mut Vec<f32>) {
-        let mut part = Vec::with_capacity(n * self.channels.len());
+        let mut part = Vec::with_capacity(n * self.sub.channels.len());
         self.inner.drain_front(n, &mut part);
         let start = out.len();
-        out.resize(start + n * self.d, 0.0);
-        scatter(&part, &self.channels, self.d, &mut out[start..]);
+        out.resize(start + n * self.sub.d, 0.0);
+        self.sub.scatter(&part, &mut out[start..]);
     }
     fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
-        let mut b = Buf::new();
-        gather(&q[..g * self.d], self.d, &self.channels, &mut b);
-        self.inner.scores(&b, g, out, stride);
+        let q = self.sub.gather(&q[..g * self.sub.d]);
+        self.inner.scores(&q, g, out, stride);
     }
     fn scores_rows(
         &self,
@@ -119,39 +154,30 @@ impl FpStore for ChannelSubsetFp {
         stride: usize,
         rows: std::ops::Range<usize>,
     ) {
-        let mut b = Buf::new();
-        gather(&q[..g * self.d], self.d, &self.channels, &mut b);
-        self.inner.scores_rows(&b, g, out, stride, rows);
+        let q = self.sub.gather(&q[..g * self.sub.d]);
+        self.inner.scores_rows(&q, g, out, stride, rows);
     }
     fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
-        let mut b: Buf = SmallVec::from_elem(0.0, g * self.channels.len());
-        self.inner.accumulate(p, g, stride, &mut b);
-        for (part, o) in b
-            .chunks_exact(self.channels.len())
-            .zip(out.chunks_exact_mut(self.d))
-        {
-            for (&c, &x) in self.channels.iter().zip(part) {
-                o[c as usize] += x;
-            }
-        }
+        self.sub
+            .accumulate(g, out, |b| self.inner.accumulate(p, g, stride, b));
     }
     fn to_f32(&self, out: &mut [f32]) {
-        let mut part = vec![0.0f32; self.inner.len() * self.channels.len()];
+        let mut part = vec![0.0f32; self.inner.len() * self.sub.channels.len()];
         self.inner.to_f32(&mut part);
-        scatter(&part, &self.channels, self.d, out);
+        self.sub.scatter(&part, out);
     }
     fn bytes(&self) -> usize {
-        self.inner.bytes() + 2 * self.channels.capacity()
+        self.inner.bytes() + self.sub.bytes()
     }
     fn used_bytes(&self) -> usize {
-        self.inner.used_bytes() + 2 * self.channels.len()
+        self.inner.used_bytes() + self.sub.used_bytes()
     }
     fn reserve_exact(&mut self, rows: usize) {
         self.inner.reserve_exact(rows);
     }
     fn shrink(&mut self) {
         self.inner.shrink();
-        self.channels.shrink_to_fit();
+        self.sub.channels.shrink_to_fit();
     }
     fn as_any(&self) -> &dyn Any {
         self
@@ -162,14 +188,16 @@ impl FpStore for ChannelSubsetFp {
 #[derive(Debug)]
 pub struct ChannelSubsetQuant {
     inner: Box<dyn QuantStore>,
-    channels: Vec<u16>,
-    d: usize,
+    sub: Subset,
 }
 
 impl ChannelSubsetQuant {
     /// Wraps `inner`, a store of `channels.len()`-wide rows.
     pub fn new(inner: Box<dyn QuantStore>, channels: Vec<u16>, d: usize) -> Self {
-        Self { inner, channels, d }
+        Self {
+            inner,
+            sub: Subset { channels, d },
+        }
     }
 }
 
@@ -178,50 +206,37 @@ impl QuantStore for ChannelSubsetQuant {
         self.inner.len()
     }
     fn head_dim(&self) -> usize {
-        self.d
+        self.sub.d
     }
     fn append(&mut self, rows: &[f32]) -> Result<()> {
-        let mut part = Vec::with_capacity(rows.len() / self.d * self.channels.len());
-        for r in rows.chunks_exact(self.d) {
-            part.extend(self.channels.iter().map(|&c| r[c as usize]));
-        }
-        self.inner.append(&part)
+        self.inner.append(&self.sub.gather(rows))
     }
     fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
-        let mut b = Buf::new();
-        gather(&q[..g * self.d], self.d, &self.channels, &mut b);
-        self.inner.scores(&b, g, out, stride);
+        let q = self.sub.gather(&q[..g * self.sub.d]);
+        self.inner.scores(&q, g, out, stride);
     }
     fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
-        let mut b: Buf = SmallVec::from_elem(0.0, g * self.channels.len());
-        self.inner.accumulate(p, g, stride, &mut b);
-        for (part, o) in b
-            .chunks_exact(self.channels.len())
-            .zip(out.chunks_exact_mut(self.d))
-        {
-            for (&c, &x) in self.channels.iter().zip(part) {
-                o[c as usize] += x;
-            }
-        }
+        self.sub
+            .accumulate(g, out, |b| self.inner.accumulate(p, g, stride, b));
     }
     fn dequantize(&self, out: &mut [f32]) {
-        let mut part = vec![0.0f32; self.inner.len() * self.channels.len()];
+        let mut part = vec![0.0f32; self.inner.len() * self.sub.channels.len()];
         self.inner.dequantize(&mut part);
-        scatter(&part, &self.channels, self.d, out);
+        self.sub.scatter(&part, out);
     }
     fn bytes(&self) -> QuantBytes {
         let b = self.inner.bytes();
         QuantBytes {
-            scales: b.scales + 2 * self.channels.capacity(),
+            scales: b.scales + self.sub.bytes(),
             ..b
         }
     }
     fn used_bytes(&self) -> usize {
-        self.inner.used_bytes() + 2 * self.channels.len()
+        self.inner.used_bytes() + self.sub.used_bytes()
     }
     fn shrink(&mut self) {
         self.inner.shrink();
-        self.channels.shrink_to_fit();
+        self.sub.channels.shrink_to_fit();
     }
     fn as_any(&self) -> &dyn Any {
         self

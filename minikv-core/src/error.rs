@@ -106,6 +106,22 @@ pub fn check_len(what: &str, expected: usize, got: usize) -> Result<()> {
     Ok(())
 }
 
+/// Returns [`Error::Config`] naming `field` unless `lo <= v <= hi` (for a
+/// component parameter: `check_range("cache.scorer.window", w, 1, 65536)`).
+/// Works for token counts and ratios alike; NaN is out of every range.
+pub fn check_range<T>(field: &str, v: T, lo: T, hi: T) -> Result<()>
+where
+    T: PartialOrd + std::fmt::Display + Copy,
+{
+    if !(lo <= v && v <= hi) {
+        return Err(Error::config(
+            field,
+            format!("must be in [{lo}, {hi}], got {v}"),
+        ));
+    }
+    Ok(())
+}
+
 /// Returns [`Error::Input`] if any value is NaN or infinite.
 pub fn check_finite(what: &str, xs: &[f32]) -> Result<()> {
     if let Some(i) = xs.iter().position(|x| !x.is_finite()) {

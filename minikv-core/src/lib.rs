@@ -74,7 +74,7 @@ pub use compensate::{CompensateInput, Compensation, Compensator, ExtraEntries, L
 pub use config::{
     CacheConfig, DecodeMode, HeadMode, QuantConfig, ResidualMode, RunConfig, check_finite_fields,
 };
-pub use error::{Error, Result, check_finite, check_len};
+pub use error::{Error, Result, check_finite, check_len, check_range};
 pub use probe::AttentionProbe;
 pub use quant::{Axis, QuantBytes, QuantStore, Quantizer};
 pub use scoring::{

@@ -38,10 +38,7 @@ pub trait FpStore: Send + Sync + Debug {
     /// `out[j * stride + (t - rows.start)] = q_j . x_t` (split-K decode).
     fn scores_rows(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize, rows: Range<usize>) {
         let d = self.dim();
-        let idx: Vec<u32> = (rows.start as u32..rows.end as u32).collect();
-        let mut x = Vec::new();
-        self.gather(&idx, &mut x);
-        for (t, r) in x.chunks_exact(d).enumerate() {
+        for (t, r) in range_f32(self, rows).chunks_exact(d).enumerate() {
             for j in 0..g {
                 out[j * stride + t] = simd::dot(&q[j * d..(j + 1) * d], r);
             }
@@ -58,10 +55,7 @@ pub trait FpStore: Send + Sync + Debug {
         rows: Range<usize>,
     ) {
         let d = self.dim();
-        let idx: Vec<u32> = (rows.start as u32..rows.end as u32).collect();
-        let mut x = Vec::new();
-        self.gather(&idx, &mut x);
-        for (t, r) in x.chunks_exact(d).enumerate() {
+        for (t, r) in range_f32(self, rows).chunks_exact(d).enumerate() {
             for j in 0..g {
                 simd::axpy(p[j * stride + t], r, &mut out[j * d..(j + 1) * d]);
             }
@@ -92,6 +86,17 @@ pub trait FpStore: Send + Sync + Debug {
     fn shrink(&mut self);
     /// For backends that own their store types.
     fn as_any(&self) -> &dyn Any;
+}
+
+/// Rows `rows` of a store as f32 (the generic path of the range methods;
+/// [`Fp16Rows`] reads its rows in place instead).
+fn range_f32<S: FpStore + ?Sized>(s: &S, rows: Range<usize>) -> Vec<f32> {
+    let d = s.dim();
+    let mut all = vec![0.0f32; s.len() * d];
+    s.to_f32(&mut all);
+    all.truncate(rows.end * d);
+    all.drain(..rows.start * d);
+    all
 }
 
 /// Creates the stores of a cache. A device backend returns stores that live on

@@ -213,13 +213,7 @@ impl SelectionPolicy for PyramidKvPress {
                 format!("must be in 1..=65536, got {}", self.beta),
             ));
         }
-        if self.window > 1 << 20 {
-            return Err(Error::config(
-                "cache.policy.window",
-                format!("must be at most 1048576, got {}", self.window),
-            ));
-        }
-        Ok(())
+        minikv_core::check_range("cache.policy.window", self.window, 0, 1 << 20)
     }
     fn layer_budgets(&self, req: &BudgetRequest<'_>) -> Result<Vec<LayerBudget>> {
         let kept = self.schedule(req.n_layers, req.prompt_len, req.heavy as f64);

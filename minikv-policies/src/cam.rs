@@ -16,7 +16,7 @@
 //! (weight 1) and what it received (weights `p_i / m`).
 
 use minikv_core::compensate::{CompensateInput, Compensation, Compensator};
-use minikv_core::{Error, Result, register};
+use minikv_core::{Result, check_range, register};
 use serde::{Deserialize, Serialize};
 
 /// CaM merge compensator.
@@ -58,19 +58,18 @@ impl Default for CamMerge {
 #[typetag::serde(name = "cam")]
 impl Compensator for CamMerge {
     fn validate(&self) -> Result<()> {
-        if !(1..=65536).contains(&self.merge_budget) {
-            return Err(Error::config(
-                "cache.compensator.merge_budget",
-                format!("must be in 1..=65536, got {}", self.merge_budget),
-            ));
-        }
-        if !(0.0..=1.0).contains(&self.merge_fraction) {
-            return Err(Error::config(
-                "cache.compensator.merge_fraction",
-                format!("must be in [0, 1], got {}", self.merge_fraction),
-            ));
-        }
-        Ok(())
+        check_range(
+            "cache.compensator.merge_budget",
+            self.merge_budget,
+            1,
+            65536,
+        )?;
+        check_range(
+            "cache.compensator.merge_fraction",
+            self.merge_fraction,
+            0.0,
+            1.0,
+        )
     }
     fn compensate(&self, inp: &CompensateInput<'_>) -> Result<Compensation> {
         let d = inp.d;

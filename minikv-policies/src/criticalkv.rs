@@ -11,7 +11,9 @@
 //! tokens then score above all others. The model supplies `W_o` through the
 //! cache's observation channel.
 
-use minikv_core::{Error, Needs, Result, ScoreInputs, TokenScorer, register, top_k_indices};
+use minikv_core::{
+    Error, Needs, Result, ScoreInputs, TokenScorer, check_range, register, top_k_indices,
+};
 use serde::{Deserialize, Serialize};
 
 /// CriticalKV wrapper (kvpress defaults: ε = 1e-4, first stage 0.5).
@@ -103,18 +105,13 @@ impl TokenScorer for CriticalKv {
         })
     }
     fn validate(&self) -> Result<()> {
-        if !(0.0..=1.0).contains(&self.first_stage_ratio) {
-            return Err(Error::config(
-                "cache.scorer.first_stage_ratio",
-                format!("must be in [0, 1], got {}", self.first_stage_ratio),
-            ));
-        }
-        if !(0.0..=1e6).contains(&self.epsilon) {
-            return Err(Error::config(
-                "cache.scorer.epsilon",
-                format!("must be in [0, 1e6], got {}", self.epsilon),
-            ));
-        }
+        check_range(
+            "cache.scorer.first_stage_ratio",
+            self.first_stage_ratio,
+            0.0,
+            1.0,
+        )?;
+        check_range("cache.scorer.epsilon", self.epsilon, 0.0, 1e6)?;
         self.scorer.validate()
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {

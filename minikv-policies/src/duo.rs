@@ -10,7 +10,7 @@
 //! `retrieval_fraction` highest-scored heads of the whole model are retrieval
 //! heads (ties to the lower layer and head).
 
-use minikv_core::{Error, Result, SelectionInput, Selector, register};
+use minikv_core::{Error, Result, SelectionInput, Selector, check_range, register};
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, OnceLock};
 
@@ -136,13 +136,12 @@ impl DuoAttention {
 #[typetag::serde(name = "duo_attention")]
 impl Selector for DuoAttention {
     fn validate(&self) -> Result<()> {
-        if !(0.0..=1.0).contains(&self.retrieval_fraction) {
-            return Err(Error::config(
-                "cache.selector.retrieval_fraction",
-                format!("must be in [0, 1], got {}", self.retrieval_fraction),
-            ));
-        }
-        Ok(())
+        check_range(
+            "cache.selector.retrieval_fraction",
+            self.retrieval_fraction,
+            0.0,
+            1.0,
+        )
     }
     fn select(&self, input: &SelectionInput<'_>, out: &mut Vec<Vec<u32>>) -> Result<()> {
         let heads = self.heads()?;

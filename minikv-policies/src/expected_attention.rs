@@ -13,7 +13,7 @@
 //! tokens score above every other token. The model supplies the pre-RoPE
 //! queries and its RoPE through the cache's observation channel.
 
-use minikv_core::{Error, Needs, Result, ScoreInputs, TokenScorer, register, simd};
+use minikv_core::{Error, Needs, Result, ScoreInputs, TokenScorer, check_range, register, simd};
 use serde::{Deserialize, Serialize};
 
 /// Expected Attention scorer (kvpress defaults).
@@ -80,25 +80,14 @@ impl TokenScorer for ExpectedAttention {
         }
     }
     fn validate(&self) -> Result<()> {
-        if !(1..=1 << 20).contains(&self.n_future_positions) {
-            return Err(Error::config(
-                "cache.scorer.n_future_positions",
-                format!("must be in 1..=1048576, got {}", self.n_future_positions),
-            ));
-        }
-        if self.n_sink > 65536 {
-            return Err(Error::config(
-                "cache.scorer.n_sink",
-                format!("must be at most 65536, got {}", self.n_sink),
-            ));
-        }
-        if !(0.0..=1e6).contains(&self.epsilon) {
-            return Err(Error::config(
-                "cache.scorer.epsilon",
-                format!("must be in [0, 1e6], got {}", self.epsilon),
-            ));
-        }
-        Ok(())
+        check_range(
+            "cache.scorer.n_future_positions",
+            self.n_future_positions,
+            1,
+            1 << 20,
+        )?;
+        check_range("cache.scorer.n_sink", self.n_sink, 0, 65536)?;
+        check_range("cache.scorer.epsilon", self.epsilon, 0.0, 1e6)
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
         let (t, d, hq) = (inp.t, inp.spec.head_dim, inp.spec.n_q_heads);

@@ -12,7 +12,7 @@
 //! costs a second forward over the prompt (reported as
 //! `reconstruction_pass_tokens` / `_seconds` in results).
 
-use minikv_core::{Error, Needs, Result, ScoreInputs, TokenScorer, register};
+use minikv_core::{Error, Needs, Result, ScoreInputs, TokenScorer, check_range, register};
 use serde::{Deserialize, Serialize};
 
 /// KVzip scorer (kvpress default: 4 sinks).
@@ -43,13 +43,7 @@ impl TokenScorer for KvZip {
         }
     }
     fn validate(&self) -> Result<()> {
-        if self.n_sink > 65536 {
-            return Err(Error::config(
-                "cache.scorer.n_sink",
-                format!("must be at most 65536, got {}", self.n_sink),
-            ));
-        }
-        Ok(())
+        check_range("cache.scorer.n_sink", self.n_sink, 0, 65536)
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
         let (t, g) = (inp.t, inp.spec.group());

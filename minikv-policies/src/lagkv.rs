@@ -14,7 +14,7 @@
 //! A prompt shorter than `n_sink + 2·lag` is not partitioned: scores rise
 //! with position. Channels whose successor range is 0 contribute 0.
 
-use minikv_core::{Error, Needs, Result, ScoreInputs, TokenScorer, register, simd};
+use minikv_core::{Needs, Result, ScoreInputs, TokenScorer, check_range, register, simd};
 use serde::{Deserialize, Serialize};
 
 /// LagKV scorer (kvpress defaults: 4 sinks, partitions of 128).
@@ -87,19 +87,8 @@ impl TokenScorer for LagKv {
         Needs::default()
     }
     fn validate(&self) -> Result<()> {
-        if !(1..=65536).contains(&self.lag_size) {
-            return Err(Error::config(
-                "cache.scorer.lag_size",
-                format!("must be in 1..=65536, got {}", self.lag_size),
-            ));
-        }
-        if self.n_sink > 65536 {
-            return Err(Error::config(
-                "cache.scorer.n_sink",
-                format!("must be at most 65536, got {}", self.n_sink),
-            ));
-        }
-        Ok(())
+        check_range("cache.scorer.lag_size", self.lag_size, 1, 65536)?;
+        check_range("cache.scorer.n_sink", self.n_sink, 0, 65536)
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
         let (t, d, g) = (inp.t, inp.spec.head_dim, inp.spec.group());

@@ -304,13 +304,7 @@ impl TokenScorer for Recency {
         Needs::default()
     }
     fn validate(&self) -> Result<()> {
-        if self.n_sink > 65536 {
-            return Err(Error::config(
-                "cache.scorer.n_sink",
-                format!("must be at most 65536, got {}", self.n_sink),
-            ));
-        }
-        Ok(())
+        minikv_core::check_range("cache.scorer.n_sink", self.n_sink, 0, 65536)
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
         let t = inp.t;

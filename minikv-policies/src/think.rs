@@ -9,7 +9,7 @@
 //! keeps the full width; minikv stores fewer channels). Composes with any
 //! token selection and with quantization.
 
-use minikv_core::{ChannelInput, ChannelPruner, Error, Needs, Result, register};
+use minikv_core::{ChannelInput, ChannelPruner, Error, Needs, Result, check_range, register};
 use serde::{Deserialize, Serialize};
 
 /// ThinK channel pruner.
@@ -56,13 +56,7 @@ impl ChannelPruner for Think {
                 format!("must be in [0, 1), got {}", self.ratio),
             ));
         }
-        if !(1..=65536).contains(&self.window) {
-            return Err(Error::config(
-                "cache.channels.window",
-                format!("must be in 1..=65536, got {}", self.window),
-            ));
-        }
-        Ok(())
+        check_range("cache.channels.window", self.window, 1, 65536)
     }
     fn select(&self, inp: &ChannelInput<'_>) -> Result<Vec<u16>> {
         let s = inp.signals;

@@ -208,14 +208,11 @@ impl LayeredCache {
         let gate = self.gate.as_deref();
         if let Some(qc) = &self.cfg.quest {
             let (d, g) = (self.spec.head_dim, self.spec.n_q_heads / self.n_store);
-            let mut read = 0usize;
             for (s, qh) in l.quest.iter_mut().enumerate() {
-                let rows = qh.select(&l.heads[s], &q[s * g * d..(s + 1) * g * d], qc.token_budget);
-                read += 4 * d * rows + qh.bound_bytes_used();
+                let read = qh.select(&l.heads[s], &q[s * g * d..(s + 1) * g * d], qc.token_budget);
+                self.quest_stats.bytes_read += read as u64;
+                self.quest_stats.bytes_all += qh.held_bytes() as u64;
             }
-            self.quest_stats.bytes_read += read as u64;
-            self.quest_stats.bytes_all +=
-                l.heads.iter().map(|h| h.memory().used as u64).sum::<u64>();
             if layer == 0 {
                 self.quest_stats.steps += 1;
             }

@@ -130,14 +130,15 @@ impl QuestHead {
     }
 
     /// Chooses the pages for queries `q` (`[g][d]`) and copies their rows out
-    /// of `head`; returns the rows read (all of them when the head is within
-    /// the budget, then nothing is copied).
+    /// of `head`; returns the bytes this step reads: the fp16 keys and values
+    /// of the rows read and, when pages were chosen, every page's bounds (a
+    /// head within the budget is read whole and nothing is copied).
     pub fn select(&mut self, head: &HeadStore, q: &[f32], budget: usize) -> usize {
         let (d, page) = (self.d, self.page);
         let n = self.rows;
         if n <= budget {
             self.selected = false;
-            return n;
+            return 4 * d * n;
         }
         let pages = n.div_ceil(page);
         let g = q.len() / d;
@@ -186,7 +187,13 @@ impl QuestHead {
         fv.gather(&self.idx, &mut self.buf);
         self.sel_v.push(&self.buf);
         self.selected = true;
-        self.idx.len()
+        4 * d * self.idx.len() + self.bound_bytes_used()
+    }
+
+    /// Bytes of this head's rows (fp16 keys and values) and page bounds, in
+    /// the unit of [`select`](QuestHead::select).
+    pub fn held_bytes(&self) -> usize {
+        4 * self.d * self.rows + self.bound_bytes_used()
     }
 
     /// Bytes of the page bounds (read every step) and of this head's work buffers.
