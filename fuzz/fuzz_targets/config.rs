@@ -14,7 +14,7 @@ fuzz_target!(|data: &[u8]| {
     if cfg.resolve().and_then(|_| cfg.validate(None)).is_err() {
         return;
     }
-    let spec = ModelSpec { n_layers: 2, n_q_heads: 4, n_kv_heads: 2, head_dim: 32, max_seq_len: 256 };
+    let spec = ModelSpec { n_layers: 2, n_q_heads: 4, n_kv_heads: 2, head_dim: 32, max_seq_len: 256, windows: Vec::new() };
     let Ok(mut c) = CacheBuilder::new(spec).build(&cfg.cache) else { return };
     let (t, kv, qd) = (48, 64, 128);
     let x: Vec<f32> = (0..t * qd).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();

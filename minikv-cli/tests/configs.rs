@@ -123,6 +123,7 @@ fn bad_configs_name_the_problem() {
         n_kv_heads: 3,
         head_dim: 64,
         max_seq_len: 100,
+        windows: Vec::new(),
     };
     let c = RunConfig::parse("[cache.quant]\nresidual = 48\nvalues = { type = \"minmax\", bits = 2, group = 48, axis = \"token\" }", false).unwrap();
     let e = c.validate(Some(&spec)).unwrap_err().to_string();

@@ -46,6 +46,7 @@ fn bench(c: &mut Criterion) {
                         t,
                         out: &mut out,
                         cumulative: Some(&mut cu),
+                        window: None,
                     })
                     .unwrap();
                     black_box(&cu);

@@ -39,11 +39,20 @@ impl CacheBuilder {
         &self.spec
     }
 
-    /// Builds a cache from a cache config.
+    /// Builds a cache from a cache config. A model with sliding-window
+    /// layers gets a [`HybridCache`](crate::hybrid::HybridCache): rings for
+    /// those layers, the config's cache for the global ones.
     pub fn build(&self, cfg: &CacheConfig) -> Result<Box<dyn KvCache>> {
+        if self.spec.has_windows() {
+            return Ok(Box::new(crate::hybrid::HybridCache::new(
+                cfg.clone(),
+                self.spec.clone(),
+                self.backend.clone(),
+            )?));
+        }
         Ok(Box::new(LayeredCache::new(
             cfg.clone(),
-            self.spec,
+            self.spec.clone(),
             self.backend.clone(),
         )?))
     }

@@ -211,6 +211,10 @@ pub struct LayerMemory {
     /// Decode work buffers of the layer (attention probabilities and scratch
     /// of decode-time eviction).
     pub work: usize,
+    /// `Some(w)`: a sliding-window layer, held as a ring of its last `w`
+    /// tokens (never compressed); `None`: a global layer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window: Option<usize>,
 }
 
 /// Bytes actually allocated by a cache, with the full fp16 cache for comparison.

@@ -21,8 +21,8 @@
 //! ```
 //! use minikv_core::{CacheBuilder, CacheConfig, KvCache, ModelSpec, Phase};
 //!
-//! let spec = ModelSpec { n_layers: 2, n_q_heads: 4, n_kv_heads: 2, head_dim: 8, max_seq_len: 64 };
-//! let mut cache = CacheBuilder::new(spec).build(&CacheConfig::default())?; // full fp16 cache
+//! let spec = ModelSpec { n_layers: 2, n_q_heads: 4, n_kv_heads: 2, head_dim: 8, max_seq_len: 64, windows: Vec::new() };
+//! let mut cache = CacheBuilder::new(spec.clone()).build(&CacheConfig::default())?; // full fp16 cache
 //! let (t, kv, qd) = (5, 2 * 8, 4 * 8);
 //! let k: Vec<f32> = (0..t * kv).map(|i| (i as f32 * 0.37).sin()).collect();
 //! let q: Vec<f32> = (0..t * qd).map(|i| (i as f32 * 0.11).cos()).collect();
@@ -51,6 +51,7 @@ pub mod compensate;
 pub mod components;
 pub mod config;
 mod error;
+pub mod hybrid;
 pub mod layered;
 pub mod probe;
 pub mod quant;

@@ -11,7 +11,7 @@
 //! ```
 //! use minikv_core::{AttentionProbe, CacheBuilder, CacheConfig, KvCache, ModelSpec};
 //!
-//! let spec = ModelSpec { n_layers: 1, n_q_heads: 2, n_kv_heads: 1, head_dim: 4, max_seq_len: 32 };
+//! let spec = ModelSpec { n_layers: 1, n_q_heads: 2, n_kv_heads: 1, head_dim: 4, max_seq_len: 32, windows: Vec::new() };
 //! let full = CacheBuilder::new(spec).build(&CacheConfig::default())?;
 //! let same = CacheBuilder::new(spec).build(&CacheConfig::default())?;
 //! let mut probe = AttentionProbe::new(full, same)?;
@@ -182,6 +182,7 @@ mod tests {
             n_kv_heads: 1,
             head_dim: 4,
             max_seq_len: 64,
+            windows: Vec::new(),
         }
     }
 

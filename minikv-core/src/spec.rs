@@ -4,7 +4,7 @@ use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// What a KV cache needs to know about a model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSpec {
     /// Number of transformer layers `L`.
@@ -17,12 +17,34 @@ pub struct ModelSpec {
     pub head_dim: usize,
     /// Longest sequence the model supports.
     pub max_seq_len: usize,
+    /// Per layer, `Some(w)` for sliding-window attention (a query sees the
+    /// last `w` positions, itself included) or `None` for global attention.
+    /// Empty: every layer is global (Llama).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub windows: Vec<Option<usize>>,
 }
 
 impl ModelSpec {
     /// Query heads per KV head (`Hq / Hkv`).
     pub fn group(&self) -> usize {
         self.n_q_heads / self.n_kv_heads
+    }
+
+    /// The sliding window of `layer` (`None`: global attention).
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.windows.get(layer).copied().flatten()
+    }
+
+    /// Layers with global attention, in order.
+    pub fn global_layers(&self) -> Vec<usize> {
+        (0..self.n_layers)
+            .filter(|&l| self.window(l).is_none())
+            .collect()
+    }
+
+    /// True when some layer attends through a sliding window.
+    pub fn has_windows(&self) -> bool {
+        self.windows.iter().any(Option::is_some)
     }
 
     /// KV head read by query head `h`.
@@ -43,6 +65,22 @@ impl ModelSpec {
                 return Err(Error::config(format!("spec.{name}"), "must be positive"));
             }
         }
+        if !self.windows.is_empty() && self.windows.len() != self.n_layers {
+            return Err(Error::config(
+                "spec.windows",
+                format!(
+                    "{} entries for {} layers (one per layer, or none)",
+                    self.windows.len(),
+                    self.n_layers
+                ),
+            ));
+        }
+        if self.windows.contains(&Some(0)) {
+            return Err(Error::config(
+                "spec.windows",
+                "a sliding window must be positive",
+            ));
+        }
         if !self.n_q_heads.is_multiple_of(self.n_kv_heads) {
             return Err(Error::config(
                 "spec.n_kv_heads",
@@ -55,8 +93,12 @@ impl ModelSpec {
         Ok(())
     }
 
-    /// Bytes of a full fp16 K+V cache for `tokens` tokens (all layers, KV heads).
+    /// Bytes of an uncompressed fp16 K+V cache after `tokens` tokens (all
+    /// layers and KV heads; a sliding-window layer holds at most its window).
     pub fn full_fp16_bytes(&self, tokens: usize) -> usize {
-        2 * self.n_layers * self.n_kv_heads * self.head_dim * tokens * 2
+        let held: usize = (0..self.n_layers)
+            .map(|l| self.window(l).map_or(tokens, |w| tokens.min(w)))
+            .sum();
+        2 * held * self.n_kv_heads * self.head_dim * 2
     }
 }

@@ -29,6 +29,18 @@ fn run(
     v: &[Vec<f32>],
     cumul: bool,
 ) -> (Vec<f32>, Vec<f32>) {
+    run_window(backend, c, q, k, v, cumul, None)
+}
+
+fn run_window(
+    backend: &dyn AttentionBackend,
+    c: &Case,
+    q: &[f32],
+    k: &[Vec<f32>],
+    v: &[Vec<f32>],
+    cumul: bool,
+    window: Option<usize>,
+) -> (Vec<f32>, Vec<f32>) {
     let mut out = vec![0.0; c.hq * c.n * c.d];
     let mut cu = vec![0.0; c.hq * c.t];
     let keys: Vec<&[f32]> = k.iter().map(|x| x.as_slice()).collect();
@@ -44,6 +56,7 @@ fn run(
             t: c.t,
             out: &mut out,
             cumulative: cumul.then_some(&mut cu[..]),
+            window,
         })
         .unwrap();
     (out, cu)
@@ -131,6 +144,105 @@ fn tiled_equals_reference_on_random_shapes() {
                 to, to2,
                 "output must not depend on whether A_cumul is requested"
             );
+        }
+    }
+}
+
+/// Sliding-window prefill: each query's output equals full attention over
+/// exactly its last `w` keys (computed as a one-query prefill over that
+/// slice), on the reference and the tiled backends, with `A_cumul`, for
+/// windows smaller and larger than the tiles and chunks after a prefix.
+#[test]
+fn sliding_window_prefill_equals_attention_over_the_window() {
+    let mut rng = StdRng::seed_from_u64(11);
+    for (c, w) in [
+        (
+            Case {
+                hq: 4,
+                hkv: 1,
+                d: 16,
+                n: 150,
+                t: 150,
+            },
+            7,
+        ),
+        (
+            Case {
+                hq: 4,
+                hkv: 2,
+                d: 8,
+                n: 90,
+                t: 300,
+            },
+            64,
+        ),
+        (
+            Case {
+                hq: 2,
+                hkv: 1,
+                d: 32,
+                n: 200,
+                t: 200,
+            },
+            129,
+        ),
+        (
+            Case {
+                hq: 2,
+                hkv: 1,
+                d: 8,
+                n: 40,
+                t: 40,
+            },
+            1000,
+        ),
+    ] {
+        let q = rand_vec(&mut rng, c.hq * c.n * c.d, 2.0);
+        let k: Vec<Vec<f32>> = (0..c.hkv)
+            .map(|_| rand_vec(&mut rng, c.t * c.d, 2.0))
+            .collect();
+        let v: Vec<Vec<f32>> = (0..c.hkv)
+            .map(|_| rand_vec(&mut rng, c.t * c.d, 1.0))
+            .collect();
+        // Expected: per query, a one-query prefill over its window's keys.
+        let d = c.d;
+        let mut want = vec![0.0f32; c.hq * c.n * d];
+        let mut want_cu = vec![0.0f32; c.hq * c.t];
+        for i in 0..c.n {
+            let hi = c.t - c.n + i;
+            let lo = (hi + 1).saturating_sub(w);
+            let sub = Case {
+                hq: c.hq,
+                hkv: c.hkv,
+                d,
+                n: 1,
+                t: hi + 1 - lo,
+            };
+            let qi: Vec<f32> = (0..c.hq)
+                .flat_map(|h| q[(h * c.n + i) * d..(h * c.n + i + 1) * d].to_vec())
+                .collect();
+            let ks: Vec<Vec<f32>> = k.iter().map(|x| x[lo * d..(hi + 1) * d].to_vec()).collect();
+            let vs: Vec<Vec<f32>> = v.iter().map(|x| x[lo * d..(hi + 1) * d].to_vec()).collect();
+            let (o, cu) = run(&ReferenceBackend, &sub, &qi, &ks, &vs, true);
+            for h in 0..c.hq {
+                want[(h * c.n + i) * d..(h * c.n + i + 1) * d]
+                    .copy_from_slice(&o[h * d..(h + 1) * d]);
+                for j in 0..sub.t {
+                    want_cu[h * c.t + lo + j] += cu[h * sub.t + j];
+                }
+            }
+        }
+        for backend in [
+            &ReferenceBackend as &dyn AttentionBackend,
+            &TiledBackend::default(),
+            &TiledBackend {
+                block_q: 16,
+                block_k: 48,
+            },
+        ] {
+            let (o, cu) = run_window(backend, &c, &q, &k, &v, true, Some(w));
+            rel_close(&o, &want, 1e-5, "windowed out");
+            rel_close(&cu, &want_cu, 1e-5, "windowed cumul");
         }
     }
 }
@@ -324,6 +436,7 @@ fn bad_shapes_are_errors_not_panics() {
             t: 10,
             out: &mut out,
             cumulative: None,
+            window: None,
         })
         .unwrap_err();
     assert!(err.to_string().contains("shape mismatch"), "{err}");

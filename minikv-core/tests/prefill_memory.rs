@@ -43,6 +43,7 @@ fn extra_bytes(t: usize) -> usize {
             t,
             out,
             cumulative: Some(cu),
+            window: None,
         })
         .unwrap()
     };

@@ -62,6 +62,7 @@ const SPEC: ModelSpec = ModelSpec {
     n_kv_heads: 2,
     head_dim: 32,
     max_seq_len: 4096,
+    windows: Vec::new(),
 };
 
 const MINIKV: &str = "[cache]\nheavy = 0.25\nrecent = 0.25\nscorer = { type = \"cumulative_attention\" }\n[cache.quant]\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }\nvalues = { type = \"minmax\", bits = 2, group = 16, axis = \"token\" }\n";

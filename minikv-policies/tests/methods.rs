@@ -55,6 +55,7 @@ fn spec(layers: usize, hq: usize, hkv: usize, d: usize) -> ModelSpec {
         n_kv_heads: hkv,
         head_dim: d,
         max_seq_len: 1024,
+        windows: Vec::new(),
     }
 }
 fn signals<'a>(s: &'a ModelSpec, k: &'a [&'a [f32]], v: &'a [&'a [f32]]) -> LayerSignals<'a> {
@@ -253,7 +254,7 @@ fn quest_worked_example() {
     let s = spec(1, HQ, 1, D);
     let (k, v, q) = (keys(), values(), queries());
     let cfg = RunConfig::parse("[cache.quest]\npage_size = 4\ntoken_budget = 8", false).unwrap();
-    let mut c = CacheBuilder::new(s).build(&cfg.cache).unwrap();
+    let mut c = CacheBuilder::new(s.clone()).build(&cfg.cache).unwrap();
     let mut o = vec![0.0f32; T * HQ * D];
     c.append(0, &k, &v, T).unwrap();
     c.attend(0, &q, T, &mut o).unwrap();
@@ -272,7 +273,7 @@ fn quest_worked_example() {
             &format!("{extra}\n[cache.quest]\npage_size = 4\ntoken_budget = 8"),
             false,
         )
-        .and_then(|c| CacheBuilder::new(s).build(&c.cache))
+        .and_then(|c| CacheBuilder::new(s.clone()).build(&c.cache))
         .unwrap_err();
         assert!(e.to_string().contains("cache.quest"), "{e}");
     }
@@ -649,7 +650,9 @@ fn duo_attention_splits_heads_by_pattern() {
         )
         .unwrap()
     };
-    let mut c = CacheBuilder::new(s).build(&cfg(&good).cache).unwrap();
+    let mut c = CacheBuilder::new(s.clone())
+        .build(&cfg(&good).cache)
+        .unwrap();
     let t = 40;
     let x: Vec<f32> = (0..t * 64)
         .map(|i| ((i * 7919) % 97) as f32 / 50.0 - 1.0)
@@ -671,7 +674,7 @@ fn duo_attention_splits_heads_by_pattern() {
     // Top half of 8 (layer, head) scores: 0.9, 0.8 (layer 0), 0.3 (layer 1), 0.2 (layer 0).
     assert_eq!(toks(0), [8, 40, 40, 40]);
     assert_eq!(toks(1), [40, 8, 8, 8]);
-    let mut c = CacheBuilder::new(s)
+    let mut c = CacheBuilder::new(s.clone())
         .build(&cfg(&dir.join("missing.json").to_string_lossy()).cache)
         .unwrap();
     for l in 0..2 {
@@ -710,7 +713,7 @@ fn kvzip_worked_example() {
         false,
     )
     .unwrap();
-    let mut c = CacheBuilder::new(s).build(&cfg.cache).unwrap();
+    let mut c = CacheBuilder::new(s.clone()).build(&cfg.cache).unwrap();
     assert!(c.wants(0).reconstruction);
     let mut o = vec![0.0f32; T * HQ * D];
     c.append(0, &k, &v, T).unwrap();

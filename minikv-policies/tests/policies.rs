@@ -66,6 +66,7 @@ fn minikv_worked_example_keeps_the_documented_set() {
             t,
             out: &mut out,
             cumulative: Some(&mut cu),
+            window: None,
         })
         .unwrap();
     let mut kept = Vec::new();
@@ -95,6 +96,7 @@ fn minikv_worked_example_keeps_the_documented_set() {
         n_kv_heads: 1,
         head_dim: d,
         max_seq_len: 64,
+        windows: Vec::new(),
     };
     let cfg = RunConfig::parse(
         "[cache]\nheavy = 0.25\nrecent = 0.25\nscorer = { type = \"cumulative_attention\" }",
@@ -272,7 +274,7 @@ fn noise(n: usize, s: u32) -> Vec<f32> {
 
 /// Prefills `t` noise tokens into every layer of `c`, then compresses.
 fn prefill_noise(c: &mut dyn KvCache, t: usize) {
-    let s = *c.spec();
+    let s = c.spec().clone();
     let (kv, qd) = (s.n_kv_heads * s.head_dim, s.n_q_heads * s.head_dim);
     let mut out = vec![0.0; t * qd];
     for l in 0..s.n_layers {
@@ -285,7 +287,7 @@ fn prefill_noise(c: &mut dyn KvCache, t: usize) {
 
 /// Decode step `step` (noise) in every layer; returns the last layer's output.
 fn decode_noise(c: &mut dyn KvCache, step: u32) -> Vec<f32> {
-    let s = *c.spec();
+    let s = c.spec().clone();
     let (kv, qd) = (s.n_kv_heads * s.head_dim, s.n_q_heads * s.head_dim);
     let mut out = vec![0.0; qd];
     for l in 0..s.n_layers {
@@ -305,10 +307,11 @@ fn h2o_holds_its_budget_while_decoding() {
         n_kv_heads: 2,
         head_dim: 8,
         max_seq_len: 256,
+        windows: Vec::new(),
     };
     for scorer in ["h2o", "tova", "recency"] {
         let mut c = tiny(
-            spec,
+            spec.clone(),
             &format!(
                 "[cache]\nsinks = 1\nheavy_tokens = 4\nrecent_tokens = 3\ndecode = \"evict\"\nscorer = {{ type = \"{scorer}\" }}"
             ),
@@ -334,6 +337,7 @@ fn ada_kv_heads_are_ragged_and_memory_shrinks() {
         n_kv_heads: 4,
         head_dim: 8,
         max_seq_len: 256,
+        windows: Vec::new(),
     };
     let mut c = tiny(
         spec,
@@ -370,6 +374,7 @@ fn run_reskv(toml: &str, t: usize) -> (Vec<f32>, Box<dyn KvCache>) {
         n_kv_heads: 2,
         head_dim: 8,
         max_seq_len: 256,
+        windows: Vec::new(),
     };
     let mut c = tiny(spec, toml);
     prefill_noise(c.as_mut(), t);
@@ -475,6 +480,7 @@ fn decode_eviction_over_any_scorer_matches_a_simulation() {
         n_kv_heads: 1,
         head_dim: d,
         max_seq_len: 256,
+        windows: Vec::new(),
     };
     let (sinks, heavy, recent) = (1usize, 5usize, 3usize);
     let keys = noise((t + steps) * d, 41);
@@ -491,7 +497,7 @@ fn decode_eviction_over_any_scorer_matches_a_simulation() {
     };
     for every in [1usize, 4] {
         let mut c = tiny(
-            spec,
+            spec.clone(),
             &format!(
                 "[cache]\nsinks = {sinks}\nheavy_tokens = {heavy}\nrecent_tokens = {recent}\ndecode = \"evict\"\nevict_every = {every}\nscorer = {{ type = \"key_norm\" }}"
             ),
@@ -576,9 +582,10 @@ fn full_cache_slack_is_under_one_page_per_store() {
         n_kv_heads: 2,
         head_dim: 8,
         max_seq_len: 1024,
+        windows: Vec::new(),
     };
     for page in [16usize, 256] {
-        let mut c = tiny(spec, &format!("[cache]\npage_tokens = {page}\n"));
+        let mut c = tiny(spec.clone(), &format!("[cache]\npage_tokens = {page}\n"));
         prefill_noise(c.as_mut(), 300);
         for step in 0..37 {
             decode_noise(c.as_mut(), step);
@@ -613,6 +620,7 @@ fn keydiff_worked_example() {
         n_kv_heads: 1,
         head_dim: d,
         max_seq_len: 64,
+        windows: Vec::new(),
     };
     let mut out = vec![0.0f32; t];
     minikv_policies::KeyDiff::default()
@@ -693,6 +701,7 @@ fn keydiff_composes_with_2bit_and_adakv() {
         n_kv_heads: 4,
         head_dim: 16,
         max_seq_len: 512,
+        windows: Vec::new(),
     };
     let mut c = tiny(
         spec,
@@ -756,6 +765,7 @@ fn chunkkv_keeps_whole_chunks() {
         n_kv_heads: 1,
         head_dim: d,
         max_seq_len: 64,
+        windows: Vec::new(),
     };
     let s = minikv_policies::ChunkKv {
         chunk: 4,

@@ -11,6 +11,7 @@ fn cache(r: usize, g: usize, mode: &str) -> Box<dyn KvCache> {
         n_kv_heads: 1,
         head_dim: 16,
         max_seq_len: 512,
+        windows: Vec::new(),
     };
     let cfg = RunConfig::parse(
         &format!(

@@ -16,7 +16,8 @@ use std::sync::Arc;
 
 /// Prefill attention for one layer.
 ///
-/// The `n` queries sit at positions `t - n .. t`; query `i` sees keys `0 ..= t - n + i`.
+/// The `n` queries sit at positions `t - n .. t`; query `i` sees keys `0 ..= t - n + i`,
+/// or with a sliding window `w` only the last `w` of them (`t - n + i + 1 - w ..= t - n + i`).
 #[derive(Debug)]
 pub struct PrefillArgs<'a> {
     /// Query heads `Hq`.
@@ -37,6 +38,18 @@ pub struct PrefillArgs<'a> {
     pub out: &'a mut [f32],
     /// If set, `A_cumul` column sums `[Hq][t]` are **added** here (§3).
     pub cumulative: Option<&'a mut [f32]>,
+    /// Sliding window: each query sees only the last `w` keys up to itself
+    /// (`None`: all of them).
+    pub window: Option<usize>,
+}
+
+impl PrefillArgs<'_> {
+    /// The keys query `i` sees: `lo ..= hi` (positions in the key slice).
+    pub fn visible(&self, i: usize) -> (usize, usize) {
+        let hi = self.t - self.n + i;
+        let lo = self.window.map_or(0, |w| (hi + 1).saturating_sub(w));
+        (lo, hi)
+    }
 }
 
 /// Extra attention entries of one head (from a [`Compensator`](crate::Compensator),
@@ -234,6 +247,9 @@ pub(crate) fn check_prefill(a: &PrefillArgs<'_>) -> Result<(usize, usize)> {
     }
     if let Some(c) = &a.cumulative {
         crate::check_len("prefill cumulative", hq * t, c.len())?;
+    }
+    if a.window == Some(0) {
+        return Err(Error::shape("prefill window", "> 0", 0));
     }
     Ok((hkv, hq / hkv))
 }

@@ -25,28 +25,29 @@ impl AttentionBackend for ReferenceBackend {
         for h in 0..hq {
             let (k, v) = (a.keys[h / g], a.values[h / g]);
             for i in 0..n {
-                let vis = t - n + i + 1;
+                let (lo, hi) = a.visible(i);
+                let vis = lo..hi + 1;
                 let q = &a.q[(h * n + i) * d..(h * n + i + 1) * d];
                 let mut m = f64::NEG_INFINITY;
-                for j in 0..vis {
+                for j in vis.clone() {
                     s[j] = dot64(q, &k[j * d..(j + 1) * d]) * scale;
                     m = m.max(s[j]);
                 }
                 let mut z = 0.0;
-                for x in &mut s[..vis] {
+                for x in &mut s[vis.clone()] {
                     *x = (*x - m).exp();
                     z += *x;
                 }
                 let o = &mut a.out[(h * n + i) * d..(h * n + i + 1) * d];
                 for c in 0..d {
                     let mut acc = 0.0;
-                    for j in 0..vis {
+                    for j in vis.clone() {
                         acc += s[j] * v[j * d + c] as f64;
                     }
                     o[c] = (acc / z) as f32;
                 }
                 if let Some(cu) = a.cumulative.as_deref_mut() {
-                    for j in 0..vis {
+                    for j in vis {
                         cu[h * t + j] += (s[j] / z) as f32;
                     }
                 }

@@ -114,6 +114,9 @@ impl AttentionBackend for TiledBackend {
         let (br, bk) = (self.block_q, self.block_k);
         let scale = 1.0 / (d as f32).sqrt();
         let off = t - n; // position of query 0
+        // Sliding window: row `i` sees keys `lo(i) ..= off + i`.
+        let win = a.window.unwrap_or(usize::MAX);
+        let lo_of = move |pos: usize| (pos + 1).saturating_sub(win);
         let q = a.q;
         let keys = a.keys;
         let values = a.values;
@@ -150,17 +153,20 @@ impl AttentionBackend for TiledBackend {
                             acc.fill(0.0);
                             let first_pos = off + r0;
                             let last_pos = off + r0 + nr - 1;
-                            let mut c0 = 0;
+                            let mut c0 = lo_of(first_pos) / bk * bk;
                             while c0 <= last_pos {
                                 let nc = bk.min(t - c0);
                                 let s = &mut s[..nr * nc];
                                 gemm(nr, d, nc, qb, (d, 1), &k[c0 * d..], (1, d), 0.0, s, nc);
-                                let needs_mask = c0 + nc - 1 > first_pos;
+                                let needs_mask = c0 + nc - 1 > first_pos || lo_of(last_pos) > c0;
                                 for i in 0..nr {
                                     let row = &mut s[i * nc..(i + 1) * nc];
                                     if needs_mask {
-                                        let vis = (first_pos + i + 1).saturating_sub(c0).min(nc);
+                                        let pos = first_pos + i;
+                                        let vis = (pos + 1).saturating_sub(c0).min(nc);
                                         row[vis..].fill(f32::NEG_INFINITY);
+                                        let below = lo_of(pos).saturating_sub(c0).min(nc);
+                                        row[..below].fill(f32::NEG_INFINITY);
                                     }
                                     let bm = crate::simd::max(row);
                                     let mnew = m[i].max(bm);
@@ -198,16 +204,18 @@ impl AttentionBackend for TiledBackend {
                 ch.par_chunks_mut(bk).enumerate().for_each(|(kb, col)| {
                     let c0 = kb * bk;
                     let nc = col.len();
-                    // First query row that sees key c0.
+                    // First query row that sees key c0; rows past `i_end`
+                    // see no key of the block (sliding window).
                     let i_start = c0.saturating_sub(off);
-                    if i_start >= n {
+                    let i_end = (c0 + nc - 1).saturating_add(win).saturating_sub(off).min(n);
+                    if i_start >= i_end {
                         return;
                     }
                     with_scratch(br * d + br * nc, |buf| {
                         let (qb, s) = buf.split_at_mut(br * d);
                         let mut i0 = i_start;
-                        while i0 < n {
-                            let nr = br.min(n - i0);
+                        while i0 < i_end {
+                            let nr = br.min(i_end - i0);
                             let qb = &mut qb[..nr * d];
                             for (dst, src) in qb
                                 .iter_mut()
@@ -220,9 +228,10 @@ impl AttentionBackend for TiledBackend {
                             for i in 0..nr {
                                 let pos = off + i0 + i;
                                 let vis = (pos + 1).saturating_sub(c0).min(nc);
+                                let below = lo_of(pos).saturating_sub(c0).min(vis);
                                 let li = lse[h * n + i0 + i];
-                                let row = &s[i * nc..i * nc + vis];
-                                for (c, x) in col[..vis].iter_mut().zip(row) {
+                                let row = &s[i * nc + below..i * nc + vis];
+                                for (c, x) in col[below..vis].iter_mut().zip(row) {
                                     *c += crate::simd::exp_neg(x - li);
                                 }
                             }

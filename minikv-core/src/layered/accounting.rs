@@ -35,6 +35,7 @@ impl LayeredCache {
                     staging: l.staging.bytes(),
                     work: l.evict.as_ref().map_or(0, Evictor::work_bytes)
                         + l.quest.iter().map(|q| q.bytes().1).sum::<usize>(),
+                    window: None,
                 }
             })
             .collect();

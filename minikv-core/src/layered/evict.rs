@@ -286,6 +286,7 @@ impl Evictor {
         let sub = ModelSpec {
             n_q_heads: g,
             n_kv_heads: 1,
+            windows: Vec::new(),
             ..*p.spec
         };
         let keys = [&self.kbuf[..]];

@@ -192,6 +192,7 @@ impl Staging {
             t,
             out: &mut oh,
             cumulative: needs.cumulative_attention.then_some(&mut cumul[..]),
+            window: None,
         })?;
         if needs.cumulative_attention {
             self.cumul = cumul;
