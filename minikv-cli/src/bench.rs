@@ -342,7 +342,7 @@ fn text_tokens(
 }
 
 pub fn decode(a: &DecodeBenchArgs) -> Result<()> {
-    use minikv_models::{LanguageModel, Logits, Workspace};
+    use minikv_models::{Logits, Workspace};
     let l = crate::commands::load_model(&a.model)?;
     let m = l.model.as_ref();
     // Steps after the context; a depth that leaves no room for them within
@@ -400,7 +400,7 @@ pub fn decode(a: &DecodeBenchArgs) -> Result<()> {
 }
 
 pub fn prefill(a: &PrefillBenchArgs) -> Result<()> {
-    use minikv_models::{LanguageModel, Logits, Workspace};
+    use minikv_models::{Logits, Workspace};
     let l = crate::commands::load_model(&a.model)?;
     let m = l.model.as_ref();
     let max = a.tokens.iter().copied().max().unwrap_or(1);

@@ -6,7 +6,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use minikv_core::{
     BudgetRequest, CacheBuilder, Error, KvCache, MemoryReport, Result, RunConfig, components,
 };
-use minikv_models::{LanguageModel, Llama, Logits, SamplingConfig, Tokenizer, Workspace};
+use minikv_models::{LanguageModel, Logits, SamplingConfig, Tokenizer, Workspace};
 use serde_json::json;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -73,7 +73,7 @@ pub fn config_check(file: &Path, json_out: bool) -> Result<()> {
 }
 
 pub struct Loaded {
-    pub model: Box<Llama>,
+    pub model: Box<dyn LanguageModel>,
     pub tok: Tokenizer,
     pub path: PathBuf,
     sha: std::sync::OnceLock<String>,
@@ -92,7 +92,7 @@ impl Loaded {
 
 pub fn load_model(m: &ModelArg) -> Result<Loaded> {
     let path = match &m.model {
-        Some(p) => p.clone(),
+        Some(p) => crate::provenance::resolve_model(p)?,
         None => default_model()?,
     };
     let (model, tok) = minikv_models::load(&path)?;
@@ -131,13 +131,14 @@ pub fn memory_json(m: &MemoryReport) -> serde_json::Value {
 
 pub fn info(m: &ModelArg) -> Result<()> {
     let l = load_model(m)?;
-    let c = &l.model.cfg;
+    let d = l.model.describe();
     print_json(&json!({
         "model": l.path.display().to_string(),
-        "config": c,
+        "architecture": d["architecture"],
+        "config": d["config"],
         "spec": l.model.spec(),
-        "weight_types": l.model.weight_types(),
-        "weight_bytes": l.model.weight_bytes(),
+        "weight_types": d["weight_types"],
+        "weight_bytes": d["weight_bytes"],
         "vocab": l.tok.vocab_size(),
         "add_bos": l.tok.add_bos,
         "kv_bytes_per_token_fp16": l.model.spec().full_fp16_bytes(1),
@@ -286,7 +287,64 @@ pub fn first_tokens(tok: &Tokenizer, text: &str, n: usize, what: &Path) -> Resul
     Ok(ids[..n].to_vec())
 }
 
+pub fn tokenize(a: &crate::TokenizeArgs) -> Result<()> {
+    let l = load_model(&a.model)?;
+    let text = match (&a.prompt, &a.text) {
+        (Some(p), _) => p.clone(),
+        (None, Some(t)) => read_text(t)?,
+        (None, None) => return Err(Error::Input("give --prompt or --text".into())),
+    };
+    let ids = l.tok.encode(&text)?;
+    if a.json {
+        print_json(&json!({"n": ids.len(), "ids": ids, "model": l.path.display().to_string()}));
+    } else {
+        println!("{}", serde_json::to_string(&ids).expect("json"));
+    }
+    Ok(())
+}
+
+/// `perplexity --ctx N`: llama.cpp's chunked protocol over the whole text.
+fn perplexity_chunked(a: &PplArgs, ctx: usize) -> Result<()> {
+    let cfg = RunConfig::default();
+    let l = load_model(&a.model)?;
+    let max = l.model.spec().max_seq_len;
+    if ctx > max {
+        return Err(Error::ContextOverflow { len: ctx, max });
+    }
+    let text = read_text(&a.text)?;
+    let ids = l.tok.encode(&text)?;
+    let bos = l.tok.bos.filter(|_| l.tok.add_bos);
+    let t0 = std::time::Instant::now();
+    let r = minikv_models::perplexity_chunked(
+        l.model.as_ref(),
+        || build_cache(l.model.as_ref(), &cfg),
+        &ids,
+        ctx,
+        a.chunks,
+        bos,
+    )?;
+    let secs = t0.elapsed().as_secs_f64();
+    if a.json {
+        let mut v = serde_json::to_value(&r).expect("json");
+        v["text_tokens"] = json!(ids.len());
+        v["wall_s"] = json!(secs);
+        v["text"] = json!(a.text.display().to_string());
+        v["provenance"] =
+            serde_json::to_value(provenance(Some(&l.path), cfg.seed, None)?).expect("json");
+        print_json(&v);
+    } else {
+        println!(
+            "{} chunks of {ctx} tokens ({} scored, second halves): nll {:.5}, ppl {:.4}; {secs:.1}s",
+            r.chunks, r.scored, r.nll, r.ppl
+        );
+    }
+    Ok(())
+}
+
 pub fn perplexity(a: &PplArgs) -> Result<()> {
+    if let Some(ctx) = a.ctx {
+        return perplexity_chunked(a, ctx);
+    }
     let cfg = load_config(a.config.as_deref())?;
     let l = load_model(&a.model)?;
     let max = l.model.spec().max_seq_len;

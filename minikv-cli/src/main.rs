@@ -58,6 +58,9 @@ enum Cmd {
     Generate(GenerateArgs),
     /// Prompt token ids and the top-K logits at the last position.
     Logits(LogitsArgs),
+    /// Token ids of a text (as the model's tokenizer gives them, BOS included
+    /// when the model adds one).
+    Tokenize(TokenizeArgs),
     /// Perplexity of a text's first N tokens through a (compressed) cache.
     Perplexity(PplArgs),
     /// Evaluate a cache config against the full cache on the real model.
@@ -147,7 +150,8 @@ enum BenchCmd {
 /// The model to load.
 #[derive(Args, Clone)]
 pub struct ModelArg {
-    /// GGUF file or Hugging Face directory (default: the fetched SmolLM2-135M-Instruct).
+    /// GGUF file, Hugging Face directory, or a fetched model's short name:
+    /// `smollm2-135m` (the default) or `gemma3-270m`.
     #[arg(long)]
     pub model: Option<PathBuf>,
 }
@@ -217,7 +221,30 @@ pub struct PplArgs {
     /// Cache config; default: full fp16 cache.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// llama.cpp's `llama-perplexity` protocol instead: the whole text in
+    /// chunks of this many tokens, BOS first, the second half of each chunk
+    /// scored (full cache; `--tokens` and `--prefill` do not apply).
+    #[arg(long, value_parser = args::tokens, conflicts_with_all = ["prefill", "config"])]
+    pub ctx: Option<usize>,
+    /// With `--ctx`: at most this many chunks.
+    #[arg(long, requires = "ctx", value_parser = args::tokens)]
+    pub chunks: Option<usize>,
     /// JSON output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct TokenizeArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Text to tokenize.
+    #[arg(long, conflicts_with = "text", required_unless_present = "text")]
+    pub prompt: Option<String>,
+    /// Text file (or a directory of .txt files) to tokenize.
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// JSON output (`{"ids": [...], "n": ...}`); default: the ids as one JSON array.
     #[arg(long)]
     pub json: bool,
 }
@@ -331,6 +358,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Info(m) => commands::info(&m),
         Cmd::Generate(a) => commands::generate(&a),
         Cmd::Logits(a) => commands::logits(&a),
+        Cmd::Tokenize(a) => commands::tokenize(&a),
         Cmd::Perplexity(a) => commands::perplexity(&a),
         Cmd::Eval(a) => commands::eval(&a),
         Cmd::Sweep(a) => sweep::sweep(&a),

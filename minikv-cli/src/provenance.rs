@@ -82,13 +82,31 @@ pub fn provenance(
     })
 }
 
+/// Models `scripts/fetch-assets.sh` fetches, by the short names `--model` accepts.
+pub const KNOWN_MODELS: [(&str, &str); 2] = [
+    ("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ("gemma3-270m", "gemma-3-270m-q4_k_m.gguf"),
+];
+
+/// Resolves `--model`: a short name of [`KNOWN_MODELS`] (found like the
+/// default model), else a path.
+pub fn resolve_model(arg: &Path) -> Result<PathBuf> {
+    match KNOWN_MODELS.iter().find(|(n, _)| Path::new(n) == arg) {
+        Some((_, file)) => find_asset_model(file),
+        None => Ok(arg.to_path_buf()),
+    }
+}
+
 /// The default model: `$MINIKV_MODEL`, else the fetched SmolLM2 in `$MINIKV_ASSETS`,
 /// `./assets` or the source tree's `assets/`.
 pub fn default_model() -> Result<PathBuf> {
     if let Ok(p) = std::env::var("MINIKV_MODEL") {
-        return Ok(PathBuf::from(p));
+        return resolve_model(Path::new(&p));
     }
-    let name = "SmolLM2-135M-Instruct.Q4_1.gguf";
+    find_asset_model(KNOWN_MODELS[0].1)
+}
+
+fn find_asset_model(name: &str) -> Result<PathBuf> {
     let mut dirs: Vec<PathBuf> = Vec::new();
     if let Ok(a) = std::env::var("MINIKV_ASSETS") {
         dirs.push(PathBuf::from(a));
@@ -100,7 +118,7 @@ pub fn default_model() -> Result<PathBuf> {
         .find(|p| p.is_file())
         .ok_or_else(|| {
             Error::Input(format!(
-                "no --model given and {name} not found in {dirs:?}: run scripts/fetch-assets.sh"
+                "{name} not found in {dirs:?}: run scripts/fetch-assets.sh"
             ))
         })
 }

@@ -2,7 +2,7 @@
 //! scripts/fetch-assets.sh).
 
 use minikv_core::{CacheBuilder, CacheConfig, KvCache, RunConfig};
-use minikv_models::{LanguageModel, Llama, Tokenizer};
+use minikv_models::{LanguageModel, Tokenizer};
 use minikv_policies as _;
 use minikv_quant as _;
 use std::path::{Path, PathBuf};
@@ -12,9 +12,9 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn model() -> &'static (Box<Llama>, Tokenizer) {
-    static M: OnceLock<(Box<Llama>, Tokenizer)> = OnceLock::new();
-    M.get_or_init(|| {
+fn model() -> (&'static dyn LanguageModel, &'static Tokenizer) {
+    static M: OnceLock<(Box<dyn LanguageModel>, Tokenizer)> = OnceLock::new();
+    let (m, t) = M.get_or_init(|| {
         let p = root().join("assets/SmolLM2-135M-Instruct.Q4_1.gguf");
         assert!(
             p.is_file(),
@@ -22,16 +22,17 @@ fn model() -> &'static (Box<Llama>, Tokenizer) {
             p.display()
         );
         minikv_models::load(&p).expect("model loads")
-    })
+    });
+    (m.as_ref(), t)
 }
 
-fn full_cache(m: &Llama) -> Box<dyn KvCache> {
+fn full_cache(m: &dyn LanguageModel) -> Box<dyn KvCache> {
     CacheBuilder::new(m.spec())
         .build(&CacheConfig::default())
         .unwrap()
 }
 
-fn cache_from(m: &Llama, toml: &str) -> Box<dyn KvCache> {
+fn cache_from(m: &dyn LanguageModel, toml: &str) -> Box<dyn KvCache> {
     let mut cfg = RunConfig::parse(toml, false).unwrap();
     cfg.resolve().unwrap();
     CacheBuilder::new(m.spec()).build(&cfg.cache).unwrap()
@@ -44,18 +45,11 @@ fn fidelity_and_passkey_on_the_real_model() {
     let (m, t) = model();
     let text = std::fs::read_to_string(root().join("assets/paul_graham/addiction.txt")).unwrap();
     let ids: Vec<u32> = t.encode(&text).unwrap()[..96].to_vec();
-    let same = eval::fidelity(
-        m.as_ref(),
-        full_cache(m).as_mut(),
-        full_cache(m).as_mut(),
-        &ids,
-        64,
-    )
-    .unwrap();
+    let same = eval::fidelity(m, full_cache(m).as_mut(), full_cache(m).as_mut(), &ids, 64).unwrap();
     assert_eq!((same.predictions, same.kl, same.top1), (32, 0.0, 1.0));
     let kivi = "[cache.quant]\nresidual = 32\nkeys = { type = \"minmax\", bits = 2, group = 32, axis = \"channel\" }\nvalues = { type = \"minmax\", bits = 2, group = 32, axis = \"token\" }";
     let q = eval::fidelity(
-        m.as_ref(),
+        m,
         full_cache(m).as_mut(),
         cache_from(m, kivi).as_mut(),
         &ids,
@@ -111,7 +105,7 @@ fn fidelity_and_passkey_on_the_real_model() {
         trials: 3,
         seed: 5,
     };
-    let r = eval::passkey(m.as_ref(), t, &hay, spec, || Ok(full_cache(m))).unwrap();
+    let r = eval::passkey(m, t, &hay, spec, || Ok(full_cache(m))).unwrap();
     assert_eq!(r.trials, 3);
     assert!(r.ci95.0 <= r.accuracy && r.accuracy <= r.ci95.1);
     // 160 prompt tokens plus the up to 7 tokens fed back while generating 8.
@@ -219,8 +213,8 @@ fn dataset_round_trip_and_errors() {
     let back = read_dataset(&p).unwrap();
     assert_eq!(rows, back);
     for mode in [QueryMode::Agnostic, QueryMode::Aware] {
-        let a = evaluate(m.as_ref(), t, &rows, mode, || Ok(full_cache(m))).unwrap();
-        let b = evaluate(m.as_ref(), t, &back, mode, || Ok(full_cache(m))).unwrap();
+        let a = evaluate(m, t, &rows, mode, || Ok(full_cache(m))).unwrap();
+        let b = evaluate(m, t, &back, mode, || Ok(full_cache(m))).unwrap();
         assert_eq!(a.per_trial, b.per_trial);
         assert_eq!(a.trials, 2);
     }

@@ -4,7 +4,7 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use minikv_core::{CacheBuilder, CacheConfig, KvCache};
-use minikv_models::{LanguageModel, Logits, Workspace};
+use minikv_models::{Logits, Workspace};
 use std::path::Path;
 
 fn bench(c: &mut Criterion) {

@@ -5,7 +5,18 @@
 //! * `Q4_1`: 32 weights in 20 bytes: fp16 `d`, fp16 `m`, 16 bytes; `x = q d + m`.
 //! * `Q8_0`: 32 weights in 34 bytes: fp16 `d`, 32 `i8`; `x = q d`.
 //!
-//! Nibble order: byte `j` holds weight `j` in its low nibble and `j + 16` in its high one.
+//! * `Q5_0`: 32 weights in 22 bytes: fp16 `d`, 4 bytes of fifth bits `qh`
+//!   (bit `j` for weight `j`), 16 bytes of nibbles; `x = (q - 16) d`.
+//! * `Q4_K`: 256 weights in 144 bytes: fp16 `d`, fp16 `dmin`, 12 bytes of
+//!   6-bit scales and mins for 8 sub-blocks of 32, 128 bytes of nibbles;
+//!   `x = d sc_j q - dmin m_j`. Sub-blocks `2c` and `2c + 1` share bytes
+//!   `32c .. 32c + 32` (low nibbles, then high).
+//! * `Q6_K`: 256 weights in 210 bytes: 128 bytes of low nibbles, 64 bytes of
+//!   high 2-bit pairs, 16 signed 8-bit scales (one per 16 weights), fp16 `d`
+//!   last; `x = d sc (q - 32)`.
+//!
+//! Nibble order (`Q4_0`, `Q4_1`, `Q5_0`): byte `j` holds weight `j` in its low
+//! nibble and `j + 16` in its high one.
 
 use half::{bf16, f16};
 use minikv_core::simd::fmadd;
@@ -25,6 +36,14 @@ pub enum GgmlType {
     Q4_1,
     /// 8-bit, blocks of 32.
     Q8_0,
+    /// 5-bit, symmetric, blocks of 32.
+    Q5_0,
+    /// 4-bit k-quant: super-blocks of 256 with 6-bit sub-block scales and mins.
+    #[allow(non_camel_case_types)]
+    Q4_K,
+    /// 6-bit k-quant: super-blocks of 256 with 8-bit sub-block scales.
+    #[allow(non_camel_case_types)]
+    Q6_K,
 }
 
 impl GgmlType {
@@ -35,7 +54,10 @@ impl GgmlType {
             1 => Self::F16,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            6 => Self::Q5_0,
             8 => Self::Q8_0,
+            12 => Self::Q4_K,
+            14 => Self::Q6_K,
             30 => Self::Bf16,
             _ => return None,
         })
@@ -44,6 +66,7 @@ impl GgmlType {
     pub fn block_size(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::Bf16 => 1,
+            Self::Q4_K | Self::Q6_K => 256,
             _ => 32,
         }
     }
@@ -55,6 +78,9 @@ impl GgmlType {
             Self::Q4_0 => 18,
             Self::Q4_1 => 20,
             Self::Q8_0 => 34,
+            Self::Q5_0 => 22,
+            Self::Q4_K => 144,
+            Self::Q6_K => 210,
         }
     }
     /// Bytes of a row of `n` elements.
@@ -74,8 +100,9 @@ impl GgmlType {
             }
             Self::F16 => it.find(|(_, b)| f16_bad(b)),
             Self::Bf16 => it.find(|(_, b)| !half::bf16::from_le_bytes([b[0], b[1]]).is_finite()),
-            Self::Q4_0 | Self::Q8_0 => it.find(|(_, b)| f16_bad(&b[..2])),
-            Self::Q4_1 => it.find(|(_, b)| f16_bad(&b[..2]) || f16_bad(&b[2..4])),
+            Self::Q4_0 | Self::Q8_0 | Self::Q5_0 => it.find(|(_, b)| f16_bad(&b[..2])),
+            Self::Q4_1 | Self::Q4_K => it.find(|(_, b)| f16_bad(&b[..2]) || f16_bad(&b[2..4])),
+            Self::Q6_K => it.find(|(_, b)| f16_bad(&b[208..210])),
         }
         .map(|(i, _)| i)
     }
@@ -132,7 +159,90 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        GgmlType::Q5_0 => {
+            for (o, b) in out.chunks_exact_mut(32).zip(src.chunks_exact(22)) {
+                let d = h(b, 0);
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                let qs = &b[6..22];
+                for j in 0..16 {
+                    let (lo, hi) = q5_pair(qs[j], qh, j);
+                    o[j] = lo * d;
+                    o[j + 16] = hi * d;
+                }
+            }
+        }
+        GgmlType::Q4_K => {
+            for (o, b) in out.chunks_exact_mut(256).zip(src.chunks_exact(144)) {
+                let (d, dmin) = (h(b, 0), h(b, 2));
+                let sc: &[u8; 12] = b[4..16].try_into().expect("12");
+                for c in 0..4 {
+                    let (s1, m1) = scale_min_k4(2 * c, sc);
+                    let (s2, m2) = scale_min_k4(2 * c + 1, sc);
+                    let (d1, d2) = (d * s1 as f32, d * s2 as f32);
+                    let (m1, m2) = (dmin * m1 as f32, dmin * m2 as f32);
+                    let q = &b[16 + 32 * c..16 + 32 * (c + 1)];
+                    let o = &mut o[64 * c..64 * (c + 1)];
+                    for l in 0..32 {
+                        o[l] = d1 * (q[l] & 15) as f32 - m1;
+                        o[l + 32] = d2 * (q[l] >> 4) as f32 - m2;
+                    }
+                }
+            }
+        }
+        GgmlType::Q6_K => {
+            for (o, b) in out.chunks_exact_mut(256).zip(src.chunks_exact(210)) {
+                let d = h(b, 208);
+                for n in 0..2 {
+                    let ql = &b[64 * n..64 * (n + 1)];
+                    let qh = &b[128 + 32 * n..128 + 32 * (n + 1)];
+                    let sc = &b[192 + 8 * n..192 + 8 * (n + 1)];
+                    let o = &mut o[128 * n..128 * (n + 1)];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q = q6_quad(ql, qh, l);
+                        for (k, &qk) in q.iter().enumerate() {
+                            o[l + 32 * k] = d * (sc[is + 2 * k] as i8) as f32 * qk;
+                        }
+                    }
+                }
+            }
+        }
     }
+}
+
+/// The two 5-bit weights of `Q5_0` byte `j` (minus 16): elements `j` and `j + 16`.
+#[inline(always)]
+fn q5_pair(q: u8, qh: u32, j: usize) -> (f32, f32) {
+    let lo = ((q & 15) as u32 | ((qh >> j) & 1) << 4) as i32 - 16;
+    let hi = ((q >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4) as i32 - 16;
+    (lo as f32, hi as f32)
+}
+
+/// Scale and min of `Q4_K` sub-block `j` (6 bits each, packed in 12 bytes).
+#[inline(always)]
+fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// The four 6-bit weights (minus 32) of `Q6_K` lane `l` of a 128-half:
+/// elements `l`, `l + 32`, `l + 64`, `l + 96`.
+#[inline(always)]
+fn q6_quad(ql: &[u8], qh: &[u8], l: usize) -> [f32; 4] {
+    let h = qh[l];
+    [
+        ((ql[l] & 15) | (h & 3) << 4) as i32 - 32,
+        ((ql[l + 32] & 15) | ((h >> 2) & 3) << 4) as i32 - 32,
+        ((ql[l] >> 4) | ((h >> 4) & 3) << 4) as i32 - 32,
+        ((ql[l + 32] >> 4) | ((h >> 6) & 3) << 4) as i32 - 32,
+    ]
+    .map(|v| v as f32)
 }
 
 /// Per-32-block sums of `x` (used by `Q4_1`'s `m * sum(x)` term).
@@ -141,7 +251,13 @@ pub fn block_sums(x: &[f32], out: &mut Vec<f32>) {
     out.extend(x.chunks_exact(32).map(|c| c.iter().sum::<f32>()));
 }
 
-/// `row . x` straight from the row's bytes. `xsum` = [`block_sums`] of `x` (for `Q4_1`).
+/// True when [`dot_row`] needs the [`block_sums`] of `x` (`Q4_1`, `Q4_K`).
+pub fn needs_block_sums(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q4_K)
+}
+
+/// `row . x` straight from the row's bytes. `xsum` = [`block_sums`] of `x`
+/// (for `Q4_1` and `Q4_K`: their minimums multiply sums of 32 inputs).
 #[inline]
 pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
     match ty {
@@ -196,6 +312,71 @@ pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
                 let qs: &[u8; 32] = b[2..34].try_into().expect("32");
                 for j in 0..32 {
                     acc[j] = fmadd(d, qs[j] as i8 as f32 * xb[j], acc[j]);
+                }
+            }
+            acc.iter().sum()
+        }
+        GgmlType::Q5_0 => {
+            let mut acc = [0.0f32; 16];
+            for (b, xb) in src.chunks_exact(22).zip(x.chunks_exact(32)) {
+                let d = h(b, 0);
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                let qs: &[u8; 16] = b[6..22].try_into().expect("16");
+                let (xl, xh) = xb.split_at(16);
+                for j in 0..16 {
+                    let (lo, hi) = q5_pair(qs[j], qh, j);
+                    acc[j] = fmadd(d, fmadd(lo, xl[j], hi * xh[j]), acc[j]);
+                }
+            }
+            acc.iter().sum()
+        }
+        GgmlType::Q4_K => {
+            let mut acc = [0.0f32; 32];
+            let mut macc = 0.0f32;
+            for ((b, xb), xs) in src
+                .chunks_exact(144)
+                .zip(x.chunks_exact(256))
+                .zip(xsum.chunks_exact(8))
+            {
+                let (d, dmin) = (h(b, 0), h(b, 2));
+                let sc: &[u8; 12] = b[4..16].try_into().expect("12");
+                for c in 0..4 {
+                    let (s1, m1) = scale_min_k4(2 * c, sc);
+                    let (s2, m2) = scale_min_k4(2 * c + 1, sc);
+                    let (d1, d2) = (d * s1 as f32, d * s2 as f32);
+                    macc += dmin * (m1 as f32 * xs[2 * c] + m2 as f32 * xs[2 * c + 1]);
+                    let q: &[u8; 32] = b[16 + 32 * c..16 + 32 * (c + 1)].try_into().expect("32");
+                    let (xl, xh) = xb[64 * c..64 * (c + 1)].split_at(32);
+                    for l in 0..32 {
+                        acc[l] = fmadd(
+                            d1,
+                            (q[l] & 15) as f32 * xl[l],
+                            fmadd(d2, (q[l] >> 4) as f32 * xh[l], acc[l]),
+                        );
+                    }
+                }
+            }
+            acc.iter().sum::<f32>() - macc
+        }
+        GgmlType::Q6_K => {
+            let mut acc = [0.0f32; 16];
+            for (b, xb) in src.chunks_exact(210).zip(x.chunks_exact(256)) {
+                let d = h(b, 208);
+                for n in 0..2 {
+                    let ql = &b[64 * n..64 * (n + 1)];
+                    let qh = &b[128 + 32 * n..128 + 32 * (n + 1)];
+                    let sc = &b[192 + 8 * n..192 + 8 * (n + 1)];
+                    let xb = &xb[128 * n..128 * (n + 1)];
+                    for half in 0..2 {
+                        let ds = [0, 2, 4, 6].map(|k| d * (sc[half + k] as i8) as f32);
+                        for (j, a) in acc.iter_mut().enumerate() {
+                            let l = 16 * half + j;
+                            let q = q6_quad(ql, qh, l);
+                            for k in 0..4 {
+                                *a = fmadd(ds[k] * q[k], xb[l + 32 * k], *a);
+                            }
+                        }
+                    }
                 }
             }
             acc.iter().sum()
@@ -256,10 +437,55 @@ mod tests {
         assert_eq!(o2, [1.25, 7.0]);
     }
 
+    /// Hand-built `Q5_0`, `Q4_K` and `Q6_K` blocks per llama.cpp's definitions.
+    #[test]
+    fn k_quant_and_q5_layouts() {
+        // Q5_0: d = 0.5, fifth bits set for elements 0..16 only.
+        let mut b = f16b(0.5).to_vec();
+        b.extend(0x0000_FFFFu32.to_le_bytes());
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        let mut out = [0.0f32; 32];
+        dequantize_row(GgmlType::Q5_0, &b, &mut out);
+        assert_eq!((out[0], out[15], out[16], out[31]), (0.0, 7.5, -0.5, -8.0));
+        // Q4_K: d = 1, dmin = 0.5; sub-block 0: scale 2, min 3 (6-bit fields
+        // in bytes 0 and 4); sub-block 4: scale 1 | 1 << 4 = 17, min 2 (low
+        // nibbles of byte 8, high bits from bytes 0 and 4); every code 3 (low)
+        // or 5 (high).
+        let mut b = f16b(1.0).to_vec();
+        b.extend(f16b(0.5));
+        let mut sc = [0u8; 12];
+        sc[0] = 2 | 1 << 6;
+        sc[4] = 3;
+        sc[8] = 1 | 2 << 4;
+        b.extend(sc);
+        b.extend([0x53u8; 128]);
+        let mut out = [0.0f32; 256];
+        dequantize_row(GgmlType::Q4_K, &b, &mut out);
+        assert_eq!(out[0], 2.0 * 3.0 - 0.5 * 3.0); // sub-block 0, low nibble
+        assert_eq!(out[32], 0.0); // sub-block 1: scale 0, min 0
+        assert_eq!(out[128], 17.0 * 3.0 - 0.5 * 2.0); // sub-block 4, low nibble
+        // Q6_K: d = 0.25 (last 2 bytes); scales 2, -1, 4, 1 for the four
+        // 32-element groups of the first half's lanes 0..16.
+        let mut b = vec![0u8; 210];
+        b[0] = 0x21; // element 0 low nibble 1, element 64 low nibble 2
+        b[32] = 0x0F; // element 32 low nibble 15, element 96 low nibble 0
+        b[128] = 0b11_10_01_00; // high 2-bit pairs of elements 0, 32, 64, 96
+        b[192] = 2;
+        b[194] = (-1i8) as u8;
+        b[196] = 4;
+        b[198] = 1;
+        b[208..210].copy_from_slice(&f16b(0.25));
+        dequantize_row(GgmlType::Q6_K, &b, &mut out);
+        assert_eq!(out[0], 0.25 * 2.0 * (1 - 32) as f32);
+        assert_eq!(out[32], 0.25 * -1.0 * (15 + 16 - 32) as f32);
+        assert_eq!(out[64], 0.25 * 4.0 * (2 + 32 - 32) as f32);
+        assert_eq!(out[96], 0.25 * 1.0 * (48 - 32) as f32);
+    }
+
     /// The direct dot products equal dequantize-then-dot for every type.
     #[test]
     fn dot_equals_dequantized_dot() {
-        let n = 96;
+        let n = 512;
         let x: Vec<f32> = (0..n).map(|i| ((i * 37 % 19) as f32 - 9.0) / 7.0).collect();
         let mut xs = Vec::new();
         block_sums(&x, &mut xs);
@@ -270,6 +496,9 @@ mod tests {
             GgmlType::Q4_0,
             GgmlType::Q4_1,
             GgmlType::Q8_0,
+            GgmlType::Q5_0,
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
         ] {
             let bytes: Vec<u8> = (0..ty.row_bytes(n)).map(|i| (i * 97 % 251) as u8).collect();
             // Keep float scales/values finite: rebuild scale fields as small halves.
@@ -290,10 +519,15 @@ mod tests {
                         });
                     }
                 }
+                GgmlType::Q6_K => {
+                    for c in bytes.chunks_exact_mut(210) {
+                        c[208..210].copy_from_slice(&f16b(0.37));
+                    }
+                }
                 _ => {
                     for c in bytes.chunks_exact_mut(ty.block_bytes()) {
                         c[..2].copy_from_slice(&f16b(0.37));
-                        if ty == GgmlType::Q4_1 {
+                        if matches!(ty, GgmlType::Q4_1 | GgmlType::Q4_K) {
                             c[2..4].copy_from_slice(&f16b(-0.8));
                         }
                     }

@@ -126,6 +126,92 @@ pub fn nll_of(logits: &[f32], target: u32) -> f64 {
     -(logits[target as usize] as f64 - m - z.ln())
 }
 
+/// Perplexity under llama.cpp's `llama-perplexity` protocol.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ChunkedPerplexity {
+    /// Context per chunk.
+    pub ctx: usize,
+    /// Chunks evaluated (`floor(tokens / ctx)`, at most the requested number).
+    pub chunks: usize,
+    /// Predictions scored (`chunks * (ctx - 1 - ctx / 2)`).
+    pub scored: usize,
+    /// Mean negative log-likelihood of the scored predictions (nats).
+    pub nll: f64,
+    /// `exp(nll)`.
+    pub ppl: f64,
+    /// Perplexity of each chunk.
+    pub per_chunk: Vec<f64>,
+}
+
+/// Perplexity as `llama-perplexity` measures it: `ids` (the whole text,
+/// tokenized with BOS) is cut into chunks of `ctx` tokens; each chunk runs in
+/// a fresh cache with its first token replaced by `bos` (when the model adds
+/// one), and only the second half is scored: the logits at positions
+/// `ctx/2 .. ctx-1` predicting the next token. The cache is never compressed
+/// (a pure prefill).
+pub fn perplexity_chunked(
+    model: &dyn LanguageModel,
+    mut new_cache: impl FnMut() -> Result<Box<dyn KvCache>>,
+    ids: &[u32],
+    ctx: usize,
+    max_chunks: Option<usize>,
+    bos: Option<u32>,
+) -> Result<ChunkedPerplexity> {
+    if ctx < 4 {
+        return Err(Error::Input(format!(
+            "chunk context must be >= 4, got {ctx}"
+        )));
+    }
+    if ids.len() < 2 * ctx {
+        return Err(Error::Input(format!(
+            "the text has {} tokens: at least {} are needed for chunks of {ctx}",
+            ids.len(),
+            2 * ctx
+        )));
+    }
+    let chunks = (ids.len() / ctx)
+        .min(max_chunks.unwrap_or(usize::MAX))
+        .max(1);
+    let v = model.vocab_size();
+    let first = ctx / 2;
+    let mut ws = Workspace::default();
+    let (mut total, mut scored) = (0.0, 0usize);
+    let mut per_chunk = Vec::with_capacity(chunks);
+    // Scored positions run in pieces so that logits stay small (large vocabularies).
+    const PIECE: usize = 64;
+    for c in 0..chunks {
+        let mut chunk = ids[c * ctx..(c + 1) * ctx].to_vec();
+        if let Some(b) = bos {
+            chunk[0] = b;
+        }
+        let mut cache = new_cache()?;
+        model.forward(&chunk[..first], cache.as_mut(), &mut ws, Logits::None)?;
+        let (mut sum, mut cnt) = (0.0, 0usize);
+        let mut pos = first;
+        while pos < ctx {
+            let end = (pos + PIECE).min(ctx);
+            let logits = model.forward(&chunk[pos..end], cache.as_mut(), &mut ws, Logits::All)?;
+            for p in pos..end.min(ctx - 1) {
+                sum += nll_of(&logits[(p - pos) * v..(p - pos + 1) * v], chunk[p + 1]);
+                cnt += 1;
+            }
+            pos = end;
+        }
+        per_chunk.push((sum / cnt as f64).exp());
+        total += sum;
+        scored += cnt;
+    }
+    let nll = total / scored as f64;
+    Ok(ChunkedPerplexity {
+        ctx,
+        chunks,
+        scored,
+        nll,
+        ppl: nll.exp(),
+        per_chunk,
+    })
+}
+
 /// Perplexity of `ids`: the first `prefill` tokens are prefilled (exact
 /// attention), the cache is compressed, and the rest are teacher-forced one
 /// token per decode step through the compressed cache.

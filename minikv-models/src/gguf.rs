@@ -331,7 +331,7 @@ impl Gguf {
                 dims.push(d as usize);
             }
             let ty = c.u32(&w)?;
-            let dtype = GgmlType::from_id(ty).ok_or_else(|| Error::Format(format!("tensor `{name}`: unsupported tensor type id {ty} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")))?;
+            let dtype = GgmlType::from_id(ty).ok_or_else(|| Error::Format(format!("tensor `{name}`: unsupported tensor type id {ty} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K)")))?;
             let off = c.u64(&w)?;
             infos.push((name, dims, dtype, off));
         }

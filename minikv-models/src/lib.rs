@@ -1,7 +1,7 @@
 //! # minikv-models
 //!
 //! Llama-family models (SmolLM2-135M-Instruct by default) on CPU: a validating
-//! memory-mapped GGUF reader (F32, F16, BF16, Q8_0, Q4_0, Q4_1), a safetensors
+//! memory-mapped GGUF reader (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K), a safetensors
 //! loader for Hugging Face checkpoints, the byte-level BPE tokenizer built in
 //! memory with the `tokenizers` crate, and the forward pass.
 //!
@@ -24,6 +24,7 @@
 #![warn(missing_docs)]
 
 pub mod blocks;
+pub mod gemma3;
 mod generate;
 pub mod gguf;
 pub mod llama;
@@ -32,7 +33,11 @@ mod safetensors;
 mod sampling;
 mod tokenizer;
 
-pub use generate::{Generation, Perplexity, StopReason, generate, nll_of, perplexity};
+pub use gemma3::{Gemma3, Gemma3Config};
+pub use generate::{
+    ChunkedPerplexity, Generation, Perplexity, StopReason, generate, nll_of, perplexity,
+    perplexity_chunked,
+};
 pub use llama::{Llama, LlamaConfig, RopeLayout};
 pub use safetensors::{export_hf, load_hf};
 pub use sampling::{Sampler, SamplingConfig, argmax};
@@ -70,11 +75,16 @@ pub struct Workspace {
 }
 
 /// A causal language model that attends only through a [`KvCache`].
-pub trait LanguageModel: Send + Sync {
+pub trait LanguageModel: Send + Sync + std::fmt::Debug {
     /// The attention shape (what a cache needs).
     fn spec(&self) -> ModelSpec;
     /// Vocabulary size.
     fn vocab_size(&self) -> usize;
+    /// Architecture, hyper-parameters and weight storage, for reports.
+    fn describe(&self) -> serde_json::Value;
+    /// The concrete model, for code that needs one architecture's parts
+    /// (e.g. exporting Llama weights).
+    fn as_any(&self) -> &dyn std::any::Any;
     /// The instruction tokens of a context-reconstruction pass, if the model
     /// has them (see [`finish_prefill`]).
     fn reconstruction_prompts(&self) -> Option<&ReconstructionPrompts> {
@@ -90,9 +100,43 @@ pub trait LanguageModel: Send + Sync {
     ) -> Result<Vec<f32>>;
 }
 
-/// Loads a model: a `.gguf` file, or a directory with `config.json`,
-/// `*.safetensors` and `tokenizer.json`.
-pub fn load(path: &Path) -> Result<(Box<Llama>, Tokenizer)> {
+/// The checks every forward pass starts with: tokens present and inside the
+/// vocabulary, a cache built for this model, room in the context.
+pub(crate) fn check_forward(
+    model: &dyn LanguageModel,
+    tokens: &[u32],
+    cache: &dyn KvCache,
+) -> Result<()> {
+    if tokens.is_empty() {
+        return Err(Error::Input("forward: no tokens".into()));
+    }
+    let vocab = model.vocab_size();
+    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::Input(format!(
+            "token id {t} is outside the vocabulary of {vocab}"
+        )));
+    }
+    let spec = model.spec();
+    if cache.spec() != &spec {
+        return Err(Error::shape(
+            "cache spec vs model",
+            format!("{spec:?}"),
+            format!("{:?}", cache.spec()),
+        ));
+    }
+    let pos0 = cache.seq_len(0);
+    if pos0 + tokens.len() > spec.max_seq_len {
+        return Err(Error::ContextOverflow {
+            len: pos0 + tokens.len(),
+            max: spec.max_seq_len,
+        });
+    }
+    Ok(())
+}
+
+/// Loads a model: a `.gguf` file (`llama` or `gemma3` architecture), or a
+/// directory with `config.json`, `*.safetensors` and `tokenizer.json` (Llama).
+pub fn load(path: &Path) -> Result<(Box<dyn LanguageModel>, Tokenizer)> {
     // Every model-format error names the file it is about.
     let named = |e: Error| match e {
         Error::Format(m) if !m.contains(&*path.to_string_lossy()) => {
@@ -114,10 +158,27 @@ pub fn load(path: &Path) -> Result<(Box<Llama>, Tokenizer)> {
         return Ok((Box::new(m), t));
     }
     let g = gguf::Gguf::open(path).map_err(named)?;
-    let mut m = Llama::from_gguf(&g).map_err(named)?;
     let t = Tokenizer::from_gguf(&g).map_err(named)?;
-    m.reconstruction = Some(ReconstructionPrompts::new(&t)?);
-    Ok((Box::new(m), t))
+    let prompts = Some(ReconstructionPrompts::new(&t)?);
+    let arch = g.get_str("general.architecture").map_err(named)?;
+    let m: Box<dyn LanguageModel> = match arch {
+        "llama" => {
+            let mut m = Llama::from_gguf(&g).map_err(named)?;
+            m.reconstruction = prompts;
+            Box::new(m)
+        }
+        "gemma3" => {
+            let mut m = Gemma3::from_gguf(&g).map_err(named)?;
+            m.reconstruction = prompts;
+            Box::new(m)
+        }
+        other => {
+            return Err(named(Error::Format(format!(
+                "unsupported architecture `{other}` (supported: llama, gemma3)"
+            ))));
+        }
+    };
+    Ok((m, t))
 }
 
 /// KVzip's context-reconstruction instructions, tokenized (kvpress's

@@ -312,84 +312,11 @@ impl Llama {
 
     /// cos/sin of the RoPE angles for positions `pos0 .. pos0 + n` (once per chunk).
     fn rope_tables(&self, pos0: usize, n: usize, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
-        cos.clear();
-        sin.clear();
-        for p in pos0..pos0 + n {
-            for &f in &self.rope_info.inv_freq {
-                let a = p as f64 * f;
-                cos.push(a.cos() as f32);
-                sin.push(a.sin() as f32);
-            }
-        }
+        rope_tables(&self.rope_info.inv_freq, pos0, n, cos, sin);
     }
 
     fn rope(&self, x: &mut [f32], n_heads: usize, cos: &[f32], sin: &[f32]) {
-        let d = self.cfg.head_dim;
-        let half = d / 2;
-        let row = n_heads * d;
-        for (i, xr) in x.chunks_exact_mut(row).enumerate() {
-            let (c, s) = (
-                &cos[i * half..(i + 1) * half],
-                &sin[i * half..(i + 1) * half],
-            );
-            for hd in xr.chunks_exact_mut(d) {
-                match self.cfg.rope {
-                    RopeLayout::Adjacent => {
-                        for j in 0..half {
-                            let (a, b) = (hd[2 * j], hd[2 * j + 1]);
-                            hd[2 * j] = a * c[j] - b * s[j];
-                            hd[2 * j + 1] = a * s[j] + b * c[j];
-                        }
-                    }
-                    RopeLayout::Halves => {
-                        let (lo, hi) = hd.split_at_mut(half);
-                        for j in 0..half {
-                            let (a, b) = (lo[j], hi[j]);
-                            lo[j] = a * c[j] - b * s[j];
-                            hi[j] = a * s[j] + b * c[j];
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// Hands the cache what its components asked for (rarely: only methods
-    /// such as Expected Attention or CriticalKV want model facts).
-    fn observe(
-        &self,
-        l: usize,
-        b: &Block,
-        wants: minikv_core::ModelWants,
-        q: &[f32],
-        n: usize,
-        cache: &mut dyn KvCache,
-    ) -> Result<()> {
-        if wants.pre_rope_queries {
-            cache.observe(
-                l,
-                minikv_core::Observation::PreRopeQueries {
-                    q,
-                    n,
-                    rope: &self.rope_info,
-                },
-            )?;
-        }
-        if wants.output_projection {
-            let (rows, cols) = (b.wo.rows, b.wo.cols);
-            let mut w = vec![0.0f32; rows * cols];
-            for (r, out) in w.chunks_exact_mut(cols).enumerate() {
-                b.wo.dequantize_row(r, out);
-            }
-            cache.observe(
-                l,
-                minikv_core::Observation::OutputProjection {
-                    w: &w,
-                    hidden: rows,
-                },
-            )?;
-        }
-        Ok(())
+        apply_rope(x, n_heads, self.cfg.head_dim, self.cfg.rope, cos, sin);
     }
 
     fn chunk(
@@ -443,7 +370,7 @@ impl Llama {
             }
             let wants = cache.wants(l);
             if !wants.is_empty() {
-                self.observe(l, b, wants, &ws.q, n, cache)?;
+                hand_over(l, &b.wo, &self.rope_info, wants, &ws.q, n, cache)?;
             }
             self.rope(&mut ws.q, c.n_heads, &cos, &sin);
             self.rope(&mut ws.k, c.n_kv_heads, &cos, &sin);
@@ -499,7 +426,98 @@ impl Llama {
 /// Prefill chunk length (bounds activation memory; the cache sees several chunks).
 pub const PREFILL_CHUNK: usize = 512;
 
-fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+/// cos/sin of the angles `p * inv_freq[i]` for positions `pos0 .. pos0 + n`,
+/// `[n][d/2]` (angles in f64, as the caches see them).
+pub(crate) fn rope_tables(
+    inv_freq: &[f64],
+    pos0: usize,
+    n: usize,
+    cos: &mut Vec<f32>,
+    sin: &mut Vec<f32>,
+) {
+    cos.clear();
+    sin.clear();
+    for p in pos0..pos0 + n {
+        for &f in inv_freq {
+            let a = p as f64 * f;
+            cos.push(a.cos() as f32);
+            sin.push(a.sin() as f32);
+        }
+    }
+}
+
+/// Rotates token-major `x` (`[n][n_heads * d]`) by the tables of
+/// [`rope_tables`].
+pub(crate) fn apply_rope(
+    x: &mut [f32],
+    n_heads: usize,
+    d: usize,
+    layout: RopeLayout,
+    cos: &[f32],
+    sin: &[f32],
+) {
+    let half = d / 2;
+    let row = n_heads * d;
+    for (i, xr) in x.chunks_exact_mut(row).enumerate() {
+        let (c, s) = (
+            &cos[i * half..(i + 1) * half],
+            &sin[i * half..(i + 1) * half],
+        );
+        for hd in xr.chunks_exact_mut(d) {
+            match layout {
+                RopeLayout::Adjacent => {
+                    for j in 0..half {
+                        let (a, b) = (hd[2 * j], hd[2 * j + 1]);
+                        hd[2 * j] = a * c[j] - b * s[j];
+                        hd[2 * j + 1] = a * s[j] + b * c[j];
+                    }
+                }
+                RopeLayout::Halves => {
+                    let (lo, hi) = hd.split_at_mut(half);
+                    for j in 0..half {
+                        let (a, b) = (lo[j], hi[j]);
+                        lo[j] = a * c[j] - b * s[j];
+                        hi[j] = a * s[j] + b * c[j];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Hands the cache what its components asked for at layer `l` (rarely:
+/// only methods such as Expected Attention or CriticalKV want model facts):
+/// the chunk's pre-RoPE queries with the layer's RoPE, or `W_o`.
+pub(crate) fn hand_over(
+    l: usize,
+    wo: &QMatrix,
+    rope: &minikv_core::Rope,
+    wants: minikv_core::ModelWants,
+    q: &[f32],
+    n: usize,
+    cache: &mut dyn KvCache,
+) -> Result<()> {
+    if wants.pre_rope_queries {
+        cache.observe(l, minikv_core::Observation::PreRopeQueries { q, n, rope })?;
+    }
+    if wants.output_projection {
+        let (rows, cols) = (wo.rows, wo.cols);
+        let mut w = vec![0.0f32; rows * cols];
+        for (r, out) in w.chunks_exact_mut(cols).enumerate() {
+            wo.dequantize_row(r, out);
+        }
+        cache.observe(
+            l,
+            minikv_core::Observation::OutputProjection {
+                w: &w,
+                hidden: rows,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let h = w.len();
     for (xr, or) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
         let ms = xr.iter().map(|v| v * v).sum::<f32>() / h as f32;
@@ -518,6 +536,7 @@ impl LanguageModel for Llama {
             n_kv_heads: self.cfg.n_kv_heads,
             head_dim: self.cfg.head_dim,
             max_seq_len: self.cfg.max_seq_len,
+            windows: Vec::new(),
         }
     }
 
@@ -529,6 +548,19 @@ impl LanguageModel for Llama {
         self.cfg.vocab
     }
 
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({
+            "architecture": "llama",
+            "config": &self.cfg,
+            "weight_types": self.weight_types(),
+            "weight_bytes": self.weight_bytes(),
+        })
+    }
+
     fn forward(
         &self,
         tokens: &[u32],
@@ -536,29 +568,8 @@ impl LanguageModel for Llama {
         ws: &mut Workspace,
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            return Err(Error::Input("forward: no tokens".into()));
-        }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
-            return Err(Error::Input(format!(
-                "token id {t} is outside the vocabulary of {}",
-                self.cfg.vocab
-            )));
-        }
-        if cache.spec() != &self.spec() {
-            return Err(Error::shape(
-                "cache spec vs model",
-                format!("{:?}", self.spec()),
-                format!("{:?}", cache.spec()),
-            ));
-        }
+        crate::check_forward(self, tokens, cache)?;
         let pos0 = cache.seq_len(0);
-        if pos0 + tokens.len() > self.cfg.max_seq_len {
-            return Err(Error::ContextOverflow {
-                len: pos0 + tokens.len(),
-                max: self.cfg.max_seq_len,
-            });
-        }
         let mut out = Vec::new();
         let chunks: Vec<&[u32]> = tokens.chunks(PREFILL_CHUNK).collect();
         let last = chunks.len() - 1;

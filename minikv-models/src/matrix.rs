@@ -127,7 +127,7 @@ impl QMatrix {
     /// weights' own blocks (exact up to f32 rounding).
     pub fn matvec(&self, x: &[f32], y: &mut [f32]) {
         let mut xs = Vec::new();
-        if self.dtype == GgmlType::Q4_1 {
+        if crate::blocks::needs_block_sums(self.dtype) {
             block_sums(x, &mut xs);
         }
         let c = self.chunk_rows();

@@ -1,14 +1,28 @@
-//! Tokenizer: GPT-2 byte-level BPE built in memory from GGUF metadata with the
-//! `tokenizers` crate (or loaded from a `tokenizer.json`), plus the chat template.
+//! Tokenizer built in memory from GGUF metadata with the `tokenizers` crate
+//! (or loaded from a `tokenizer.json`), plus the chat template.
+//!
+//! * `gpt2` (SmolLM2): byte-level BPE from the file's vocabulary and merges.
+//! * `llama` (SentencePiece-style, Gemma 3): the file has pieces with scores
+//!   and no merges. The SentencePiece BPE rule (repeatedly merge the adjacent
+//!   pair whose concatenation is the highest-scoring piece, leftmost first)
+//!   is expressed as BPE merges: every split of every piece into two pieces,
+//!   ranked by the merged piece's score. Spaces become `▁` (no space prefix
+//!   unless `tokenizer.ggml.add_space_prefix`), characters outside the
+//!   vocabulary fall back to `<0xXX>` byte pieces, and user-defined pieces
+//!   (newline and space runs, HTML tags) are matched in the raw text first,
+//!   as llama.cpp does.
 
 use crate::gguf::{Gguf, Value};
 use minikv_core::{Error, Result};
 use std::path::Path;
+use tokenizers::decoders::byte_fallback::ByteFallback;
+use tokenizers::decoders::fuse::Fuse;
 use tokenizers::models::bpe::BPE;
+use tokenizers::normalizers::replace::Replace;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, PreTokenizerWrapper};
+use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper};
 
 /// A tokenizer with its special tokens and chat format.
 #[derive(Clone)]
@@ -61,29 +75,16 @@ fn tok_err(e: impl std::fmt::Display) -> Error {
 }
 
 impl Tokenizer {
-    /// Builds the tokenizer from `tokenizer.ggml.*` metadata (gpt2 model only).
+    /// Builds the tokenizer from `tokenizer.ggml.*` metadata (`gpt2` byte-level
+    /// BPE or `llama` SentencePiece-style pieces with scores).
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
         let model = g.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
+        if model != "gpt2" && model != "llama" {
             return Err(Error::Format(format!(
-                "tokenizer.ggml.model = `{model}`: only gpt2 (byte-level BPE) is supported"
+                "tokenizer.ggml.model = `{model}`: supported are gpt2 (byte-level BPE) and llama (SentencePiece-style)"
             )));
         }
-        let strings = |key: &str| -> Result<Vec<String>> {
-            match g.get(key)? {
-                Value::Array(a) => a
-                    .iter()
-                    .map(|v| {
-                        v.as_str()
-                            .map(str::to_owned)
-                            .ok_or_else(|| Error::Format(format!("`{key}` holds a non-string")))
-                    })
-                    .collect(),
-                _ => Err(Error::Format(format!("`{key}` is not an array"))),
-            }
-        };
-        let tokens = strings("tokenizer.ggml.tokens")?;
-        let merges_raw = strings("tokenizer.ggml.merges")?;
+        let tokens = strings(g, "tokenizer.ggml.tokens")?;
         let types: Vec<i64> = match g.metadata.get("tokenizer.ggml.token_type") {
             Some(Value::Array(a)) => a
                 .iter()
@@ -95,50 +96,18 @@ impl Tokenizer {
                 .collect(),
             _ => vec![1; tokens.len()],
         };
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let merges = merges_raw
-            .iter()
-            .map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_owned(), b.to_owned()))
-                    .ok_or_else(|| Error::Format(format!("bad merge `{m}`")))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(tok_err)?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = g
-            .metadata
-            .get("tokenizer.ggml.pre")
-            .and_then(|v| v.as_str())
-            .unwrap_or("default");
-        let byte_level = ByteLevel::new(false, true, true);
-        let pt: PreTokenizerWrapper = match pre {
-            // SmolLM / StarCoder-style: every digit on its own, then the GPT-2 regex.
-            "smollm" | "starcoder" | "default" | "gpt2" => {
-                Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
-            }
-            other => {
-                return Err(Error::Format(format!(
-                    "tokenizer.ggml.pre = `{other}` is not supported (smollm, starcoder, gpt2)"
-                )));
-            }
+        if types.len() != tokens.len() {
+            return Err(Error::Format(format!(
+                "tokenizer: {} token types for {} tokens",
+                types.len(),
+                tokens.len()
+            )));
+        }
+        let inner = if model == "llama" {
+            spm_tokenizer(g, &tokens, &types)?
+        } else {
+            gpt2_tokenizer(g, &tokens, &types)?
         };
-        inner.with_pre_tokenizer(Some(pt));
-        inner.with_decoder(Some(ByteLevel::default()));
-        let specials: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(_, t)| **t == 3 || **t == 4)
-            .map(|(s, _)| AddedToken::from(s.clone(), true))
-            .collect();
-        inner.add_special_tokens(specials).map_err(tok_err)?;
         let bos = g
             .metadata
             .get("tokenizer.ggml.bos_token_id")
@@ -151,7 +120,7 @@ impl Tokenizer {
             .map(|v| v as u32)
             .into_iter()
             .collect();
-        for name in ["<|im_end|>", "<|endoftext|>"] {
+        for name in ["<|im_end|>", "<|endoftext|>", "<end_of_turn>"] {
             if let Some(id) = vocab_lookup(&tokens, name)
                 && !stop.contains(&id)
             {
@@ -257,4 +226,176 @@ impl Tokenizer {
 
 fn vocab_lookup(tokens: &[String], s: &str) -> Option<u32> {
     tokens.iter().position(|t| t == s).map(|i| i as u32)
+}
+
+fn strings(g: &Gguf, key: &str) -> Result<Vec<String>> {
+    match g.get(key)? {
+        Value::Array(a) => a
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| Error::Format(format!("`{key}` holds a non-string")))
+            })
+            .collect(),
+        _ => Err(Error::Format(format!("`{key}` is not an array"))),
+    }
+}
+
+/// GPT-2 byte-level BPE from the file's vocabulary and merges.
+fn gpt2_tokenizer(g: &Gguf, tokens: &[String], types: &[i64]) -> Result<tokenizers::Tokenizer> {
+    let merges_raw = strings(g, "tokenizer.ggml.merges")?;
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let merges = merges_raw
+        .iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_owned(), b.to_owned()))
+                .ok_or_else(|| Error::Format(format!("bad merge `{m}`")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(tok_err)?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let pre = g
+        .metadata
+        .get("tokenizer.ggml.pre")
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    let byte_level = ByteLevel::new(false, true, true);
+    let pt: PreTokenizerWrapper = match pre {
+        // SmolLM / StarCoder-style: every digit on its own, then the GPT-2 regex.
+        "smollm" | "starcoder" | "default" | "gpt2" => {
+            Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+        }
+        other => {
+            return Err(Error::Format(format!(
+                "tokenizer.ggml.pre = `{other}` is not supported (smollm, starcoder, gpt2)"
+            )));
+        }
+    };
+    inner.with_pre_tokenizer(Some(pt));
+    inner.with_decoder(Some(ByteLevel::default()));
+    let specials: Vec<AddedToken> = tokens
+        .iter()
+        .zip(types)
+        .filter(|(_, t)| **t == 3 || **t == 4)
+        .map(|(s, _)| AddedToken::from(s.clone(), true))
+        .collect();
+    inner.add_special_tokens(specials).map_err(tok_err)?;
+    Ok(inner)
+}
+
+/// SentencePiece-style pieces with scores as a BPE with byte fallback.
+fn spm_tokenizer(g: &Gguf, tokens: &[String], types: &[i64]) -> Result<tokenizers::Tokenizer> {
+    let scores: Vec<f64> = match g.get("tokenizer.ggml.scores")? {
+        Value::Array(a) => a
+            .iter()
+            .map(|v| {
+                v.as_f64().ok_or_else(|| {
+                    Error::Format("`tokenizer.ggml.scores` holds a non-number".into())
+                })
+            })
+            .collect::<Result<_>>()?,
+        _ => {
+            return Err(Error::Format(
+                "`tokenizer.ggml.scores` is not an array".into(),
+            ));
+        }
+    };
+    if scores.len() != tokens.len() {
+        return Err(Error::Format(format!(
+            "tokenizer: {} scores for {} tokens",
+            scores.len(),
+            tokens.len()
+        )));
+    }
+    let ids: std::collections::HashMap<&str, u32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i as u32))
+        .collect();
+    if ids.len() != tokens.len() {
+        return Err(Error::Format("tokenizer: duplicate pieces".into()));
+    }
+    for b in 0..=255u8 {
+        if !ids.contains_key(format!("<0x{b:02X}>").as_str()) {
+            return Err(Error::Format(format!(
+                "tokenizer: byte piece <0x{b:02X}> is missing (needed for byte fallback)"
+            )));
+        }
+    }
+    // Every split of every piece into two pieces, ranked by the merged
+    // piece's score (highest first), then by its id.
+    let mut ranked: Vec<(f64, u32, usize)> = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        for (cut, _) in t.char_indices().skip(1) {
+            if ids.contains_key(&t[..cut]) && ids.contains_key(&t[cut..]) {
+                ranked.push((scores[i], i as u32, cut));
+            }
+        }
+    }
+    ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    let merges: Vec<(String, String)> = ranked
+        .iter()
+        .map(|&(_, i, cut)| {
+            let t = &tokens[i as usize];
+            (t[..cut].to_owned(), t[cut..].to_owned())
+        })
+        .collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .build()
+        .map_err(tok_err)?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+    let space_prefix = matches!(
+        g.metadata.get("tokenizer.ggml.add_space_prefix"),
+        Some(Value::Bool(true))
+    );
+    let replace = Replace::new(" ", "\u{2581}").map_err(tok_err)?;
+    if space_prefix {
+        inner
+            .with_normalizer(Some(NormalizerWrapper::Sequence(
+                tokenizers::normalizers::Sequence::new(vec![
+                    tokenizers::normalizers::Prepend::new("\u{2581}".into()).into(),
+                    replace.into(),
+                ]),
+            )))
+            .map_err(tok_err)?;
+    } else {
+        inner.with_normalizer(Some(replace)).map_err(tok_err)?;
+    }
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        Replace::new("\u{2581}", " ").map_err(tok_err)?.into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    if space_prefix {
+        decoders.push(tokenizers::decoders::strip::Strip::new(' ', 1, 0).into());
+    }
+    inner.with_decoder(Some(tokenizers::decoders::sequence::Sequence::new(
+        decoders,
+    )));
+    // Control pieces are special; user-defined pieces (newline and space
+    // runs, tags) are plain text matched before the model on the raw text.
+    let added: Vec<AddedToken> = tokens
+        .iter()
+        .zip(types)
+        .filter(|(_, t)| **t == 3 || **t == 4)
+        .map(|(s, t)| AddedToken::from(s.clone(), *t == 3).normalized(false))
+        .collect();
+    inner.add_special_tokens(added).map_err(tok_err)?;
+    Ok(inner)
 }

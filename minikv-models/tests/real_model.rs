@@ -25,9 +25,10 @@ fn model_path() -> PathBuf {
     p
 }
 
-fn model() -> &'static (Box<Llama>, Tokenizer) {
-    static M: OnceLock<(Box<Llama>, Tokenizer)> = OnceLock::new();
-    M.get_or_init(|| minikv_models::load(&model_path()).expect("model loads"))
+fn model() -> (&'static dyn LanguageModel, &'static Tokenizer) {
+    static M: OnceLock<(Box<dyn LanguageModel>, Tokenizer)> = OnceLock::new();
+    let (m, t) = M.get_or_init(|| minikv_models::load(&model_path()).expect("model loads"));
+    (m.as_ref(), t)
 }
 
 fn reference() -> serde_json::Value {
@@ -37,13 +38,13 @@ fn reference() -> serde_json::Value {
     .unwrap()
 }
 
-fn full_cache(m: &Llama) -> Box<dyn KvCache> {
+fn full_cache(m: &dyn LanguageModel) -> Box<dyn KvCache> {
     CacheBuilder::new(m.spec())
         .build(&CacheConfig::default())
         .unwrap()
 }
 
-fn cache_from(m: &Llama, toml: &str) -> Box<dyn KvCache> {
+fn cache_from(m: &dyn LanguageModel, toml: &str) -> Box<dyn KvCache> {
     let mut cfg = RunConfig::parse(toml, false).unwrap();
     cfg.resolve().unwrap();
     CacheBuilder::new(m.spec()).build(&cfg.cache).unwrap()
@@ -63,6 +64,7 @@ fn loads_with_the_documented_shape() {
         ),
         (30, 9, 3, 64, 8192)
     );
+    let m = m.as_any().downcast_ref::<Llama>().expect("a llama model");
     assert_eq!((m.cfg.hidden, m.cfg.ffn, m.cfg.vocab), (576, 1536, 49152));
     assert_eq!(m.cfg.rope_base, 100000.0);
     assert!(m.lm_head.is_none(), "output head is tied to token_embd");
@@ -147,7 +149,7 @@ fn greedy_continuation_is_paris() {
     let (m, t) = model();
     let ids = t.encode("The capital of France is").unwrap();
     let g = generate(
-        m.as_ref(),
+        m,
         t,
         full_cache(m).as_mut(),
         &ids,
@@ -177,7 +179,7 @@ fn perplexity_matches_the_reference() {
         .map(|v| v.as_u64().unwrap() as u32)
         .collect();
     assert_eq!(&ids[..16], &first[..]);
-    let p = perplexity(m.as_ref(), full_cache(m).as_mut(), &ids, 512, |_| {}).unwrap();
+    let p = perplexity(m, full_cache(m).as_mut(), &ids, 512, |_| {}).unwrap();
     let want = r["ppl"].as_f64().unwrap();
     assert!(
         (p.ppl - want).abs() / want < 1e-4,
@@ -196,7 +198,7 @@ fn no_evict_config_generates_like_the_full_cache() {
         .unwrap();
     let run = |c: &mut dyn KvCache| {
         generate(
-            m.as_ref(),
+            m,
             t,
             c,
             &ids,
@@ -234,12 +236,12 @@ fn minikv_compresses_and_stays_close() {
     let (m, t) = model();
     let text = std::fs::read_to_string(root().join("assets/paul_graham/addiction.txt")).unwrap();
     let ids: Vec<u32> = t.encode(&text).unwrap()[..320].to_vec();
-    let full = perplexity(m.as_ref(), full_cache(m).as_mut(), &ids, 256, |_| {}).unwrap();
+    let full = perplexity(m, full_cache(m).as_mut(), &ids, 256, |_| {}).unwrap();
     let mut c = cache_from(
         m,
         &std::fs::read_to_string(root().join("configs/minikv.toml")).unwrap(),
     );
-    let mk = perplexity(m.as_ref(), c.as_mut(), &ids, 256, |_| {}).unwrap();
+    let mk = perplexity(m, c.as_mut(), &ids, 256, |_| {}).unwrap();
     let mem = c.memory();
     let used = mem.used_bytes() as f64 / mem.full_fp16_bytes as f64;
     assert!(used < 0.5, "MiniKV keeps {used:.3} of the fp16 bytes");
@@ -325,7 +327,10 @@ fn truncated_or_corrupt_gguf_is_a_clear_error() {
     let cases: Vec<(Vec<u8>, &str)> = cases
         .into_iter()
         .chain([
-            (arch, "unsupported architecture `gemma` (supported: llama)"),
+            (
+                arch,
+                "unsupported architecture `gemma` (supported: llama, gemma3)",
+            ),
             (q2k, "unsupported tensor type id 10"),
         ])
         .collect();
@@ -343,9 +348,11 @@ fn truncated_or_corrupt_gguf_is_a_clear_error() {
 fn safetensors_export_loads_to_the_same_logits() {
     let (m, t) = model();
     let dir = std::env::temp_dir().join(format!("minikv-hf-{}", std::process::id()));
-    minikv_models::export_hf(m, t, &dir).unwrap();
+    let llama = m.as_any().downcast_ref::<Llama>().unwrap();
+    minikv_models::export_hf(llama, t, &dir).unwrap();
     let (hf, ht) = minikv_models::load(&dir).unwrap();
-    assert_eq!(hf.cfg.rope, minikv_models::RopeLayout::Halves);
+    let hf_llama = hf.as_any().downcast_ref::<Llama>().unwrap();
+    assert_eq!(hf_llama.cfg.rope, minikv_models::RopeLayout::Halves);
     let ids = t.encode("The capital of France is").unwrap();
     assert_eq!(ht.encode("The capital of France is").unwrap(), ids);
     let a = m
@@ -359,7 +366,7 @@ fn safetensors_export_loads_to_the_same_logits() {
     let b = hf
         .forward(
             &ids,
-            full_cache(&hf).as_mut(),
+            full_cache(hf.as_ref()).as_mut(),
             &mut Workspace::default(),
             Logits::Last,
         )

@@ -1,0 +1,571 @@
+//! Gemma 3 decoder (Gemma 3 270M): hybrid sliding-window / global attention
+//! through the [`KvCache`] trait only.
+//!
+//! Per block: RMSNorm, Q/K/V projections, per-head RMSNorm of queries and
+//! keys, RoPE ("rotate half" pairs; base 10 000 on sliding-window layers,
+//! `rope.freq_base` on global ones), attention scaled by `1/sqrt(head_dim)`,
+//! output projection, RMSNorm of the attention output before the residual;
+//! then RMSNorm, a GELU-gated (tanh approximation) feed-forward, RMSNorm of
+//! its output before the residual. Embeddings are scaled by `sqrt(hidden)`
+//! and tied to the output head. Every sixth layer (5, 11, 17 of 18) is global;
+//! the others see the last `sliding_window` positions, themselves included.
+//! GGUF norm weights already hold Gemma's `1 + w`.
+
+use crate::gguf::Gguf;
+use crate::llama::{RopeLayout, apply_rope, hand_over, rms_norm, rope_tables};
+use crate::matrix::QMatrix;
+use crate::{LanguageModel, Logits, Workspace};
+use minikv_core::{Error, KvCache, ModelSpec, Result};
+use serde::Serialize;
+
+/// Hyper-parameters.
+#[derive(Debug, Clone, Serialize)]
+pub struct Gemma3Config {
+    /// Layers.
+    pub n_layers: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// FFN inner size.
+    pub ffn: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// KV heads.
+    pub n_kv_heads: usize,
+    /// Head dimension (`attention.key_length`).
+    pub head_dim: usize,
+    /// RoPE base of global layers.
+    pub rope_base: f64,
+    /// RoPE base of sliding-window layers.
+    pub rope_base_local: f64,
+    /// Sliding window of local layers.
+    pub sliding_window: usize,
+    /// One global layer every `global_every` layers (the last of each group).
+    pub global_every: usize,
+    /// Attention logit scale (`1/sqrt(head_dim)` for every size but 27B).
+    pub attention_scale: f32,
+    /// RMSNorm epsilon.
+    pub rms_eps: f32,
+    /// Context length.
+    pub max_seq_len: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+    /// Final logit soft-capping (0: none).
+    pub final_softcap: f32,
+}
+
+impl Gemma3Config {
+    /// Whether `layer` attends globally.
+    pub fn is_global(&self, layer: usize) -> bool {
+        layer % self.global_every == self.global_every - 1
+    }
+
+    fn validate(&self) -> Result<()> {
+        for (k, v) in [
+            ("n_layers", self.n_layers),
+            ("hidden", self.hidden),
+            ("ffn", self.ffn),
+            ("n_heads", self.n_heads),
+            ("n_kv_heads", self.n_kv_heads),
+            ("head_dim", self.head_dim),
+            ("max_seq_len", self.max_seq_len),
+            ("vocab", self.vocab),
+            ("sliding_window", self.sliding_window),
+        ] {
+            if v == 0 || v > 1 << 24 {
+                return Err(Error::Format(format!(
+                    "model config `{k}` = {v} is out of range"
+                )));
+            }
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) || !self.head_dim.is_multiple_of(2) {
+            return Err(Error::Format(format!(
+                "model config: {} heads / {} KV heads / head dim {} is not a valid GQA layout",
+                self.n_heads, self.n_kv_heads, self.head_dim
+            )));
+        }
+        let ok = self.rope_base > 1.0
+            && self.rope_base_local > 1.0
+            && self.rms_eps > 0.0
+            && self.final_softcap.is_finite()
+            && self.final_softcap >= 0.0;
+        if !ok {
+            return Err(Error::Format(
+                "model config: rope bases must be > 1, rms eps > 0, soft-capping >= 0".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One Gemma 3 block.
+#[derive(Debug, Clone)]
+pub struct Gemma3Block {
+    attn_norm: Vec<f32>,
+    /// `[wq; wk; wv]` when they share a type, else the three.
+    qkv: Qkv,
+    q_norm: Vec<f32>,
+    k_norm: Vec<f32>,
+    wo: QMatrix,
+    post_attn_norm: Vec<f32>,
+    ffn_norm: Vec<f32>,
+    /// `[gate; up]` (the 270M file stores both as Q5_0).
+    gate_up: GateUp,
+    w_down: QMatrix,
+    post_ffn_norm: Vec<f32>,
+}
+
+#[derive(Debug, Clone)]
+enum Qkv {
+    Fused(QMatrix),
+    Split(QMatrix, QMatrix, QMatrix),
+}
+
+#[derive(Debug, Clone)]
+enum GateUp {
+    Fused(QMatrix),
+    Split(QMatrix, QMatrix),
+}
+
+/// A Gemma 3 model.
+#[derive(Debug, Clone)]
+pub struct Gemma3 {
+    /// Hyper-parameters.
+    pub cfg: Gemma3Config,
+    embed: QMatrix,
+    blocks: Vec<Gemma3Block>,
+    norm: Vec<f32>,
+    lm_head: Option<QMatrix>,
+    rope_global: minikv_core::Rope,
+    rope_local: minikv_core::Rope,
+    /// KVzip's instruction tokens, set by [`crate::load`].
+    pub reconstruction: Option<crate::ReconstructionPrompts>,
+}
+
+fn vector(g: &Gguf, name: &str, n: usize) -> Result<Vec<f32>> {
+    let t = g.tensor(name)?;
+    if t.n_elements() != n {
+        return Err(Error::Format(format!(
+            "tensor `{name}` has {} elements, expected {n}",
+            t.n_elements()
+        )));
+    }
+    let mut v = vec![0.0; n];
+    crate::blocks::dequantize_row(t.dtype, g.blob(t).bytes(), &mut v);
+    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+        return Err(Error::Format(format!(
+            "tensor `{name}`: element {i} is not finite"
+        )));
+    }
+    Ok(v)
+}
+
+fn matrix(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<QMatrix> {
+    let t = g.tensor(name)?;
+    if t.dims.len() != 2 || t.dims[0] != cols || t.dims[1] != rows {
+        return Err(Error::Format(format!(
+            "tensor `{name}` has shape {:?}, expected [{cols}, {rows}]",
+            t.dims
+        )));
+    }
+    QMatrix::new(name, t.dtype, rows, cols, g.blob(t))
+}
+
+fn rope(base: f64, d: usize) -> minikv_core::Rope {
+    minikv_core::Rope {
+        inv_freq: (0..d / 2)
+            .map(|i| base.powf(-2.0 * i as f64 / d as f64))
+            .collect(),
+        pairs: minikv_core::RopePairs::Halves,
+    }
+}
+
+/// `gelu(x)` with the tanh approximation (Gemma's `gelu_pytorch_tanh`).
+#[inline]
+fn gelu_tanh(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+impl Gemma3 {
+    /// Loads a `gemma3`-architecture GGUF.
+    pub fn from_gguf(g: &Gguf) -> Result<Self> {
+        let arch = g.get_str("general.architecture")?;
+        if arch != "gemma3" {
+            return Err(Error::Format(format!(
+                "Gemma3::from_gguf: architecture `{arch}`"
+            )));
+        }
+        let k = |s: &str| format!("gemma3.{s}");
+        let hidden = g.get_usize(&k("embedding_length"))?;
+        let n_heads = g.get_usize(&k("attention.head_count"))?;
+        let head_dim = g.get_usize(&k("attention.key_length"))?;
+        if let Ok(vd) = g.get_usize(&k("attention.value_length"))
+            && vd != head_dim
+        {
+            return Err(Error::Format(format!(
+                "key length {head_dim} != value length {vd} is not supported"
+            )));
+        }
+        let embd = g.tensor("token_embd.weight")?;
+        let n_layers = g.get_usize(&k("block_count"))?;
+        let sliding_window = g.get_usize(&k("attention.sliding_window")).map_err(|_| {
+            Error::Unsupported(
+                "gemma3 without `attention.sliding_window` (all-global layers) is not supported"
+                    .into(),
+            )
+        })?;
+        let cfg = Gemma3Config {
+            n_layers,
+            hidden,
+            ffn: g.get_usize(&k("feed_forward_length"))?,
+            n_heads,
+            n_kv_heads: g
+                .get_usize(&k("attention.head_count_kv"))
+                .unwrap_or(n_heads),
+            head_dim,
+            rope_base: g.get_f64(&k("rope.freq_base")).unwrap_or(1_000_000.0),
+            rope_base_local: g.get_f64(&k("rope.freq_base_swa")).unwrap_or(10_000.0),
+            sliding_window,
+            global_every: 6,
+            // llama.cpp: 1/sqrt(n_embd / n_head) for the 62-layer (27B) model.
+            attention_scale: if n_layers == 62 {
+                1.0 / ((hidden / n_heads.max(1)) as f32).sqrt()
+            } else {
+                1.0 / (head_dim as f32).sqrt()
+            },
+            rms_eps: g.get_f64(&k("attention.layer_norm_rms_epsilon"))? as f32,
+            max_seq_len: g.get_usize(&k("context_length"))?,
+            vocab: *embd
+                .dims
+                .get(1)
+                .ok_or_else(|| Error::Format("token_embd.weight is not 2-D".into()))?,
+            final_softcap: g.get_f64(&k("final_logit_softcapping")).unwrap_or(0.0) as f32,
+        };
+        cfg.validate()?;
+        if g.metadata.contains_key(&k("rope.scaling.type"))
+            || g.metadata.contains_key(&k("rope.scaling.factor"))
+        {
+            return Err(Error::Unsupported(
+                "gemma3 with RoPE scaling (4B and larger) is not supported".into(),
+            ));
+        }
+        if let Some(extra) = g
+            .tensors
+            .keys()
+            .filter_map(|n| {
+                n.strip_prefix("blk.")?
+                    .split('.')
+                    .next()?
+                    .parse::<usize>()
+                    .ok()
+            })
+            .filter(|&i| i >= cfg.n_layers)
+            .max()
+        {
+            return Err(Error::Format(format!(
+                "metadata gemma3.block_count = {} but the file has tensors of layer {extra}",
+                cfg.n_layers
+            )));
+        }
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let mut blocks = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let b = |s: &str| format!("blk.{i}.{s}.weight");
+            let wq = matrix(g, &b("attn_q"), cfg.n_heads * hd, h)?;
+            let wk = matrix(g, &b("attn_k"), cfg.n_kv_heads * hd, h)?;
+            let wv = matrix(g, &b("attn_v"), cfg.n_kv_heads * hd, h)?;
+            let qkv = match QMatrix::concat_rows(&[&wq, &wk, &wv]) {
+                Ok(m) => Qkv::Fused(m),
+                Err(_) => Qkv::Split(wq, wk, wv),
+            };
+            let gate = matrix(g, &b("ffn_gate"), cfg.ffn, h)?;
+            let up = matrix(g, &b("ffn_up"), cfg.ffn, h)?;
+            let gate_up = match QMatrix::concat_rows(&[&gate, &up]) {
+                Ok(m) => GateUp::Fused(m),
+                Err(_) => GateUp::Split(gate, up),
+            };
+            blocks.push(Gemma3Block {
+                attn_norm: vector(g, &b("attn_norm"), h)?,
+                qkv,
+                q_norm: vector(g, &b("attn_q_norm"), hd)?,
+                k_norm: vector(g, &b("attn_k_norm"), hd)?,
+                wo: matrix(g, &b("attn_output"), h, cfg.n_heads * hd)?,
+                post_attn_norm: vector(g, &b("post_attention_norm"), h)?,
+                ffn_norm: vector(g, &b("ffn_norm"), h)?,
+                gate_up,
+                w_down: matrix(g, &b("ffn_down"), h, cfg.ffn)?,
+                post_ffn_norm: vector(g, &b("post_ffw_norm"), h)?,
+            });
+        }
+        let embed = matrix(g, "token_embd.weight", cfg.vocab, h)?;
+        let norm = vector(g, "output_norm.weight", h)?;
+        let lm_head = match g.tensors.contains_key("output.weight") {
+            true => Some(matrix(g, "output.weight", cfg.vocab, h)?),
+            false => None,
+        };
+        Ok(Self {
+            rope_global: rope(cfg.rope_base, hd),
+            rope_local: rope(cfg.rope_base_local, hd),
+            cfg,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            reconstruction: None,
+        })
+    }
+
+    /// Bytes of all weights as stored.
+    pub fn weight_bytes(&self) -> usize {
+        let m = |q: &QMatrix| q.bytes().len();
+        m(&self.embed)
+            + self.lm_head.as_ref().map_or(0, m)
+            + self
+                .blocks
+                .iter()
+                .map(|b| {
+                    let qkv = match &b.qkv {
+                        Qkv::Fused(w) => m(w),
+                        Qkv::Split(a, c, d) => m(a) + m(c) + m(d),
+                    };
+                    let gu = match &b.gate_up {
+                        GateUp::Fused(w) => m(w),
+                        GateUp::Split(a, c) => m(a) + m(c),
+                    };
+                    qkv + gu + m(&b.wo) + m(&b.w_down)
+                })
+                .sum::<usize>()
+    }
+
+    fn weight_types(&self) -> String {
+        let mut t = std::collections::BTreeMap::<String, usize>::new();
+        let mut add = |q: &QMatrix| *t.entry(format!("{:?}", q.dtype)).or_default() += 1;
+        add(&self.embed);
+        for b in &self.blocks {
+            match &b.qkv {
+                Qkv::Fused(w) => add(w),
+                Qkv::Split(a, c, d) => [a, c, d].into_iter().for_each(&mut add),
+            }
+            match &b.gate_up {
+                GateUp::Fused(w) => add(w),
+                GateUp::Split(a, c) => [a, c].into_iter().for_each(&mut add),
+            }
+            add(&b.wo);
+            add(&b.w_down);
+        }
+        t.iter()
+            .map(|(k, v)| format!("{k} x{v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    fn chunk(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        cache: &mut dyn KvCache,
+        ws: &mut Workspace,
+        want: Logits,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let n = tokens.len();
+        let (h, hd) = (c.hidden, c.head_dim);
+        let (qd, kd) = (c.n_heads * hd, c.n_kv_heads * hd);
+        for buf in [&mut ws.x, &mut ws.h, &mut ws.o] {
+            buf.resize(n * h, 0.0);
+        }
+        ws.q.resize(n * qd, 0.0);
+        ws.att.resize(n * qd, 0.0);
+        ws.k.resize(n * kd, 0.0);
+        ws.v.resize(n * kd, 0.0);
+        ws.g.resize(n * c.ffn, 0.0);
+        let scale = (h as f32).sqrt();
+        for (i, &t) in tokens.iter().enumerate() {
+            let x = &mut ws.x[i * h..(i + 1) * h];
+            self.embed.dequantize_row(t as usize, x);
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
+        // Two RoPE tables per chunk: local and global bases.
+        let (mut cos, mut sin) = (std::mem::take(&mut ws.cos), std::mem::take(&mut ws.sin));
+        let half = hd / 2;
+        let mut tabs = (Vec::new(), Vec::new());
+        rope_tables(&self.rope_local.inv_freq, pos0, n, &mut cos, &mut sin);
+        rope_tables(
+            &self.rope_global.inv_freq,
+            pos0,
+            n,
+            &mut tabs.0,
+            &mut tabs.1,
+        );
+        cos.extend_from_slice(&tabs.0);
+        sin.extend_from_slice(&tabs.1);
+        // Queries are pre-scaled so that the backend's 1/sqrt(d) gives the
+        // model's attention scale.
+        let q_scale = c.attention_scale * (hd as f32).sqrt();
+        for (l, b) in self.blocks.iter().enumerate() {
+            rms_norm(&ws.x, &b.attn_norm, c.rms_eps, &mut ws.h);
+            match &b.qkv {
+                Qkv::Fused(w) => {
+                    let r = qd + 2 * kd;
+                    ws.f.resize(n * r, 0.0);
+                    w.matmul(&ws.h, n, &mut ws.f);
+                    for i in 0..n {
+                        let row = &ws.f[i * r..(i + 1) * r];
+                        ws.q[i * qd..(i + 1) * qd].copy_from_slice(&row[..qd]);
+                        ws.k[i * kd..(i + 1) * kd].copy_from_slice(&row[qd..qd + kd]);
+                        ws.v[i * kd..(i + 1) * kd].copy_from_slice(&row[qd + kd..]);
+                    }
+                }
+                Qkv::Split(wq, wk, wv) => {
+                    wq.matmul(&ws.h, n, &mut ws.q);
+                    wk.matmul(&ws.h, n, &mut ws.k);
+                    wv.matmul(&ws.h, n, &mut ws.v);
+                }
+            }
+            head_norm(&mut ws.q, &b.q_norm, c.rms_eps);
+            head_norm(&mut ws.k, &b.k_norm, c.rms_eps);
+            let global = c.is_global(l);
+            let (rope, tab) = match global {
+                true => (&self.rope_global, n * half..2 * n * half),
+                false => (&self.rope_local, 0..n * half),
+            };
+            let wants = cache.wants(l);
+            if !wants.is_empty() {
+                hand_over(l, &b.wo, rope, wants, &ws.q, n, cache)?;
+            }
+            let (cs, sn) = (&cos[tab.clone()], &sin[tab]);
+            apply_rope(&mut ws.q, c.n_heads, hd, RopeLayout::Halves, cs, sn);
+            apply_rope(&mut ws.k, c.n_kv_heads, hd, RopeLayout::Halves, cs, sn);
+            if q_scale != 1.0 {
+                ws.q.iter_mut().for_each(|v| *v *= q_scale);
+            }
+            cache.append(l, &ws.k, &ws.v, n)?;
+            cache.attend(l, &ws.q, n, &mut ws.att)?;
+            b.wo.matmul(&ws.att, n, &mut ws.o);
+            rms_norm(&ws.o, &b.post_attn_norm, c.rms_eps, &mut ws.h);
+            ws.x.iter_mut().zip(&ws.h).for_each(|(x, o)| *x += o);
+            rms_norm(&ws.x, &b.ffn_norm, c.rms_eps, &mut ws.h);
+            match &b.gate_up {
+                GateUp::Fused(w) => {
+                    let r = 2 * c.ffn;
+                    ws.f.resize(n * r, 0.0);
+                    w.matmul(&ws.h, n, &mut ws.f);
+                    for i in 0..n {
+                        let row = &ws.f[i * r..(i + 1) * r];
+                        let g = &mut ws.g[i * c.ffn..(i + 1) * c.ffn];
+                        for ((g, &a), &u) in g.iter_mut().zip(&row[..c.ffn]).zip(&row[c.ffn..]) {
+                            *g = gelu_tanh(a) * u;
+                        }
+                    }
+                }
+                GateUp::Split(gate, up) => {
+                    ws.u.resize(n * c.ffn, 0.0);
+                    gate.matmul(&ws.h, n, &mut ws.g);
+                    up.matmul(&ws.h, n, &mut ws.u);
+                    for (g, u) in ws.g.iter_mut().zip(&ws.u) {
+                        *g = gelu_tanh(*g) * u;
+                    }
+                }
+            }
+            b.w_down.matmul(&ws.g, n, &mut ws.o);
+            rms_norm(&ws.o, &b.post_ffn_norm, c.rms_eps, &mut ws.h);
+            ws.x.iter_mut().zip(&ws.h).for_each(|(x, o)| *x += o);
+        }
+        ws.cos = cos;
+        ws.sin = sin;
+        let rows = match want {
+            Logits::None => return Ok(()),
+            Logits::Last => n - 1..n,
+            Logits::All => 0..n,
+        };
+        let m = rows.len();
+        rms_norm(
+            &ws.x[rows.start * h..rows.end * h],
+            &self.norm,
+            c.rms_eps,
+            &mut ws.h[..m * h],
+        );
+        let start = out.len();
+        out.resize(start + m * c.vocab, 0.0);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        head.matmul(&ws.h[..m * h], m, &mut out[start..]);
+        if c.final_softcap > 0.0 {
+            let cap = c.final_softcap;
+            out[start..]
+                .iter_mut()
+                .for_each(|v| *v = (*v / cap).tanh() * cap);
+        }
+        Ok(())
+    }
+}
+
+/// Per-head RMSNorm of token-major `[n][heads * d]` rows in place.
+fn head_norm(x: &mut [f32], w: &[f32], eps: f32) {
+    let d = w.len();
+    for hd in x.chunks_exact_mut(d) {
+        let ms = hd.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        hd.iter_mut().zip(w).for_each(|(v, g)| *v = *v * inv * g);
+    }
+}
+
+impl LanguageModel for Gemma3 {
+    fn spec(&self) -> ModelSpec {
+        let c = &self.cfg;
+        ModelSpec {
+            n_layers: c.n_layers,
+            n_q_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            max_seq_len: c.max_seq_len,
+            windows: (0..c.n_layers)
+                .map(|l| (!c.is_global(l)).then_some(c.sliding_window))
+                .collect(),
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    fn reconstruction_prompts(&self) -> Option<&crate::ReconstructionPrompts> {
+        self.reconstruction.as_ref()
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        serde_json::json!({
+            "architecture": "gemma3",
+            "config": &self.cfg,
+            "weight_types": self.weight_types(),
+            "weight_bytes": self.weight_bytes(),
+        })
+    }
+
+    fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut dyn KvCache,
+        ws: &mut Workspace,
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        crate::check_forward(self, tokens, cache)?;
+        let mut out = Vec::new();
+        let mut pos = cache.seq_len(0);
+        let chunks: Vec<&[u32]> = tokens.chunks(crate::llama::PREFILL_CHUNK).collect();
+        let last = chunks.len() - 1;
+        for (i, ch) in chunks.into_iter().enumerate() {
+            let want = match logits {
+                Logits::Last if i != last => Logits::None,
+                w => w,
+            };
+            self.chunk(ch, pos, cache, ws, want, &mut out)?;
+            pos += ch.len();
+        }
+        Ok(out)
+    }
+}
