@@ -18,6 +18,9 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "emulate")]
+pub mod emulated;
+
 use minikv_core::{AttentionBackend, Error, Result};
 use std::sync::Arc;
 

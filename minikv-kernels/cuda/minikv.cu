@@ -1,0 +1,368 @@
+// minikv's CUDA kernels. The same source compiles with NVRTC for the GPU and,
+// with emulate.h, with the host C++ compiler (tests on machines without a GPU).
+// It uses no CUDA header: fp16 conversions are written out (exact,
+// round-to-nearest-even), so NVRTC needs no include path.
+//
+// Layouts (float32 unless noted; `d` = head dim, `g` = query heads per KV head):
+//   prefill q, out [Hq][n][d]; keys, values [Hkv][t][d]; lse [Hq][n];
+//   A_cumul [Hq][t]. Query i sits at position t - n + i and sees keys
+//   lo(i) ..= t - n + i, lo = 0 or, with a window w > 0, t - n + i + 1 - w.
+//   Quantized stores (the CPU store's layout, bit for bit; P = 32 / bits):
+//   keys per channel: word (j / P) * d + c packs tokens of channel c, LSB
+//   first; scale/min [j / G][d] as fp16 bits. Values per token: token j owns
+//   d / P words; scale/min [c / G][cap] (one row per channel group).
+
+#ifndef MK_THREADS
+#define MK_THREADS 128
+#endif
+#define MK_MAX_D 256
+#define MK_INF (__uint_as_float(0x7f800000u))
+typedef unsigned long long mk_size;
+
+__device__ __forceinline__ float mk_h2f(unsigned short h) {
+  unsigned sign = (unsigned)(h & 0x8000u) << 16;
+  unsigned exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  unsigned bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      do {
+        man <<= 1;
+        ++e;
+      } while ((man & 0x400u) == 0);
+      bits = sign | ((unsigned)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  return __uint_as_float(bits);
+}
+
+// f32 -> fp16 bits, round to nearest even (as `half::f16::from_f32`).
+__device__ __forceinline__ unsigned short mk_f2h(float f) {
+  unsigned x = __float_as_uint(f);
+  unsigned sign = (x >> 16) & 0x8000u;
+  unsigned absx = x & 0x7fffffffu;
+  if (absx >= 0x7f800000u) return (unsigned short)(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0u));
+  if (absx >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // rounds to inf
+  if (absx < 0x38800000u) {  // subnormal or zero in fp16
+    if (absx < 0x33000000u) return (unsigned short)sign;  // below half the smallest subnormal
+    unsigned e = absx >> 23, m = (absx & 0x7fffffu) | 0x800000u;
+    unsigned shift = 113 - e + 13;  // to the 10-bit subnormal mantissa
+    unsigned r = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1u))) ++r;
+    return (unsigned short)(sign | r);
+  }
+  unsigned r = ((absx >> 13) - (112u << 10));
+  unsigned rem = absx & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ++r;
+  return (unsigned short)(sign | r);
+}
+
+__device__ __forceinline__ float mk_warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float mk_warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+// Block-wide reduction (max when is_max, else sum); every thread gets the result.
+__device__ __forceinline__ float mk_block_reduce(float v, float* scratch, bool is_max) {
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+  v = is_max ? mk_warp_max(v) : mk_warp_sum(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = scratch[0];
+  for (int w = 1; w < nw; ++w) r = is_max ? fmaxf(r, scratch[w]) : r + scratch[w];
+  __syncthreads();
+  return r;
+}
+
+// 1. Prefill attention, one block per (query row, query head): online softmax
+// over tiles of MK_THREADS keys (one key per thread), output and log-sum-exp.
+extern "C" __global__ void mk_prefill_fwd(const float* __restrict__ q, const float* __restrict__ k,
+                                          const float* __restrict__ v, float* __restrict__ out,
+                                          float* __restrict__ lse, int n, int t, int d, int group,
+                                          float scale, int window) {
+  __shared__ float sq[MK_MAX_D];
+  __shared__ float sp[MK_THREADS];
+  __shared__ float red[MK_THREADS / 32];
+  int i = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
+  const float* kh = k + (mk_size)(h / group) * t * d;
+  const float* vh = v + (mk_size)(h / group) * t * d;
+  const float* qi = q + ((mk_size)h * n + i) * d;
+  for (int c = tid; c < d; c += nt) sq[c] = qi[c] * scale;
+  __syncthreads();
+  int pos = t - n + i;
+  int lo = window > 0 ? (pos + 1 - window > 0 ? pos + 1 - window : 0) : 0;
+  float acc[MK_MAX_D / 32];
+  for (int r = 0; r < MK_MAX_D / 32; ++r) acc[r] = 0.f;
+  float m = -MK_INF, l = 0.f;
+  for (int j0 = lo; j0 <= pos; j0 += nt) {
+    int j = j0 + tid;
+    float s = -MK_INF;
+    if (j <= pos) {
+      const float* kj = kh + (mk_size)j * d;
+      float dot = 0.f;
+      for (int c = 0; c < d; ++c) dot += sq[c] * kj[c];
+      s = dot;
+    }
+    float mt = mk_block_reduce(s, red, true);
+    float mnew = fmaxf(m, mt);
+    float p = (j <= pos) ? __expf(s - mnew) : 0.f;
+    sp[tid] = p;
+    float sum = mk_block_reduce(p, red, false);  // its barriers also publish sp
+    float alpha = __expf(m - mnew);
+    l = l * alpha + sum;
+    m = mnew;
+    int nk = pos - j0 + 1 < nt ? pos - j0 + 1 : nt;
+    for (int r = 0, c = tid; c < d; ++r, c += nt) {
+      float a = acc[r] * alpha;
+      for (int jj = 0; jj < nk; ++jj) a += sp[jj] * vh[(mk_size)(j0 + jj) * d + c];
+      acc[r] = a;
+    }
+    __syncthreads();
+  }
+  float* oi = out + ((mk_size)h * n + i) * d;
+  for (int r = 0, c = tid; c < d; ++r, c += nt) oi[c] = acc[r] / l;
+  if (tid == 0) lse[(mk_size)h * n + i] = m + __logf(l);
+}
+
+// 2. Column sums of the causal softmax (MiniKV's A_cumul; SnapKV's window
+// scores with i_begin = n - W): one thread per key, looping over the query rows
+// that see it, so no two threads write one column (no atomics, no races), and
+// the extra memory is the O(T) log-sum-exp of pass 1. Adds into `cumul`.
+extern "C" __global__ void mk_column_sums(const float* __restrict__ q, const float* __restrict__ k,
+                                          const float* __restrict__ lse, float* __restrict__ cumul,
+                                          int n, int t, int d, int group, float scale, int window,
+                                          int i_begin, int i_end) {
+  __shared__ float sq[MK_MAX_D];
+  int h = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
+  int j = blockIdx.x * nt + tid;
+  const float* kj = k + ((mk_size)(h / group) * t + (j < t ? j : 0)) * d;
+  float acc = 0.f;
+  for (int i = i_begin; i < i_end; ++i) {
+    const float* qi = q + ((mk_size)h * n + i) * d;
+    for (int c = tid; c < d; c += nt) sq[c] = qi[c] * scale;
+    __syncthreads();
+    int pos = t - n + i;
+    int lo = window > 0 ? (pos + 1 - window > 0 ? pos + 1 - window : 0) : 0;
+    if (j < t && j <= pos && j >= lo) {
+      float dot = 0.f;
+      for (int c = 0; c < d; ++c) dot += sq[c] * kj[c];
+      acc += __expf(dot - lse[(mk_size)h * n + i]);
+    }
+    __syncthreads();
+  }
+  if (j < t) cumul[(mk_size)h * t + j] += acc;
+}
+
+// SnapKV pooling with `same` padding over rows of length `len` (stride
+// `stride`): mode 0 = max (-inf padding), 1 = average (zero padding counted).
+extern "C" __global__ void mk_pool1d(const float* __restrict__ in, float* __restrict__ out,
+                                     int rows, int len, int stride, int kernel, int mode) {
+  int j = blockIdx.x * blockDim.x + threadIdx.x, r = blockIdx.y;
+  if (j >= len || r >= rows) return;
+  int rad = kernel / 2, lo = j - rad < 0 ? 0 : j - rad, hi = j + rad > len - 1 ? len - 1 : j + rad;
+  const float* x = in + (mk_size)r * stride;
+  float acc = mode == 0 ? -MK_INF : 0.f;
+  for (int i = lo; i <= hi; ++i) acc = mode == 0 ? fmaxf(acc, x[i]) : acc + x[i];
+  out[(mk_size)r * stride + j] = mode == 0 ? acc : acc / (float)kernel;
+}
+
+// The CPU quantizer's code: ((x - min) / scale) clamped to [0, qmax], rounded
+// half to even (IEEE division: NVRTC's default -prec-div=true).
+__device__ __forceinline__ unsigned mk_code(float x, float mn, float sc, float qmax) {
+  float r = (x - mn) / sc;
+  r = fminf(fmaxf(r, 0.f), qmax);
+  return (unsigned)rintf(r);
+}
+
+// Stores a (scale, min) pair as the CPU store does: fp16 (rounded) or f32.
+__device__ __forceinline__ void mk_store_pair(void* sc, void* mn, mk_size idx, float s, float m,
+                                              int f16) {
+  if (f16) {
+    ((unsigned short*)sc)[idx] = mk_f2h(s);
+    ((unsigned short*)mn)[idx] = mk_f2h(m);
+  } else {
+    ((float*)sc)[idx] = s;
+    ((float*)mn)[idx] = m;
+  }
+}
+
+// 3a. Keys per channel: one group of `g` tokens (rows [g][d], first token
+// index `t0`, a multiple of g), one thread per channel (each owns its words).
+extern "C" __global__ void mk_quant_keys_channel(const float* __restrict__ rows, int g, int d,
+                                                 int bits, int t0, unsigned* __restrict__ words,
+                                                 void* scale, void* minv, int f16) {
+  int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= d) return;
+  int p = 32 / bits;
+  float qmax = (float)((1u << bits) - 1);
+  float mn = MK_INF, mx = -MK_INF;
+  for (int i = 0; i < g; ++i) {
+    float x = rows[(mk_size)i * d + c];
+    mn = fminf(mn, x);
+    mx = fmaxf(mx, x);
+  }
+  float sc = (mx - mn) / qmax;
+  mk_store_pair(scale, minv, (mk_size)(t0 / g) * d + c, sc, mn, f16);
+  if (!(sc > 0.f)) return;
+  for (int i = 0; i < g; ++i) {
+    int tok = t0 + i;
+    unsigned code = mk_code(rows[(mk_size)i * d + c], mn, sc, qmax);
+    words[(mk_size)(tok / p) * d + c] |= code << (bits * (tok % p));
+  }
+}
+
+// 3b. Values per token: rows [n][d] appended at token index `t0`; one thread
+// per token (its words are its own). Scales [d / g][cap].
+extern "C" __global__ void mk_quant_values_token(const float* __restrict__ rows, int n, int d,
+                                                 int g, int bits, int t0, int cap,
+                                                 unsigned* __restrict__ words, void* scale,
+                                                 void* minv, int f16) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  int p = 32 / bits, wpt = d / p;
+  float qmax = (float)((1u << bits) - 1);
+  const float* x = rows + (mk_size)i * d;
+  unsigned* w = words + (mk_size)(t0 + i) * wpt;
+  for (int k = 0; k < wpt; ++k) w[k] = 0u;
+  for (int gi = 0; gi < d / g; ++gi) {
+    float mn = MK_INF, mx = -MK_INF;
+    for (int c = gi * g; c < (gi + 1) * g; ++c) {
+      mn = fminf(mn, x[c]);
+      mx = fmaxf(mx, x[c]);
+    }
+    float sc = (mx - mn) / qmax;
+    mk_store_pair(scale, minv, (mk_size)gi * cap + t0 + i, sc, mn, f16);
+    if (!(sc > 0.f)) continue;
+    for (int c = gi * g; c < (gi + 1) * g; ++c)
+      w[c / p] |= mk_code(x[c], mn, sc, qmax) << (bits * (c % p));
+  }
+}
+
+// One decode head: quantized keys (per channel) and values (per token),
+// fp16 residual rows, extra entries with a logit bias. Tokens: the quantized
+// part first, then the residual (keys and values may split differently).
+struct MkHead {
+  const unsigned* kwords;
+  const unsigned short* kscale;
+  const unsigned short* kmin;
+  int nqk, kgroup, kbits;
+  const unsigned* vwords;
+  const unsigned short* vscale;
+  const unsigned short* vmin;
+  int nqv, vgroup, vbits, vcap;
+  const unsigned short* fk;  // fp16 residual keys [len - nqk][d]
+  const unsigned short* fv;  // fp16 residual values [len - nqv][d]
+  int len;
+  const unsigned short* ek;  // extra entries: keys, values [n_extra][d], bias
+  const unsigned short* ev;
+  const float* ebias;
+  int n_extra;
+};
+
+__device__ __forceinline__ float mk_key(const MkHead& hd, int j, int c, int d) {
+  if (j < hd.nqk) {
+    int p = 32 / hd.kbits;
+    unsigned w = hd.kwords[(mk_size)(j / p) * d + c];
+    unsigned code = (w >> (hd.kbits * (j % p))) & ((1u << hd.kbits) - 1);
+    mk_size s = (mk_size)(j / hd.kgroup) * d + c;
+    return (float)code * mk_h2f(hd.kscale[s]) + mk_h2f(hd.kmin[s]);
+  }
+  if (j < hd.len) return mk_h2f(hd.fk[(mk_size)(j - hd.nqk) * d + c]);
+  return mk_h2f(hd.ek[(mk_size)(j - hd.len) * d + c]);
+}
+
+__device__ __forceinline__ float mk_value(const MkHead& hd, int j, int c, int d) {
+  if (j < hd.nqv) {
+    int p = 32 / hd.vbits;
+    unsigned w = hd.vwords[(mk_size)j * (d / p) + c / p];
+    unsigned code = (w >> (hd.vbits * (c % p))) & ((1u << hd.vbits) - 1);
+    mk_size s = (mk_size)(c / hd.vgroup) * hd.vcap + j;
+    return (float)code * mk_h2f(hd.vscale[s]) + mk_h2f(hd.vmin[s]);
+  }
+  if (j < hd.len) return mk_h2f(hd.fv[(mk_size)(j - hd.nqv) * d + c]);
+  return mk_h2f(hd.ev[(mk_size)(j - hd.len) * d + c]);
+}
+
+// 4a. Fused decode, split over tokens (flash-decoding): block (split s, query
+// head h) attends over tokens [s * chunk, (s + 1) * chunk) of its KV head
+// (extra entries included, with their bias) and writes a partial (m, l, acc).
+extern "C" __global__ void mk_decode_partial(const float* __restrict__ q, const MkHead* heads,
+                                             int d, int group, float scale, int chunk,
+                                             float* __restrict__ pm, float* __restrict__ pl,
+                                             float* __restrict__ pacc) {
+  __shared__ float sq[MK_MAX_D];
+  __shared__ float sp[MK_THREADS];
+  __shared__ float red[MK_THREADS / 32];
+  int s = blockIdx.x, h = blockIdx.y, ns = gridDim.x, tid = threadIdx.x, nt = blockDim.x;
+  const MkHead& hd = heads[h / group];
+  int total = hd.len + hd.n_extra;
+  int begin = s * chunk, end = begin + chunk < total ? begin + chunk : total;
+  for (int c = tid; c < d; c += nt) sq[c] = q[(mk_size)h * d + c] * scale;
+  __syncthreads();
+  float acc[MK_MAX_D / 32];
+  for (int r = 0; r < MK_MAX_D / 32; ++r) acc[r] = 0.f;
+  float m = -MK_INF, l = 0.f;
+  for (int j0 = begin; j0 < end; j0 += nt) {
+    int j = j0 + tid;
+    float sc = -MK_INF;
+    if (j < end) {
+      float dot = 0.f;
+      for (int c = 0; c < d; ++c) dot += sq[c] * mk_key(hd, j, c, d);
+      sc = dot + (j >= hd.len ? hd.ebias[j - hd.len] : 0.f);
+    }
+    float mt = mk_block_reduce(sc, red, true);
+    float mnew = fmaxf(m, mt);
+    float p = j < end ? __expf(sc - mnew) : 0.f;
+    sp[tid] = p;
+    float sum = mk_block_reduce(p, red, false);
+    float alpha = m == -MK_INF ? 0.f : __expf(m - mnew);
+    l = l * alpha + sum;
+    m = mnew;
+    int nk = end - j0 < nt ? end - j0 : nt;
+    for (int r = 0, c = tid; c < d; ++r, c += nt) {
+      float a = acc[r] * alpha;
+      for (int jj = 0; jj < nk; ++jj) a += sp[jj] * mk_value(hd, j0 + jj, c, d);
+      acc[r] = a;
+    }
+    __syncthreads();
+  }
+  mk_size slot = (mk_size)h * ns + s;
+  for (int r = 0, c = tid; c < d; ++r, c += nt) pacc[slot * d + c] = acc[r];
+  if (tid == 0) {
+    pm[slot] = m;
+    pl[slot] = l;
+  }
+}
+
+// 4b. The exact combination of the splits: out_h = sum_s e^(m_s - M) acc_s /
+// sum_s e^(m_s - M) l_s. One block per query head.
+extern "C" __global__ void mk_decode_combine(const float* __restrict__ pm,
+                                             const float* __restrict__ pl,
+                                             const float* __restrict__ pacc, int splits, int d,
+                                             float* __restrict__ out) {
+  int h = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+  float mx = -MK_INF;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, pm[(mk_size)h * splits + s]);
+  float z = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    float m = pm[(mk_size)h * splits + s];
+    if (m != -MK_INF) z += __expf(m - mx) * pl[(mk_size)h * splits + s];
+  }
+  for (int c = tid; c < d; c += nt) {
+    float a = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      float m = pm[(mk_size)h * splits + s];
+      if (m != -MK_INF) a += __expf(m - mx) * pacc[((mk_size)h * splits + s) * d + c];
+    }
+    out[(mk_size)h * d + c] = a / z;
+  }
+}
