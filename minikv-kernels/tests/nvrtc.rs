@@ -1,0 +1,66 @@
+//! Every kernel compiles with NVRTC for sm_80 and sm_90, and `ptxas` assembles
+//! each within the limits below (no GPU needed). The tools come from
+//! `scripts/fetch-cuda-tools.sh` (CI runs it; elsewhere this test is skipped
+//! with a message when they are absent, and fails under `CI`).
+
+use std::path::Path;
+use std::process::Command;
+
+/// Limits set for the kernels as written (128 threads per block): at most 64
+/// registers per thread (4 resident blocks per SM at full occupancy headroom),
+/// no spills, at most 64 bytes of stack.
+const MAX_REGISTERS: u64 = 64;
+const MAX_STACK: u64 = 64;
+
+#[test]
+fn kernels_compile_with_nvrtc_and_assemble_within_limits() {
+    let tools = Path::new(env!("CARGO_MANIFEST_DIR")).join("../third_party/cuda");
+    if !tools.join(".complete").is_file() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{} missing: CI must run scripts/fetch-cuda-tools.sh",
+            tools.display()
+        );
+        eprintln!("skipped: run scripts/fetch-cuda-tools.sh to check the kernels with NVRTC");
+        return;
+    }
+    let out = std::env::temp_dir().join(format!("minikv-nvrtc-{}", std::process::id()));
+    let o = Command::new(env!("CARGO_BIN_EXE_minikv-kernels-check"))
+        .env("LD_LIBRARY_PATH", tools.join("lib"))
+        .arg("--ptxas")
+        .arg(tools.join("bin/ptxas"))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for arch in minikv_kernels::nvrtc::ARCHS {
+        for k in minikv_kernels::nvrtc::KERNELS {
+            let e = &r[arch][k];
+            let regs = e["registers"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{arch} {k}: {e}"));
+            assert!(regs <= MAX_REGISTERS, "{arch} {k}: {regs} registers");
+            assert_eq!(e["spill_stores"], 0, "{arch} {k}: {e}");
+            assert_eq!(e["spill_loads"], 0, "{arch} {k}: {e}");
+            assert!(
+                e["stack_bytes"].as_u64().unwrap() <= MAX_STACK,
+                "{arch} {k}: {e}"
+            );
+        }
+        assert!(out.join(format!("minikv.{arch}.ptx")).is_file());
+    }
+    // Without the library, compiling is a clear error, never a panic.
+    let o = Command::new(env!("CARGO_BIN_EXE_minikv-kernels-check"))
+        .env("LD_LIBRARY_PATH", "/nonexistent")
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("libnvrtc"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    std::fs::remove_dir_all(&out).ok();
+}
