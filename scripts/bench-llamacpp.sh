@@ -56,7 +56,7 @@ cfgs = []
 for r in mk["results"]:
     if r["config"] not in cfgs: cfgs.append(r["config"])
 dec = {(r["config"], r["depth"]): r for r in mk["results"]}
-lowered = sorted({(r["depth"], r["depth_used"]) for r in mk["results"] if r.get("depth_used", r["depth"]) != r["depth"]})
+lowered = sorted({(r["depth"], r["depth_used"]) for r in mk["results"] if r["depth"] > 0 and r.get("depth_used", r["depth"]) != r["depth"]})
 print(f"Decode tokens/s ({threads} threads, {mk['model']}, minikv {mk['git_rev']}; median of runs, minikv spread in brackets; ratio = minikv / llama.cpp f16):\n")
 print("| depth | llama.cpp f16 KV | llama.cpp q4_0 KV | " + " | ".join(f"minikv {c}" for c in cfgs) + " |")
 print("|---|---|---|" + "---|" * len(cfgs))
@@ -67,7 +67,7 @@ for d in sorted(f16):
         cells.append("-" if r is None else f"{r['tokens_per_s']:.1f} [{r['min']:.1f}, {r['max']:.1f}] (x{r['tokens_per_s'] / f16[d]:.2f})")
     print(f"| {d} | {f16[d]:.1f} | {q4.get(d, float('nan')):.1f} | " + " | ".join(cells) + " |")
 for d, u in lowered:
-    print(f"\nminikv's depth {d} is {u}: the timed steps must fit SmolLM2's 8192-token context (llama.cpp runs past it).")
+    print(f"\nminikv's depth {d} is {u}: the timed steps must fit the model's context (llama.cpp runs past it).")
 print(f"\nPrefill tokens/s:\n")
 pcfg = []
 for r in mkp["results"]:

@@ -111,6 +111,25 @@ pub fn build_cache(model: &dyn LanguageModel, cfg: &RunConfig) -> Result<Box<dyn
 }
 
 pub fn memory_json(m: &MemoryReport) -> serde_json::Value {
+    let mut v = memory_json_all(m);
+    // Models with sliding-window layers: both kinds apart.
+    if m.layers.iter().any(|l| l.window.is_some()) {
+        let bytes = |windowed: bool| -> usize {
+            m.layers
+                .iter()
+                .filter(|l| l.window.is_some() == windowed)
+                .flat_map(|l| &l.heads)
+                .map(|h| h.used)
+                .sum()
+        };
+        v["window_layers_kv_bytes"] = json!(bytes(true));
+        v["global_layers_kv_bytes"] = json!(bytes(false));
+        v["layer_windows"] = json!(m.layers.iter().map(|l| l.window).collect::<Vec<_>>());
+    }
+    v
+}
+
+fn memory_json_all(m: &MemoryReport) -> serde_json::Value {
     json!({
         "kv_bytes": m.used_bytes(),
         "kv_bytes_allocated": m.total_bytes(),

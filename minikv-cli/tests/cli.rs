@@ -993,3 +993,87 @@ fn main_job_report_has_intervals_everywhere() {
     insta::assert_snapshot!("main_job_report_md", md);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Gemma 3 from the CLI by its short name: generation identical to llama.cpp's
+/// greedy continuation (committed reference), token ids, llama-perplexity's
+/// protocol, and a compressed eval whose memory report shows both layer kinds.
+#[test]
+fn gemma3_end_to_end_from_the_cli() {
+    let r: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("reference/gemma3/llamacpp.json")).unwrap(),
+    )
+    .unwrap();
+    let g = &r["greedy"][0];
+    let v = ok_json(&[
+        "generate",
+        "--model",
+        "gemma3-270m",
+        "--prompt",
+        g["prompt"].as_str().unwrap(),
+        "--max-tokens",
+        "32",
+        "--json",
+    ]);
+    assert_eq!(v["text"], g["exact"]);
+    assert_eq!(v["memory"]["layer_windows"][5], serde_json::Value::Null);
+    assert_eq!(v["memory"]["layer_windows"][0], 512);
+    let t = &r["tokenize"][5];
+    let ids = ok_json(&[
+        "tokenize",
+        "--model",
+        "gemma3-270m",
+        "--prompt",
+        t["text"].as_str().unwrap(),
+    ]);
+    assert_eq!(ids, t["ids"]);
+    let p = ok_json(&[
+        "perplexity",
+        "--model",
+        "gemma3-270m",
+        "--text",
+        "assets/paul_graham/addiction.txt",
+        "--ctx",
+        "512",
+        "--chunks",
+        "1",
+        "--json",
+    ]);
+    let first = r["perplexity"]["exact"]["running"][0].as_f64().unwrap();
+    assert!(
+        (p["ppl"].as_f64().unwrap() / first - 1.0).abs() < 0.005,
+        "{p}"
+    );
+    // MiniKV on a 1024-token context: the three global layers are compressed
+    // and quantized; the 15 rings hold 512 fp16 tokens each.
+    let e = ok_json(&[
+        "eval",
+        "--model",
+        "gemma3-270m",
+        "--config",
+        "configs/minikv.toml",
+        "--task",
+        "fidelity",
+        "--context",
+        "1024",
+        "--tokens",
+        "8",
+        "--json",
+    ]);
+    let mem = &e["memory"];
+    let ring = 15 * 2 * 2 * 256 * 512;
+    let window = mem["window_layers_kv_bytes"].as_u64().unwrap() as usize;
+    assert!(window >= ring && window < ring + ring / 8, "{mem}");
+    let global = mem["global_layers_kv_bytes"].as_u64().unwrap() as usize;
+    assert!(global < 3 * 2 * 2 * 256 * 1032 / 4, "{mem}");
+    assert!(e["metrics"]["kl"].as_f64().unwrap().is_finite(), "{e}");
+    let (ok, _, err) = minikv(&[
+        "generate",
+        "--model",
+        "gemma3-270m",
+        "--prompt",
+        "x",
+        "--config",
+        "configs/quest.toml",
+    ]);
+    assert!(ok, "{err}");
+}
