@@ -477,7 +477,7 @@ mod tests {
         b[208..210].copy_from_slice(&f16b(0.25));
         dequantize_row(GgmlType::Q6_K, &b, &mut out);
         assert_eq!(out[0], 0.25 * 2.0 * (1 - 32) as f32);
-        assert_eq!(out[32], 0.25 * -1.0 * (15 + 16 - 32) as f32);
+        assert_eq!(out[32], -0.25 * (15 + 16 - 32) as f32);
         assert_eq!(out[64], 0.25 * 4.0 * (2 + 32 - 32) as f32);
         assert_eq!(out[96], 0.25 * 1.0 * (48 - 32) as f32);
     }
