@@ -9,7 +9,8 @@
 #    three global layers, the 15 sliding-window layers are rings of 512;
 # 3. the methods on the RULER-style single needle at the lengths where the
 #    full cache scores above chance (RET_LENGTHS; 4096 in the findings; the
-#    passkey task is at chance beyond 1K for this base model).
+#    passkey task is at chance beyond 1K for this base model), question-
+#    agnostic, then MiniKV and SnapKV query-aware.
 #
 # Every config sees the same text windows and trials (they depend on the seed
 # only): differences are paired. The full cache's reference logits are kept in
@@ -69,6 +70,17 @@ for n in ${RET_LENGTHS-4096}; do
     --set cache.scorer.type=snapkv
   ret "StreamingLLM 4+25%" streamingllm --set cache.recent_tokens=$((n / 4))
   "$bin" report "$out/retrieval-$n.jsonl" --out "$out/retrieval-$n"
+  # Query-aware: the question is prefilled with the context before compressing.
+  qa() { # label config [--set ...]
+    local label=$1 cfg=$2; shift 2
+    "$bin" sweep "configs/$cfg.toml" "${m[@]}" "$@" --label "$label (query-aware)" --query-aware \
+      --task ruler-niah-single-number --trials "${RET_TRIALS:-6}" --context "$n" \
+      --out "$out/retrieval-$n-qa.jsonl" --quiet
+  }
+  qa "MiniKV 2-bit" minikv
+  qa "SnapKV 25%+32" snapkv-kvpress --set cache.heavy=0.25 --set cache.recent_tokens=32 \
+    --set cache.scorer.type=snapkv
+  "$bin" report "$out/retrieval-$n-qa.jsonl" --out "$out/retrieval-$n-qa"
   echo "retrieval: $n done" >&2
 done
 [ -f "$out/lengths.jsonl" ] && "$bin" report "$out/lengths.jsonl" --out "$out/lengths"
