@@ -12,8 +12,8 @@
 //! use minikv_core::{AttentionProbe, CacheBuilder, CacheConfig, KvCache, ModelSpec};
 //!
 //! let spec = ModelSpec { n_layers: 1, n_q_heads: 2, n_kv_heads: 1, head_dim: 4, max_seq_len: 32, windows: Vec::new() };
-//! let full = CacheBuilder::new(spec).build(&CacheConfig::default())?;
-//! let same = CacheBuilder::new(spec).build(&CacheConfig::default())?;
+//! let full = CacheBuilder::new(spec.clone()).build(&CacheConfig::default())?;
+//! let same = CacheBuilder::new(spec.clone()).build(&CacheConfig::default())?;
 //! let mut probe = AttentionProbe::new(full, same)?;
 //! let kv: Vec<f32> = (0..4 * 4).map(|i| (i as f32).sin()).collect();
 //! let q: Vec<f32> = (0..4 * 8).map(|i| (i as f32).cos()).collect();
