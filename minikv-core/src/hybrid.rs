@@ -10,12 +10,15 @@
 //! the layers they govern. [`KvCache::memory`] reports both kinds, each layer
 //! with its window.
 
-use crate::attention::{AttentionBackend, DecodeArgs, HeadView, PrefillArgs};
+use crate::attention::{
+    AttentionBackend, DecodeArgs, HeadView, PrefillArgs, to_head_major, to_token_major,
+};
 use crate::cache::{KvCache, LayerMemory, MemoryReport, ModelWants, Observation, Phase};
 use crate::config::CacheConfig;
 use crate::layered::LayeredCache;
 use crate::storage::FpStore;
 use crate::{Error, HeadMemory, LayerBudget, ModelSpec, Result, check_finite, check_len};
+use smallvec::SmallVec;
 use std::sync::Arc;
 
 /// Rows per page of a ring's fp16 stores.
@@ -34,6 +37,8 @@ enum Slot {
 #[derive(Debug)]
 struct Ring {
     window: usize,
+    /// Head dimension.
+    d: usize,
     seen: usize,
     /// Prefill: per KV head the last rows `[rows][d]` in f32 (at most
     /// `window - 1` before a chunk, plus the chunk).
@@ -51,7 +56,7 @@ struct Ring {
 
 impl Ring {
     fn rows(&self) -> usize {
-        self.k.first().map_or(0, |k| k.len()) / self.keys.first().map_or(1, |s| s.dim())
+        self.k.first().map_or(0, |k| k.len()) / self.d
     }
 }
 
@@ -131,6 +136,7 @@ impl HybridCache {
             .filter_map(|l| self.spec.window(l))
             .map(|window| Ring {
                 window,
+                d,
                 seen: 0,
                 k: vec![Vec::new(); hkv],
                 v: vec![Vec::new(); hkv],
@@ -171,13 +177,7 @@ impl HybridCache {
                         ring.v[h].drain(..(rows - keep) * d);
                     }
                 }
-                for i in 0..n {
-                    for h in 0..hkv {
-                        let src = (i * hkv + h) * d..(i * hkv + h + 1) * d;
-                        ring.k[h].extend_from_slice(&k[src.clone()]);
-                        ring.v[h].extend_from_slice(&v[src]);
-                    }
-                }
+                crate::layered::staging::append_per_head(&mut ring.k, &mut ring.v, k, v, n, d);
             }
             Phase::Decode => {
                 // Until full, rows are pushed (the oldest stays at slot 0);
@@ -216,12 +216,7 @@ impl HybridCache {
                     ));
                 }
                 let mut qh = vec![0.0f32; hq * n * d];
-                for i in 0..n {
-                    for h in 0..hq {
-                        qh[(h * n + i) * d..(h * n + i + 1) * d]
-                            .copy_from_slice(&q[(i * hq + h) * d..(i * hq + h + 1) * d]);
-                    }
-                }
+                to_head_major(q, n, hq, d, &mut qh);
                 let mut oh = vec![0.0f32; hq * n * d];
                 let keys: Vec<&[f32]> = ring.k.iter().map(|x| x.as_slice()).collect();
                 let values: Vec<&[f32]> = ring.v.iter().map(|x| x.as_slice()).collect();
@@ -237,16 +232,11 @@ impl HybridCache {
                     cumulative: None,
                     window: Some(ring.window),
                 })?;
-                for i in 0..n {
-                    for h in 0..hq {
-                        out[(i * hq + h) * d..(i * hq + h + 1) * d]
-                            .copy_from_slice(&oh[(h * n + i) * d..(h * n + i + 1) * d]);
-                    }
-                }
+                to_token_major(&oh, n, hq, d, out);
                 Ok(())
             }
             Phase::Decode => {
-                let views: Vec<HeadView<'_>> = ring
+                let views: SmallVec<[HeadView<'_>; 8]> = ring
                     .keys
                     .iter()
                     .zip(&ring.values)

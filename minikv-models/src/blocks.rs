@@ -173,13 +173,10 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
         }
         GgmlType::Q4_K => {
             for (o, b) in out.chunks_exact_mut(256).zip(src.chunks_exact(144)) {
-                let (d, dmin) = (h(b, 0), h(b, 2));
-                let sc: &[u8; 12] = b[4..16].try_into().expect("12");
+                let dmin = h(b, 2);
                 for c in 0..4 {
-                    let (s1, m1) = scale_min_k4(2 * c, sc);
-                    let (s2, m2) = scale_min_k4(2 * c + 1, sc);
-                    let (d1, d2) = (d * s1 as f32, d * s2 as f32);
-                    let (m1, m2) = (dmin * m1 as f32, dmin * m2 as f32);
+                    let ([d1, d2], [m1, m2]) = q4k_pair(b, c);
+                    let (m1, m2) = (dmin * m1, dmin * m2);
                     let q = &b[16 + 32 * c..16 + 32 * (c + 1)];
                     let o = &mut o[64 * c..64 * (c + 1)];
                     for l in 0..32 {
@@ -229,6 +226,18 @@ fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
             (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
         )
     }
+}
+
+/// `Q4_K` block `b`, sub-blocks `2c` and `2c + 1` (sharing code bytes
+/// `32c .. 32c + 32`): their scales `d * sc` and their 6-bit minimums (to be
+/// multiplied by `dmin`).
+#[inline(always)]
+fn q4k_pair(b: &[u8], c: usize) -> ([f32; 2], [f32; 2]) {
+    let d = h(b, 0);
+    let sc: &[u8; 12] = b[4..16].try_into().expect("12");
+    let (s1, m1) = scale_min_k4(2 * c, sc);
+    let (s2, m2) = scale_min_k4(2 * c + 1, sc);
+    ([d * s1 as f32, d * s2 as f32], [m1 as f32, m2 as f32])
 }
 
 /// The four 6-bit weights (minus 32) of `Q6_K` lane `l` of a 128-half:
@@ -338,13 +347,10 @@ pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
                 .zip(x.chunks_exact(256))
                 .zip(xsum.chunks_exact(8))
             {
-                let (d, dmin) = (h(b, 0), h(b, 2));
-                let sc: &[u8; 12] = b[4..16].try_into().expect("12");
+                let dmin = h(b, 2);
                 for c in 0..4 {
-                    let (s1, m1) = scale_min_k4(2 * c, sc);
-                    let (s2, m2) = scale_min_k4(2 * c + 1, sc);
-                    let (d1, d2) = (d * s1 as f32, d * s2 as f32);
-                    macc += dmin * (m1 as f32 * xs[2 * c] + m2 as f32 * xs[2 * c + 1]);
+                    let ([d1, d2], [m1, m2]) = q4k_pair(b, c);
+                    macc += dmin * (m1 * xs[2 * c] + m2 * xs[2 * c + 1]);
                     let q: &[u8; 32] = b[16 + 32 * c..16 + 32 * (c + 1)].try_into().expect("32");
                     let (xl, xh) = xb[64 * c..64 * (c + 1)].split_at(32);
                     for l in 0..32 {

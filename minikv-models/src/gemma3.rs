@@ -141,35 +141,6 @@ pub struct Gemma3 {
     pub reconstruction: Option<crate::ReconstructionPrompts>,
 }
 
-fn vector(g: &Gguf, name: &str, n: usize) -> Result<Vec<f32>> {
-    let t = g.tensor(name)?;
-    if t.n_elements() != n {
-        return Err(Error::Format(format!(
-            "tensor `{name}` has {} elements, expected {n}",
-            t.n_elements()
-        )));
-    }
-    let mut v = vec![0.0; n];
-    crate::blocks::dequantize_row(t.dtype, g.blob(t).bytes(), &mut v);
-    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-        return Err(Error::Format(format!(
-            "tensor `{name}`: element {i} is not finite"
-        )));
-    }
-    Ok(v)
-}
-
-fn matrix(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<QMatrix> {
-    let t = g.tensor(name)?;
-    if t.dims.len() != 2 || t.dims[0] != cols || t.dims[1] != rows {
-        return Err(Error::Format(format!(
-            "tensor `{name}` has shape {:?}, expected [{cols}, {rows}]",
-            t.dims
-        )));
-    }
-    QMatrix::new(name, t.dtype, rows, cols, g.blob(t))
-}
-
 fn rope(base: f64, d: usize) -> minikv_core::Rope {
     minikv_core::Rope {
         inv_freq: (0..d / 2)
@@ -249,58 +220,41 @@ impl Gemma3 {
                 "gemma3 with RoPE scaling (4B and larger) is not supported".into(),
             ));
         }
-        if let Some(extra) = g
-            .tensors
-            .keys()
-            .filter_map(|n| {
-                n.strip_prefix("blk.")?
-                    .split('.')
-                    .next()?
-                    .parse::<usize>()
-                    .ok()
-            })
-            .filter(|&i| i >= cfg.n_layers)
-            .max()
-        {
-            return Err(Error::Format(format!(
-                "metadata gemma3.block_count = {} but the file has tensors of layer {extra}",
-                cfg.n_layers
-            )));
-        }
+        g.check_block_count("gemma3", cfg.n_layers)?;
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let mut blocks = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let b = |s: &str| format!("blk.{i}.{s}.weight");
-            let wq = matrix(g, &b("attn_q"), cfg.n_heads * hd, h)?;
-            let wk = matrix(g, &b("attn_k"), cfg.n_kv_heads * hd, h)?;
-            let wv = matrix(g, &b("attn_v"), cfg.n_kv_heads * hd, h)?;
+            let wq = QMatrix::from_gguf(g, &b("attn_q"), cfg.n_heads * hd, h)?;
+            let wk = QMatrix::from_gguf(g, &b("attn_k"), cfg.n_kv_heads * hd, h)?;
+            let wv = QMatrix::from_gguf(g, &b("attn_v"), cfg.n_kv_heads * hd, h)?;
             let qkv = match QMatrix::concat_rows(&[&wq, &wk, &wv]) {
                 Ok(m) => Qkv::Fused(m),
                 Err(_) => Qkv::Split(wq, wk, wv),
             };
-            let gate = matrix(g, &b("ffn_gate"), cfg.ffn, h)?;
-            let up = matrix(g, &b("ffn_up"), cfg.ffn, h)?;
+            let gate = QMatrix::from_gguf(g, &b("ffn_gate"), cfg.ffn, h)?;
+            let up = QMatrix::from_gguf(g, &b("ffn_up"), cfg.ffn, h)?;
             let gate_up = match QMatrix::concat_rows(&[&gate, &up]) {
                 Ok(m) => GateUp::Fused(m),
                 Err(_) => GateUp::Split(gate, up),
             };
             blocks.push(Gemma3Block {
-                attn_norm: vector(g, &b("attn_norm"), h)?,
+                attn_norm: g.vector(&b("attn_norm"), h)?,
                 qkv,
-                q_norm: vector(g, &b("attn_q_norm"), hd)?,
-                k_norm: vector(g, &b("attn_k_norm"), hd)?,
-                wo: matrix(g, &b("attn_output"), h, cfg.n_heads * hd)?,
-                post_attn_norm: vector(g, &b("post_attention_norm"), h)?,
-                ffn_norm: vector(g, &b("ffn_norm"), h)?,
+                q_norm: g.vector(&b("attn_q_norm"), hd)?,
+                k_norm: g.vector(&b("attn_k_norm"), hd)?,
+                wo: QMatrix::from_gguf(g, &b("attn_output"), h, cfg.n_heads * hd)?,
+                post_attn_norm: g.vector(&b("post_attention_norm"), h)?,
+                ffn_norm: g.vector(&b("ffn_norm"), h)?,
                 gate_up,
-                w_down: matrix(g, &b("ffn_down"), h, cfg.ffn)?,
-                post_ffn_norm: vector(g, &b("post_ffw_norm"), h)?,
+                w_down: QMatrix::from_gguf(g, &b("ffn_down"), h, cfg.ffn)?,
+                post_ffn_norm: g.vector(&b("post_ffw_norm"), h)?,
             });
         }
-        let embed = matrix(g, "token_embd.weight", cfg.vocab, h)?;
-        let norm = vector(g, "output_norm.weight", h)?;
+        let embed = QMatrix::from_gguf(g, "token_embd.weight", cfg.vocab, h)?;
+        let norm = g.vector("output_norm.weight", h)?;
         let lm_head = match g.tensors.contains_key("output.weight") {
-            true => Some(matrix(g, "output.weight", cfg.vocab, h)?),
+            true => Some(QMatrix::from_gguf(g, "output.weight", cfg.vocab, h)?),
             false => None,
         };
         Ok(Self {
@@ -386,20 +340,13 @@ impl Gemma3 {
             self.embed.dequantize_row(t as usize, x);
             x.iter_mut().for_each(|v| *v *= scale);
         }
-        // Two RoPE tables per chunk: local and global bases.
+        // Two RoPE tables per chunk, one after the other: local, then global.
         let (mut cos, mut sin) = (std::mem::take(&mut ws.cos), std::mem::take(&mut ws.sin));
         let half = hd / 2;
-        let mut tabs = (Vec::new(), Vec::new());
+        cos.clear();
+        sin.clear();
         rope_tables(&self.rope_local.inv_freq, pos0, n, &mut cos, &mut sin);
-        rope_tables(
-            &self.rope_global.inv_freq,
-            pos0,
-            n,
-            &mut tabs.0,
-            &mut tabs.1,
-        );
-        cos.extend_from_slice(&tabs.0);
-        sin.extend_from_slice(&tabs.1);
+        rope_tables(&self.rope_global.inv_freq, pos0, n, &mut cos, &mut sin);
         // Queries are pre-scaled so that the backend's 1/sqrt(d) gives the
         // model's attention scale.
         let q_scale = c.attention_scale * (hd as f32).sqrt();

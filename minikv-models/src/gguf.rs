@@ -397,6 +397,49 @@ impl Gguf {
         })
     }
 
+    /// A 1-D tensor of `n` elements as f32 (norm weights); a non-finite
+    /// element is an error naming the tensor.
+    pub fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>> {
+        let t = self.tensor(name)?;
+        if t.n_elements() != n {
+            return Err(Error::Format(format!(
+                "tensor `{name}` has {} elements, expected {n}",
+                t.n_elements()
+            )));
+        }
+        let mut v = vec![0.0; n];
+        crate::blocks::dequantize_row(t.dtype, self.blob(t).bytes(), &mut v);
+        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+            return Err(Error::Format(format!(
+                "tensor `{name}`: element {i} is not finite"
+            )));
+        }
+        Ok(v)
+    }
+
+    /// Checks that every `blk.N.*` tensor belongs to a layer below
+    /// `{arch}.block_count` (`n_layers`).
+    pub fn check_block_count(&self, arch: &str, n_layers: usize) -> Result<()> {
+        let extra = self
+            .tensors
+            .keys()
+            .filter_map(|n| {
+                n.strip_prefix("blk.")?
+                    .split('.')
+                    .next()?
+                    .parse::<usize>()
+                    .ok()
+            })
+            .filter(|&i| i >= n_layers)
+            .max();
+        match extra {
+            Some(extra) => Err(Error::Format(format!(
+                "metadata {arch}.block_count = {n_layers} but the file has tensors of layer {extra} (blk.{extra}.*)"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// A metadata value, or an error naming the key.
     pub fn get(&self, key: &str) -> Result<&Value> {
         self.metadata

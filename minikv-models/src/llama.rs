@@ -136,30 +136,6 @@ pub struct Llama {
     pub reconstruction: Option<crate::ReconstructionPrompts>,
 }
 
-fn vector(g: &Gguf, name: &str, n: usize) -> Result<Vec<f32>> {
-    let t = g.tensor(name)?;
-    if t.n_elements() != n {
-        return Err(Error::Format(format!(
-            "tensor `{name}` has {} elements, expected {n}",
-            t.n_elements()
-        )));
-    }
-    let mut v = vec![0.0; n];
-    crate::blocks::dequantize_row(t.dtype, g.blob(t).bytes(), &mut v);
-    Ok(v)
-}
-
-fn matrix(g: &Gguf, name: &str, rows: usize, cols: usize) -> Result<QMatrix> {
-    let t = g.tensor(name)?;
-    if t.dims.len() != 2 || t.dims[0] != cols || t.dims[1] != rows {
-        return Err(Error::Format(format!(
-            "tensor `{name}` has shape {:?}, expected [{cols}, {rows}]",
-            t.dims
-        )));
-    }
-    QMatrix::new(name, t.dtype, rows, cols, g.blob(t))
-}
-
 impl Llama {
     /// Loads a `llama`-architecture GGUF.
     pub fn from_gguf(g: &Gguf) -> Result<Self> {
@@ -200,45 +176,27 @@ impl Llama {
                 cfg.head_dim
             )));
         }
-        // Every block tensor must belong to a layer below block_count.
-        if let Some(extra) = g
-            .tensors
-            .keys()
-            .filter_map(|n| {
-                n.strip_prefix("blk.")?
-                    .split('.')
-                    .next()?
-                    .parse::<usize>()
-                    .ok()
-            })
-            .filter(|&i| i >= cfg.n_layers)
-            .max()
-        {
-            return Err(Error::Format(format!(
-                "metadata llama.block_count = {} but the file has tensors of layer {extra} (blk.{extra}.*)",
-                cfg.n_layers
-            )));
-        }
+        g.check_block_count("llama", cfg.n_layers)?;
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let mut blocks = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let b = |s: &str| format!("blk.{i}.{s}.weight");
             blocks.push(Block {
-                attn_norm: vector(g, &b("attn_norm"), h)?,
-                wq: matrix(g, &b("attn_q"), cfg.n_heads * hd, h)?,
-                wk: matrix(g, &b("attn_k"), cfg.n_kv_heads * hd, h)?,
-                wv: matrix(g, &b("attn_v"), cfg.n_kv_heads * hd, h)?,
-                wo: matrix(g, &b("attn_output"), h, cfg.n_heads * hd)?,
-                ffn_norm: vector(g, &b("ffn_norm"), h)?,
-                w_gate: matrix(g, &b("ffn_gate"), cfg.ffn, h)?,
-                w_up: matrix(g, &b("ffn_up"), cfg.ffn, h)?,
-                w_down: matrix(g, &b("ffn_down"), h, cfg.ffn)?,
+                attn_norm: g.vector(&b("attn_norm"), h)?,
+                wq: QMatrix::from_gguf(g, &b("attn_q"), cfg.n_heads * hd, h)?,
+                wk: QMatrix::from_gguf(g, &b("attn_k"), cfg.n_kv_heads * hd, h)?,
+                wv: QMatrix::from_gguf(g, &b("attn_v"), cfg.n_kv_heads * hd, h)?,
+                wo: QMatrix::from_gguf(g, &b("attn_output"), h, cfg.n_heads * hd)?,
+                ffn_norm: g.vector(&b("ffn_norm"), h)?,
+                w_gate: QMatrix::from_gguf(g, &b("ffn_gate"), cfg.ffn, h)?,
+                w_up: QMatrix::from_gguf(g, &b("ffn_up"), cfg.ffn, h)?,
+                w_down: QMatrix::from_gguf(g, &b("ffn_down"), h, cfg.ffn)?,
             });
         }
-        let embed = matrix(g, "token_embd.weight", cfg.vocab, h)?;
-        let norm = vector(g, "output_norm.weight", h)?;
+        let embed = QMatrix::from_gguf(g, "token_embd.weight", cfg.vocab, h)?;
+        let norm = g.vector("output_norm.weight", h)?;
         let lm_head = match g.tensors.contains_key("output.weight") {
-            true => Some(matrix(g, "output.weight", cfg.vocab, h)?),
+            true => Some(QMatrix::from_gguf(g, "output.weight", cfg.vocab, h)?),
             false => None,
         };
         Ok(Self::assemble(cfg, embed, blocks, norm, lm_head))
@@ -312,6 +270,8 @@ impl Llama {
 
     /// cos/sin of the RoPE angles for positions `pos0 .. pos0 + n` (once per chunk).
     fn rope_tables(&self, pos0: usize, n: usize, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
+        cos.clear();
+        sin.clear();
         rope_tables(&self.rope_info.inv_freq, pos0, n, cos, sin);
     }
 
@@ -426,8 +386,8 @@ impl Llama {
 /// Prefill chunk length (bounds activation memory; the cache sees several chunks).
 pub const PREFILL_CHUNK: usize = 512;
 
-/// cos/sin of the angles `p * inv_freq[i]` for positions `pos0 .. pos0 + n`,
-/// `[n][d/2]` (angles in f64, as the caches see them).
+/// Appends cos/sin of the angles `p * inv_freq[i]` for positions
+/// `pos0 .. pos0 + n`, `[n][d/2]` (angles in f64, as the caches see them).
 pub(crate) fn rope_tables(
     inv_freq: &[f64],
     pos0: usize,
@@ -435,8 +395,6 @@ pub(crate) fn rope_tables(
     cos: &mut Vec<f32>,
     sin: &mut Vec<f32>,
 ) {
-    cos.clear();
-    sin.clear();
     for p in pos0..pos0 + n {
         for &f in inv_freq {
             let a = p as f64 * f;

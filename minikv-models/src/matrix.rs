@@ -65,6 +65,18 @@ impl QMatrix {
         })
     }
 
+    /// The GGUF tensor `name` as a `rows x cols` matrix (GGUF dims `[cols, rows]`).
+    pub fn from_gguf(g: &crate::gguf::Gguf, name: &str, rows: usize, cols: usize) -> Result<Self> {
+        let t = g.tensor(name)?;
+        if t.dims.len() != 2 || t.dims[0] != cols || t.dims[1] != rows {
+            return Err(Error::Format(format!(
+                "tensor `{name}` has shape {:?}, expected [{cols}, {rows}]",
+                t.dims
+            )));
+        }
+        Self::new(name, t.dtype, rows, cols, g.blob(t))
+    }
+
     /// Stacks matrices with the same type and columns (one parallel region
     /// instead of several in decode).
     pub fn concat_rows(ms: &[&QMatrix]) -> Result<Self> {

@@ -316,16 +316,16 @@ fn spm_tokenizer(g: &Gguf, tokens: &[String], types: &[i64]) -> Result<tokenizer
             tokens.len()
         )));
     }
-    let ids: std::collections::HashMap<&str, u32> = tokens
+    let vocab: tokenizers::models::bpe::Vocab = tokens
         .iter()
         .enumerate()
-        .map(|(i, t)| (t.as_str(), i as u32))
+        .map(|(i, t)| (t.clone(), i as u32))
         .collect();
-    if ids.len() != tokens.len() {
+    if vocab.len() != tokens.len() {
         return Err(Error::Format("tokenizer: duplicate pieces".into()));
     }
     for b in 0..=255u8 {
-        if !ids.contains_key(format!("<0x{b:02X}>").as_str()) {
+        if !vocab.contains_key(format!("<0x{b:02X}>").as_str()) {
             return Err(Error::Format(format!(
                 "tokenizer: byte piece <0x{b:02X}> is missing (needed for byte fallback)"
             )));
@@ -336,7 +336,7 @@ fn spm_tokenizer(g: &Gguf, tokens: &[String], types: &[i64]) -> Result<tokenizer
     let mut ranked: Vec<(f64, u32, usize)> = Vec::new();
     for (i, t) in tokens.iter().enumerate() {
         for (cut, _) in t.char_indices().skip(1) {
-            if ids.contains_key(&t[..cut]) && ids.contains_key(&t[cut..]) {
+            if vocab.contains_key(&t[..cut]) && vocab.contains_key(&t[cut..]) {
                 ranked.push((scores[i], i as u32, cut));
             }
         }
@@ -348,11 +348,6 @@ fn spm_tokenizer(g: &Gguf, tokens: &[String], types: &[i64]) -> Result<tokenizer
             let t = &tokens[i as usize];
             (t[..cut].to_owned(), t[cut..].to_owned())
         })
-        .collect();
-    let vocab: tokenizers::models::bpe::Vocab = tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), i as u32))
         .collect();
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)

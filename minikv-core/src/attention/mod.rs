@@ -52,6 +52,27 @@ impl PrefillArgs<'_> {
     }
 }
 
+/// Token-major rows `[n][heads * d]` to the head-major layout `[heads][n][d]`
+/// of [`PrefillArgs`].
+pub fn to_head_major(x: &[f32], n: usize, heads: usize, d: usize, out: &mut [f32]) {
+    for i in 0..n {
+        for h in 0..heads {
+            out[(h * n + i) * d..(h * n + i + 1) * d]
+                .copy_from_slice(&x[(i * heads + h) * d..(i * heads + h + 1) * d]);
+        }
+    }
+}
+
+/// The inverse of [`to_head_major`]: `[heads][n][d]` to `[n][heads * d]`.
+pub fn to_token_major(x: &[f32], n: usize, heads: usize, d: usize, out: &mut [f32]) {
+    for i in 0..n {
+        for h in 0..heads {
+            out[(i * heads + h) * d..(i * heads + h + 1) * d]
+                .copy_from_slice(&x[(h * n + i) * d..(h * n + i + 1) * d]);
+        }
+    }
+}
+
 /// Extra attention entries of one head (from a [`Compensator`](crate::Compensator),
 /// e.g. ResKV's cluster summaries): they join the softmax with a per-entry
 /// logit bias, plus `log g(q)` from an optional gate.

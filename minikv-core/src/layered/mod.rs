@@ -15,7 +15,7 @@ mod accounting;
 mod compress;
 mod evict;
 mod quest;
-mod staging;
+pub(crate) mod staging;
 mod store;
 
 use crate::attention::{AttentionBackend, DecodeArgs, HeadView};

@@ -130,14 +130,7 @@ impl Staging {
 
     /// Stages `n` tokens (`[n][Hkv * d]`).
     pub fn append(&mut self, spec: &ModelSpec, k: &[f32], v: &[f32], n: usize) {
-        let (hkv, d) = (spec.n_kv_heads, spec.head_dim);
-        for i in 0..n {
-            for h in 0..hkv {
-                let src = (i * hkv + h) * d..(i * hkv + h + 1) * d;
-                self.k[h].extend_from_slice(&k[src.clone()]);
-                self.v[h].extend_from_slice(&v[src]);
-            }
-        }
+        append_per_head(&mut self.k, &mut self.v, k, v, n, spec.head_dim);
     }
 
     /// Exact causal attention of the last `n` of `t` staged tokens, collecting
@@ -163,12 +156,7 @@ impl Staging {
         }
         // Token-major -> head-major.
         let mut qh = vec![0.0f32; hq * n * d];
-        for i in 0..n {
-            for h in 0..hq {
-                qh[(h * n + i) * d..(h * n + i + 1) * d]
-                    .copy_from_slice(&q[(i * hq + h) * d..(i * hq + h + 1) * d]);
-            }
-        }
+        crate::attention::to_head_major(q, n, hq, d, &mut qh);
         let mut oh = vec![0.0f32; hq * n * d];
         let mut cumul = Vec::new();
         if needs.cumulative_attention {
@@ -197,12 +185,7 @@ impl Staging {
         if needs.cumulative_attention {
             self.cumul = cumul;
         }
-        for i in 0..n {
-            for h in 0..hq {
-                out[(i * hq + h) * d..(i * hq + h + 1) * d]
-                    .copy_from_slice(&oh[(h * n + i) * d..(h * n + i + 1) * d]);
-            }
-        }
+        crate::attention::to_token_major(&oh, n, hq, d, out);
         if needs.query_window > 0 {
             let row = hq * d;
             self.window.extend_from_slice(&q[..n * row]);
@@ -405,6 +388,26 @@ impl<'a> Views<'a> {
                 .then_some(&self.staging.out_proj[..]),
             reconstruction: (!self.staging.recon.is_empty()).then_some(&self.staging.recon[..]),
             budget: None,
+        }
+    }
+}
+
+/// Appends `n` token-major rows `[n][Hkv * d]` of keys and values to per-KV-head
+/// buffers `[Hkv][rows][d]`.
+pub(crate) fn append_per_head(
+    dk: &mut [Vec<f32>],
+    dv: &mut [Vec<f32>],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    d: usize,
+) {
+    let hkv = dk.len();
+    for i in 0..n {
+        for h in 0..hkv {
+            let src = (i * hkv + h) * d..(i * hkv + h + 1) * d;
+            dk[h].extend_from_slice(&k[src.clone()]);
+            dv[h].extend_from_slice(&v[src]);
         }
     }
 }
