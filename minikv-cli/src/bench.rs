@@ -1,11 +1,12 @@
 //! `minikv bench attention`: decode attention per token, full fp16 vs fused low-bit.
 
 use clap::Args;
-use minikv_core::attention::{AttentionBackend, DecodeArgs, HeadView, TiledBackend};
-use minikv_core::storage::{Fp16Rows, FpStore};
-use minikv_core::{Axis, Error, QuantStore, Quantizer, Result};
+use minikv_core::attention::{AttentionBackend, DecodeArgs, HeadView};
+use minikv_core::storage::FpStore;
+use minikv_core::{Axis, Error, QuantStore, Result};
 use minikv_quant::{MinMax, ScaleDtype};
 use serde_json::json;
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Args)]
@@ -22,6 +23,11 @@ pub struct AttentionArgs {
     /// KV heads (dividing the query heads).
     #[arg(long, default_value_t = 3, value_parser = crate::args::heads)]
     pub kv_heads: usize,
+    /// Attention backend by registered name (`minikv components` lists
+    /// them; default: the run config's default). Stores are created by the
+    /// backend (device-resident for the CUDA backend).
+    #[arg(long)]
+    pub backend: Option<String>,
     /// Minimum measuring time per variant, seconds in (0, 3600].
     #[arg(long, default_value_t = 1.0, value_parser = crate::args::seconds, allow_negative_numbers = true)]
     pub seconds: f64,
@@ -33,8 +39,8 @@ pub struct AttentionArgs {
 struct Heads {
     qk: Vec<Option<Box<dyn QuantStore>>>,
     qv: Vec<Option<Box<dyn QuantStore>>>,
-    fk: Vec<Fp16Rows>,
-    fv: Vec<Fp16Rows>,
+    fk: Vec<Box<dyn FpStore>>,
+    fv: Vec<Box<dyn FpStore>>,
 }
 
 impl Heads {
@@ -61,8 +67,8 @@ impl Heads {
             .map(|s| HeadView {
                 quant_keys: self.qk[s].as_deref(),
                 quant_values: self.qv[s].as_deref(),
-                fp_keys: &self.fk[s],
-                fp_values: &self.fv[s],
+                fp_keys: self.fk[s].as_ref(),
+                fp_values: self.fv[s].as_ref(),
                 extra: None,
             })
             .collect()
@@ -78,8 +84,9 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
-fn build(a: &AttentionArgs, bits: Option<u32>) -> Result<Heads> {
+fn build(a: &AttentionArgs, be: &dyn AttentionBackend, bits: Option<u32>) -> Result<Heads> {
     let (t, d) = (a.tokens, a.head_dim);
+    let st = be.storage();
     let mut h = Heads {
         qk: vec![],
         qv: vec![],
@@ -89,8 +96,8 @@ fn build(a: &AttentionArgs, bits: Option<u32>) -> Result<Heads> {
     for s in 0..a.kv_heads {
         let k = data(t * d, 17 + s as u32);
         let v = data(t * d, 91 + s as u32);
-        let mut fk = Fp16Rows::new(d, 256);
-        let mut fv = Fp16Rows::new(d, 256);
+        let mut fk = st.fp_store(d, 256);
+        let mut fv = st.fp_store(d, 256);
         match bits {
             None => {
                 fk.push(&k);
@@ -101,20 +108,26 @@ fn build(a: &AttentionArgs, bits: Option<u32>) -> Result<Heads> {
             Some(b) => {
                 let g = 16;
                 let nq = t - t % g;
-                let mut qk = MinMax {
-                    bits: b,
-                    group: g,
-                    axis: Axis::Channel,
-                    scale_dtype: ScaleDtype::F16,
-                }
-                .new_store(d, 256)?;
-                let mut qv = MinMax {
-                    bits: b,
-                    group: g,
-                    axis: Axis::Token,
-                    scale_dtype: ScaleDtype::F16,
-                }
-                .new_store(d, 256)?;
+                let mut qk = st.quant_store(
+                    &MinMax {
+                        bits: b,
+                        group: g,
+                        axis: Axis::Channel,
+                        scale_dtype: ScaleDtype::F16,
+                    },
+                    d,
+                    256,
+                )?;
+                let mut qv = st.quant_store(
+                    &MinMax {
+                        bits: b,
+                        group: g,
+                        axis: Axis::Token,
+                        scale_dtype: ScaleDtype::F16,
+                    },
+                    d,
+                    256,
+                )?;
                 qk.append(&k[..nq * d])?;
                 qv.append(&v[..nq * d])?;
                 qk.shrink();
@@ -133,8 +146,7 @@ fn build(a: &AttentionArgs, bits: Option<u32>) -> Result<Heads> {
     Ok(h)
 }
 
-fn time(a: &AttentionArgs, h: &Heads) -> Result<f64> {
-    let be = TiledBackend::default();
+fn time(a: &AttentionArgs, be: &dyn AttentionBackend, h: &Heads) -> Result<f64> {
     let q = data(a.q_heads * a.head_dim, 5);
     let mut out = vec![0.0f32; q.len()];
     let views = h.views();
@@ -180,17 +192,22 @@ pub fn attention(a: &AttentionArgs) -> Result<()> {
             need as f64 / (1u64 << 30) as f64
         )));
     }
-    let full = build(a, None)?;
-    let tf = time(a, &full)?;
+    let name = a
+        .backend
+        .clone()
+        .unwrap_or_else(|| minikv_core::RunConfig::default().backend);
+    let be: Arc<dyn AttentionBackend> = minikv_core::attention::make_backend(&name)?;
+    let full = build(a, be.as_ref(), None)?;
+    let tf = time(a, be.as_ref(), &full)?;
     let mut rows = vec![
         json!({"cache": "fp16", "seconds_per_token": tf, "bytes_read_per_token": full.bytes(), "speedup_vs_fp16": 1.0}),
     ];
     for b in [2u32, 4] {
-        let h = build(a, Some(b))?;
-        let tq = time(a, &h)?;
+        let h = build(a, be.as_ref(), Some(b))?;
+        let tq = time(a, be.as_ref(), &h)?;
         rows.push(json!({"cache": format!("fused {b}-bit (G=16, keys per channel, values per token)"), "seconds_per_token": tq, "bytes_read_per_token": h.bytes(), "speedup_vs_fp16": tf / tq, "bytes_ratio_vs_fp16": full.bytes() as f64 / h.bytes() as f64}));
     }
-    let v = json!({"tokens": a.tokens, "head_dim": a.head_dim, "q_heads": a.q_heads, "kv_heads": a.kv_heads, "threads": rayon_threads(), "results": rows});
+    let v = json!({"backend": name, "tokens": a.tokens, "head_dim": a.head_dim, "q_heads": a.q_heads, "kv_heads": a.kv_heads, "threads": rayon_threads(), "results": rows});
     if a.json {
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     } else {

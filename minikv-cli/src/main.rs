@@ -381,6 +381,7 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    minikv_kernels::ensure_registered();
     let cli = Cli::parse();
     // Run on a pool worker: the model's many short parallel loops then start
     // on the worker's own deque instead of being handed over from `main`.

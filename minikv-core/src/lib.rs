@@ -77,7 +77,7 @@ pub use config::{
 };
 pub use error::{Error, Result, check_finite, check_len, check_range};
 pub use probe::AttentionProbe;
-pub use quant::{Axis, QuantBytes, QuantStore, Quantizer};
+pub use quant::{Axis, MinMaxSpec, QuantBytes, QuantStore, Quantizer};
 pub use scoring::{
     DecodeScore, DecodeStep, GqaReduce, LayerSignals, Needs, QueryStats, ScoreInputs, TokenScorer,
     reduce_gqa,

@@ -38,6 +38,28 @@ pub trait Quantizer: Send + Sync + Debug + dyn_clone::DynClone {
             Axis::Token => 1,
         }
     }
+    /// `Some` when this is the standard asymmetric min-max quantizer
+    /// (docs/algorithms.md §1: codes `round_half_even(clamp((x - min) /
+    /// scale))`, LSB-first packing): device backends that implement that
+    /// quantizer natively may then hold its store on the device. `None` (the
+    /// default) for any other scheme, which such backends refuse clearly.
+    fn min_max(&self) -> Option<MinMaxSpec> {
+        None
+    }
+}
+
+/// Parameters of a standard min-max quantizer, as [`Quantizer::min_max`]
+/// reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MinMaxSpec {
+    /// Bits per code (2, 4 or 8).
+    pub bits: u32,
+    /// Group size.
+    pub group: usize,
+    /// Grouping axis.
+    pub axis: Axis,
+    /// Scales and minimums stored as fp16 (else f32).
+    pub f16_scales: bool,
 }
 
 dyn_clone::clone_trait_object!(Quantizer);

@@ -1,17 +1,27 @@
 // CPU emulation of the subset of CUDA that minikv's kernels use, so that the
 // same .cu sources run (slowly, exactly) on a machine without a GPU:
 //
-// * a launch runs the grid's blocks one at a time; a block's threads are OS
-//   threads (std::thread), `__syncthreads()` is a barrier over them;
+// * a launch runs the grid's blocks one at a time;
+// * a block's threads run either as fibers (the default: ucontext stacks on
+//   the calling OS thread, switched only where a thread waits, so a barrier
+//   costs a few context switches and runs are deterministic) or as OS
+//   threads (`mk_emu_set_mode(1)`: real concurrency, to shake out races the
+//   fixed fiber order would hide);
+// * `__syncthreads()` is a barrier over the block's threads;
 // * `__shared__` variables are function statics: one copy, shared by the
 //   threads of the block that is running (blocks never overlap);
 // * warps are groups of 32 consecutive threads; a shuffle or vote writes the
 //   lane's value to a per-warp exchange, waits on a per-warp barrier, reads,
 //   and waits again (so a later exchange cannot overwrite a value still being
 //   read). As on a GPU, every lane of the warp must take part (full mask).
+//   A barrier that can never complete (threads that returned while others
+//   wait) is detected in fiber mode and fails the launch.
 //
 // Only what the kernels need is here; anything else fails to compile.
 #pragma once
+#include <ucontext.h>
+
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -36,18 +46,62 @@ struct dim3 {
 };
 
 namespace emu {
+inline int mode = 0;  // 0: fibers, 1: OS threads
+
+// Fiber scheduling state (one launch at a time, on the launching thread).
+struct Fiber {
+  ucontext_t ctx;
+  bool done = false;
+};
+inline ucontext_t scheduler;
+inline std::vector<Fiber> fibers;
+inline unsigned current = 0;
+inline unsigned long progress = 0;  // barrier arrivals and finished threads
+inline std::function<void()> body;
+
+inline void yield() { swapcontext(&fibers[current].ctx, &scheduler); }
+
+// A barrier over `expected` threads: cooperative in fiber mode, std::barrier
+// in thread mode.
+struct Barrier {
+  unsigned expected, count = 0;
+  unsigned long gen = 0;
+  std::unique_ptr<std::barrier<>> os;
+  explicit Barrier(unsigned n) : expected(n) {
+    if (mode == 1) os = std::make_unique<std::barrier<>>(n);
+  }
+  void arrive_and_wait() {
+    if (os) {
+      os->arrive_and_wait();
+      return;
+    }
+    ++progress;
+    unsigned long g = gen;
+    if (++count == expected) {
+      count = 0;
+      ++gen;
+      return;
+    }
+    while (gen == g) yield();
+  }
+};
+
 struct Block {
-  std::unique_ptr<std::barrier<>> all;
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  std::unique_ptr<Barrier> all;
+  std::vector<std::unique_ptr<Barrier>> warps;
   std::vector<uint64_t> slots;  // one exchange slot per thread
 };
 inline Block* block = nullptr;
 inline dim3 grid_dim, block_dim, block_idx;
-inline thread_local dim3 thread_idx;
-inline thread_local unsigned flat = 0;
+inline thread_local dim3 os_thread_idx;
+inline thread_local unsigned os_flat = 0;
+inline std::vector<dim3> fiber_idx;
+
+inline unsigned flat() { return mode == 1 ? os_flat : current; }
+inline dim3 thread_idx() { return mode == 1 ? os_thread_idx : fiber_idx[current]; }
 }  // namespace emu
 
-#define threadIdx (emu::thread_idx)
+#define threadIdx (emu::thread_idx())
 #define blockIdx (emu::block_idx)
 #define blockDim (emu::block_dim)
 #define gridDim (emu::grid_dim)
@@ -59,10 +113,10 @@ template <class T>
 inline T exchange(T v, unsigned src_lane) {
   static_assert(sizeof(T) <= 8, "exchange of at most 8 bytes");
   Block* b = block;
-  unsigned warp = flat / 32, base = warp * 32;
+  unsigned me = flat(), warp = me / 32, base = warp * 32;
   uint64_t bits = 0;
   std::memcpy(&bits, &v, sizeof(T));
-  b->slots[flat] = bits;
+  b->slots[me] = bits;
   b->warps[warp]->arrive_and_wait();
   uint64_t got = b->slots[base + (src_lane & 31)];
   b->warps[warp]->arrive_and_wait();
@@ -74,7 +128,7 @@ inline T exchange(T v, unsigned src_lane) {
 
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int mask) {
-  return emu::exchange(v, (emu::flat % 32) ^ (unsigned)mask);
+  return emu::exchange(v, (emu::flat() % 32) ^ (unsigned)mask);
 }
 template <class T>
 inline T __shfl_sync(unsigned, T v, int lane) {
@@ -103,36 +157,85 @@ using std::rintf;
 inline float __logf(float x) { return std::log(x); }
 
 namespace emu {
-// Runs `kernel(args...)` over `grid` x `block` threads, blocks in order.
-// Launches are serialized: `__shared__` statics and the globals above belong
+inline constexpr std::size_t kStack = 128 * 1024;
+
+inline void trampoline() {
+  body();
+  fibers[current].done = true;
+  ++progress;
+}
+
+// Runs `kernel(args...)` over `grid` x `block` threads, blocks in order,
+// the threads as fibers (`how` 0) or OS threads (1). Launches are serialized: `__shared__` statics and the globals above belong
 // to the one block that runs.
 inline std::mutex launch_lock;
 template <class K, class... A>
-void launch(dim3 grid, dim3 blk, K kernel, A... args) {
+void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
   std::lock_guard<std::mutex> guard(launch_lock);
+  mode = how;
   unsigned n = blk.x * blk.y * blk.z;
-  if (n % 32 != 0) throw std::runtime_error("emulated blocks hold whole warps");
+  if (n == 0 || n % 32 != 0) throw std::runtime_error("emulated blocks hold whole warps");
   grid_dim = grid;
   block_dim = blk;
+  static std::vector<std::unique_ptr<char[]>> stacks;
+  if (mode == 0) {
+    while (stacks.size() < n) stacks.emplace_back(new char[kStack]);
+    fibers.assign(n, Fiber{});
+    fiber_idx.resize(n);
+    for (unsigned i = 0; i < n; ++i)
+      fiber_idx[i] = dim3(i % blk.x, (i / blk.x) % blk.y, i / (blk.x * blk.y));
+    body = [&] { kernel(args...); };
+  }
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
         Block b;
-        b.all = std::make_unique<std::barrier<>>(n);
-        for (unsigned w = 0; w < n / 32; ++w) b.warps.push_back(std::make_unique<std::barrier<>>(32));
+        b.all = std::make_unique<Barrier>(n);
+        for (unsigned w = 0; w < n / 32; ++w) b.warps.push_back(std::make_unique<Barrier>(32));
         b.slots.assign(n, 0);
         block = &b;
         block_idx = dim3(bx, by, bz);
-        std::vector<std::thread> threads;
-        threads.reserve(n);
-        for (unsigned i = 0; i < n; ++i)
-          threads.emplace_back([=] {
-            flat = i;
-            thread_idx = dim3(i % blk.x, (i / blk.x) % blk.y, i / (blk.x * blk.y));
-            kernel(args...);
-          });
-        for (auto& t : threads) t.join();
+        if (mode == 1) {
+          std::vector<std::thread> threads;
+          threads.reserve(n);
+          for (unsigned i = 0; i < n; ++i)
+            threads.emplace_back([=] {
+              os_flat = i;
+              os_thread_idx = dim3(i % blk.x, (i / blk.x) % blk.y, i / (blk.x * blk.y));
+              kernel(args...);
+            });
+          for (auto& t : threads) t.join();
+        } else {
+          for (unsigned i = 0; i < n; ++i) {
+            Fiber& f = fibers[i];
+            f.done = false;
+            getcontext(&f.ctx);
+            f.ctx.uc_stack.ss_sp = stacks[i].get();
+            f.ctx.uc_stack.ss_size = kStack;
+            f.ctx.uc_link = &scheduler;
+            makecontext(&f.ctx, trampoline, 0);
+          }
+          unsigned left = n;
+          while (left > 0) {
+            unsigned long before = progress;
+            for (unsigned i = 0; i < n; ++i) {
+              if (fibers[i].done) continue;
+              current = i;
+              swapcontext(&scheduler, &fibers[i].ctx);
+              if (fibers[i].done) --left;
+            }
+            if (left > 0 && progress == before) {
+              block = nullptr;
+              throw std::runtime_error("a barrier can never complete (deadlock)");
+            }
+          }
+        }
         block = nullptr;
       }
+}
+
+template <class K, class... A>
+void launch(dim3 grid, dim3 blk, K kernel, A... args) {
+  launch_mode(0, grid, blk, kernel, args...);
 }
 }  // namespace emu

@@ -9,8 +9,9 @@
 //   lo(i) ..= t - n + i, lo = 0 or, with a window w > 0, t - n + i + 1 - w.
 //   Quantized stores (the CPU store's layout, bit for bit; P = 32 / bits):
 //   keys per channel: word (j / P) * d + c packs tokens of channel c, LSB
-//   first; scale/min [j / G][d] as fp16 bits. Values per token: token j owns
-//   d / P words; scale/min [c / G][cap] (one row per channel group).
+//   first; scale/min [j / G][d] as fp16 bits (or f32). Values per token:
+//   token j owns d / P words; scale/min [j][d / G]. The device stores keep
+//   these layouts; the word layout is the CPU store's, bit for bit.
 
 #ifndef MK_THREADS
 #define MK_THREADS 128
@@ -220,10 +221,11 @@ extern "C" __global__ void mk_quant_keys_channel(const float* __restrict__ rows,
   }
 }
 
-// 3b. Values per token: rows [n][d] appended at token index `t0`; one thread
-// per token (its words are its own). Scales [d / g][cap].
+// 3b. Per token (values; keys in the per-token ablation): rows [n][d]
+// appended at token index `t0`; one thread per token (its words and scales
+// are its own). Scales and minimums [token][d / g].
 extern "C" __global__ void mk_quant_values_token(const float* __restrict__ rows, int n, int d,
-                                                 int g, int bits, int t0, int cap,
+                                                 int g, int bits, int t0,
                                                  unsigned* __restrict__ words, void* scale,
                                                  void* minv, int f16) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -240,27 +242,32 @@ extern "C" __global__ void mk_quant_values_token(const float* __restrict__ rows,
       mx = fmaxf(mx, x[c]);
     }
     float sc = (mx - mn) / qmax;
-    mk_store_pair(scale, minv, (mk_size)gi * cap + t0 + i, sc, mn, f16);
+    mk_store_pair(scale, minv, (mk_size)(t0 + i) * (d / g) + gi, sc, mn, f16);
     if (!(sc > 0.f)) continue;
     for (int c = gi * g; c < (gi + 1) * g; ++c)
       w[c / p] |= mk_code(x[c], mn, sc, qmax) << (bits * (c % p));
   }
 }
 
-// One decode head: quantized keys (per channel) and values (per token),
-// fp16 residual rows, extra entries with a logit bias. Tokens: the quantized
-// part first, then the residual (keys and values may split differently).
+// One quantized tensor of a decode head (keys or values), in the layouts of
+// the quantize kernels above: axis 0 = per channel (groups of `group` tokens;
+// word (j / P) * d + c, scale/min [j / group][d]), axis 1 = per token (groups
+// of `group` channels; token j owns d / P words, scale/min [j][d / group]).
+// Scales and minimums are fp16 bits (f16 = 1) or f32.
+struct MkQuant {
+  const unsigned* words;
+  const void* scale;
+  const void* minv;
+  int n, group, bits, axis, f16;
+};
+
+// One decode head: quantized keys and values, fp16 residual rows, extra
+// entries with a logit bias. Tokens: the quantized part first, then the
+// residual (keys and values may split differently).
 struct MkHead {
-  const unsigned* kwords;
-  const unsigned short* kscale;
-  const unsigned short* kmin;
-  int nqk, kgroup, kbits;
-  const unsigned* vwords;
-  const unsigned short* vscale;
-  const unsigned short* vmin;
-  int nqv, vgroup, vbits, vcap;
-  const unsigned short* fk;  // fp16 residual keys [len - nqk][d]
-  const unsigned short* fv;  // fp16 residual values [len - nqv][d]
+  MkQuant k, v;
+  const unsigned short* fk;  // fp16 residual keys [len - k.n][d]
+  const unsigned short* fv;  // fp16 residual values [len - v.n][d]
   int len;
   const unsigned short* ek;  // extra entries: keys, values [n_extra][d], bias
   const unsigned short* ev;
@@ -268,37 +275,50 @@ struct MkHead {
   int n_extra;
 };
 
-__device__ __forceinline__ float mk_key(const MkHead& hd, int j, int c, int d) {
-  if (j < hd.nqk) {
-    int p = 32 / hd.kbits;
-    unsigned w = hd.kwords[(mk_size)(j / p) * d + c];
-    unsigned code = (w >> (hd.kbits * (j % p))) & ((1u << hd.kbits) - 1);
-    mk_size s = (mk_size)(j / hd.kgroup) * d + c;
-    return (float)code * mk_h2f(hd.kscale[s]) + mk_h2f(hd.kmin[s]);
+__device__ __forceinline__ float mk_deq(const MkQuant& z, int j, int c, int d) {
+  int p = 32 / z.bits;
+  unsigned mask = (1u << z.bits) - 1u, code;
+  mk_size s;
+  if (z.axis == 0) {
+    code = (z.words[(mk_size)(j / p) * d + c] >> (z.bits * (j % p))) & mask;
+    s = (mk_size)(j / z.group) * d + c;
+  } else {
+    code = (z.words[(mk_size)j * (d / p) + c / p] >> (z.bits * (c % p))) & mask;
+    s = (mk_size)j * (d / z.group) + c / z.group;
   }
-  if (j < hd.len) return mk_h2f(hd.fk[(mk_size)(j - hd.nqk) * d + c]);
+  float sc, mn;
+  if (z.f16) {
+    sc = mk_h2f(((const unsigned short*)z.scale)[s]);
+    mn = mk_h2f(((const unsigned short*)z.minv)[s]);
+  } else {
+    sc = ((const float*)z.scale)[s];
+    mn = ((const float*)z.minv)[s];
+  }
+  return (float)code * sc + mn;
+}
+
+__device__ __forceinline__ float mk_key(const MkHead& hd, int j, int c, int d) {
+  if (j < hd.k.n) return mk_deq(hd.k, j, c, d);
+  if (j < hd.len) return mk_h2f(hd.fk[(mk_size)(j - hd.k.n) * d + c]);
   return mk_h2f(hd.ek[(mk_size)(j - hd.len) * d + c]);
 }
 
 __device__ __forceinline__ float mk_value(const MkHead& hd, int j, int c, int d) {
-  if (j < hd.nqv) {
-    int p = 32 / hd.vbits;
-    unsigned w = hd.vwords[(mk_size)j * (d / p) + c / p];
-    unsigned code = (w >> (hd.vbits * (c % p))) & ((1u << hd.vbits) - 1);
-    mk_size s = (mk_size)(c / hd.vgroup) * hd.vcap + j;
-    return (float)code * mk_h2f(hd.vscale[s]) + mk_h2f(hd.vmin[s]);
-  }
-  if (j < hd.len) return mk_h2f(hd.fv[(mk_size)(j - hd.nqv) * d + c]);
+  if (j < hd.v.n) return mk_deq(hd.v, j, c, d);
+  if (j < hd.len) return mk_h2f(hd.fv[(mk_size)(j - hd.v.n) * d + c]);
   return mk_h2f(hd.ev[(mk_size)(j - hd.len) * d + c]);
 }
 
 // 4a. Fused decode, split over tokens (flash-decoding): block (split s, query
 // head h) attends over tokens [s * chunk, (s + 1) * chunk) of its KV head
 // (extra entries included, with their bias) and writes a partial (m, l, acc).
+// With `logits` non-null, the scaled logits of the head's tokens (extra
+// entries excluded) go to logits[h * lstride + j] (probabilities on request).
 extern "C" __global__ void mk_decode_partial(const float* __restrict__ q, const MkHead* heads,
                                              int d, int group, float scale, int chunk,
                                              float* __restrict__ pm, float* __restrict__ pl,
-                                             float* __restrict__ pacc) {
+                                             float* __restrict__ pacc, float* __restrict__ logits,
+                                             int lstride) {
   __shared__ float sq[MK_MAX_D];
   __shared__ float sp[MK_THREADS];
   __shared__ float red[MK_THREADS / 32];
@@ -318,6 +338,7 @@ extern "C" __global__ void mk_decode_partial(const float* __restrict__ q, const 
       float dot = 0.f;
       for (int c = 0; c < d; ++c) dot += sq[c] * mk_key(hd, j, c, d);
       sc = dot + (j >= hd.len ? hd.ebias[j - hd.len] : 0.f);
+      if (logits && j < hd.len) logits[(mk_size)h * lstride + j] = sc;
     }
     float mt = mk_block_reduce(sc, red, true);
     float mnew = fmaxf(m, mt);
@@ -344,11 +365,12 @@ extern "C" __global__ void mk_decode_partial(const float* __restrict__ q, const 
 }
 
 // 4b. The exact combination of the splits: out_h = sum_s e^(m_s - M) acc_s /
-// sum_s e^(m_s - M) l_s. One block per query head.
+// sum_s e^(m_s - M) l_s. One block per query head; with `lse` non-null, the
+// head's log-sum-exp M + log(sum_s e^(m_s - M) l_s) goes to lse[h].
 extern "C" __global__ void mk_decode_combine(const float* __restrict__ pm,
                                              const float* __restrict__ pl,
                                              const float* __restrict__ pacc, int splits, int d,
-                                             float* __restrict__ out) {
+                                             float* __restrict__ out, float* __restrict__ lse) {
   int h = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
   float mx = -MK_INF;
   for (int s = 0; s < splits; ++s) mx = fmaxf(mx, pm[(mk_size)h * splits + s]);
@@ -365,4 +387,5 @@ extern "C" __global__ void mk_decode_combine(const float* __restrict__ pm,
     }
     out[(mk_size)h * d + c] = a / z;
   }
+  if (lse && tid == 0) lse[h] = mx + __logf(z);
 }

@@ -1,326 +1,212 @@
-//! The CUDA kernels of `cuda/minikv.cu` run on the CPU under `cuda/emulate.h`
-//! (feature `emulate`): the same source, the same launch geometry as on a
-//! GPU, blocks one at a time with their threads as OS threads. Slow (an OS
-//! thread per CUDA thread), exact, and meant for tests on small shapes.
+//! The CUDA kernels of `cuda/minikv.cu` on the CPU under `cuda/emulate.h`
+//! (feature `emulate`): [`EmuDevice`] is a [`Device`] whose memory is host
+//! memory and whose launches run the same kernel source, with the same
+//! geometry and argument lists, blocks one at a time with their threads as
+//! fibers (or OS threads, [`EmuDevice::with_os_threads`]). Slow, exact, and
+//! meant for tests on small shapes; [`emulated_backend`] is the whole CUDA
+//! backend on it.
+//!
+//! Every copy is checked against the live allocations, so a backend bug that
+//! would read or write past a device buffer fails loudly here.
 
-use std::os::raw::{c_int, c_void};
-
-/// One decode head as the fused decode kernel reads it (`MkHead` in
-/// `minikv.cu`; the CPU store's layouts). Pointers must stay valid for the call.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct MkHead {
-    /// Packed key codes, per channel: word `(j / P) * d + c`.
-    pub kwords: *const u32,
-    /// Key scales `[j / G][d]`, fp16 bits.
-    pub kscale: *const u16,
-    /// Key minimums, fp16 bits.
-    pub kmin: *const u16,
-    /// Quantized keys, group (tokens), bits.
-    pub nqk: c_int,
-    /// Tokens per key group.
-    pub kgroup: c_int,
-    /// Key bits.
-    pub kbits: c_int,
-    /// Packed value codes, per token: `d / P` words per token.
-    pub vwords: *const u32,
-    /// Value scales `[c / G][vcap]`, fp16 bits.
-    pub vscale: *const u16,
-    /// Value minimums, fp16 bits.
-    pub vmin: *const u16,
-    /// Quantized values.
-    pub nqv: c_int,
-    /// Channels per value group.
-    pub vgroup: c_int,
-    /// Value bits.
-    pub vbits: c_int,
-    /// Row stride of the value scales.
-    pub vcap: c_int,
-    /// fp16 residual keys `[len - nqk][d]`.
-    pub fk: *const u16,
-    /// fp16 residual values `[len - nqv][d]`.
-    pub fv: *const u16,
-    /// Tokens held.
-    pub len: c_int,
-    /// Extra entries' keys `[n_extra][d]`, fp16.
-    pub ek: *const u16,
-    /// Extra entries' values, fp16.
-    pub ev: *const u16,
-    /// Extra entries' logit bias.
-    pub ebias: *const f32,
-    /// Extra entries.
-    pub n_extra: c_int,
-}
+use crate::backend::CudaBackend;
+use crate::device::{Arg, DevPtr, Device, Launch};
+use minikv_core::{AttentionBackend, Error, Result};
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::os::raw::{c_char, c_int, c_void};
+use std::sync::{Arc, Mutex};
 
 unsafe extern "C" {
-    fn mk_emu_prefill(
-        q: *const f32,
-        k: *const f32,
-        v: *const f32,
-        out: *mut f32,
-        lse: *mut f32,
-        cumul: *mut f32,
-        hq: c_int,
-        hkv: c_int,
-        n: c_int,
-        t: c_int,
-        d: c_int,
-        scale: f32,
-        window: c_int,
-    );
-    fn mk_emu_window_scores(
-        q: *const f32,
-        k: *const f32,
-        lse: *const f32,
-        scores: *mut f32,
-        pooled: *mut f32,
-        hq: c_int,
-        hkv: c_int,
-        n: c_int,
-        t: c_int,
-        d: c_int,
-        scale: f32,
-        w: c_int,
-        kernel: c_int,
-        mode: c_int,
-    );
-    fn mk_emu_quant_keys(
-        rows: *const f32,
-        g: c_int,
-        d: c_int,
-        bits: c_int,
-        t0: c_int,
-        words: *mut u32,
-        scale: *mut c_void,
-        minv: *mut c_void,
-        f16: c_int,
-    );
-    fn mk_emu_quant_values(
-        rows: *const f32,
-        n: c_int,
-        d: c_int,
-        g: c_int,
-        bits: c_int,
-        t0: c_int,
-        cap: c_int,
-        words: *mut u32,
-        scale: *mut c_void,
-        minv: *mut c_void,
-        f16: c_int,
-    );
-    fn mk_emu_decode(
-        q: *const f32,
-        heads: *const MkHead,
-        hq: c_int,
-        hkv: c_int,
-        d: c_int,
-        scale: f32,
-        chunk: c_int,
-        out: *mut f32,
-    );
+    fn mk_emu_launch(
+        name: *const c_char,
+        gx: u32,
+        gy: u32,
+        gz: u32,
+        bx: u32,
+        by: u32,
+        bz: u32,
+        params: *mut *mut c_void,
+        n_params: c_int,
+        os_threads: c_int,
+    ) -> c_int;
     fn mk_emu_f2h(f: f32) -> u16;
     fn mk_emu_h2f(h: u16) -> f32;
 }
 
-/// Largest head dimension the kernels take (`MK_MAX_D`).
-pub const MAX_HEAD_DIM: usize = 256;
-
-fn int(x: usize) -> c_int {
-    c_int::try_from(x).expect("shape fits a C int")
-}
-
-/// Shape of a prefill call.
-#[derive(Debug, Clone, Copy)]
-pub struct PrefillShape {
-    /// Query heads.
-    pub hq: usize,
-    /// KV heads.
-    pub hkv: usize,
-    /// Queries (the last `n` positions).
-    pub n: usize,
-    /// Keys.
-    pub t: usize,
-    /// Head dimension.
-    pub d: usize,
-    /// Sliding window (0: none).
-    pub window: usize,
-}
-
-/// Prefill attention: `q [Hq][n][d]`, `k`, `v` `[Hkv][t][d]`; returns the
-/// output `[Hq][n][d]`, the log-sum-exp `[Hq][n]`, and `A_cumul [Hq][t]` when
-/// asked.
-pub fn prefill(
-    s: PrefillShape,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    cumulative: bool,
-) -> (Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
-    assert!(s.d <= MAX_HEAD_DIM && s.hq.is_multiple_of(s.hkv) && s.n <= s.t);
-    assert_eq!(q.len(), s.hq * s.n * s.d);
-    assert_eq!(k.len(), s.hkv * s.t * s.d);
-    assert_eq!(v.len(), k.len());
-    let mut out = vec![0.0; q.len()];
-    let mut lse = vec![0.0; s.hq * s.n];
-    let mut cu = cumulative.then(|| vec![0.0f32; s.hq * s.t]);
-    let cp = cu.as_mut().map_or(std::ptr::null_mut(), |c| c.as_mut_ptr());
-    // SAFETY: every buffer has the length the kernels index (asserted above).
-    unsafe {
-        mk_emu_prefill(
-            q.as_ptr(),
-            k.as_ptr(),
-            v.as_ptr(),
-            out.as_mut_ptr(),
-            lse.as_mut_ptr(),
-            cp,
-            int(s.hq),
-            int(s.hkv),
-            int(s.n),
-            int(s.t),
-            int(s.d),
-            1.0 / (s.d as f32).sqrt(),
-            int(s.window),
-        );
-    }
-    (out, lse, cu)
-}
-
-/// SnapKV window scores: column sums of the last `w` queries (with the
-/// log-sum-exp from [`prefill`]) over the first `t - w` keys, then pooled
-/// (`kernel`, `max`: max pooling, else average). Returns `[Hq][t - w]`.
-#[allow(clippy::too_many_arguments)]
-pub fn window_scores(
-    s: PrefillShape,
-    q: &[f32],
-    k: &[f32],
-    lse: &[f32],
-    w: usize,
-    kernel: usize,
-    max: bool,
-) -> Vec<f32> {
-    assert!(w <= s.n && w < s.t && lse.len() == s.hq * s.n);
-    let mut scores = vec![0.0f32; s.hq * s.t];
-    let mut pooled = vec![0.0f32; s.hq * s.t];
-    // SAFETY: lengths as the kernels index them.
-    unsafe {
-        mk_emu_window_scores(
-            q.as_ptr(),
-            k.as_ptr(),
-            lse.as_ptr(),
-            scores.as_mut_ptr(),
-            pooled.as_mut_ptr(),
-            int(s.hq),
-            int(s.hkv),
-            int(s.n),
-            int(s.t),
-            int(s.d),
-            1.0 / (s.d as f32).sqrt(),
-            int(w),
-            int(kernel),
-            if max { 0 } else { 1 },
-        );
-    }
-    let p = s.t - w;
-    (0..s.hq)
-        .flat_map(|h| pooled[h * s.t..h * s.t + p].to_vec())
-        .collect()
-}
-
-/// Quantizes one group of `g` key rows `[g][d]` per channel into `words`
-/// (tokens from `t0`), scales and minimums as fp16 bits `[t0 / g][d]`.
-#[allow(clippy::too_many_arguments)]
-pub fn quant_keys(
-    rows: &[f32],
-    g: usize,
-    d: usize,
-    bits: u32,
-    t0: usize,
-    words: &mut Vec<u32>,
-    scale: &mut Vec<u16>,
-    min: &mut Vec<u16>,
-) {
-    let p = 32 / bits as usize;
-    assert_eq!(rows.len(), g * d);
-    assert_eq!(t0 % g, 0);
-    words.resize(words.len().max((t0 + g).div_ceil(p) * d), 0);
-    let sl = (t0 / g + 1) * d;
-    scale.resize(scale.len().max(sl), 0);
-    min.resize(min.len().max(sl), 0);
-    // SAFETY: words, scale and min cover the indices written (resized above).
-    unsafe {
-        mk_emu_quant_keys(
-            rows.as_ptr(),
-            int(g),
-            int(d),
-            bits as c_int,
-            int(t0),
-            words.as_mut_ptr(),
-            scale.as_mut_ptr().cast(),
-            min.as_mut_ptr().cast(),
-            1,
-        );
+fn err(reason: impl Into<String>) -> Error {
+    Error::Backend {
+        backend: "cuda (emulated)".into(),
+        reason: reason.into(),
     }
 }
 
-/// Quantizes value rows `[n][d]` per token (groups of `g` channels) at token
-/// index `t0`; scales and minimums fp16 bits `[d / g][cap]`.
-#[allow(clippy::too_many_arguments)]
-pub fn quant_values(
-    rows: &[f32],
-    n: usize,
-    d: usize,
-    g: usize,
-    bits: u32,
-    t0: usize,
-    cap: usize,
-    words: &mut [u32],
-    scale: &mut [u16],
-    min: &mut [u16],
-) {
-    let p = 32 / bits as usize;
-    assert!(rows.len() == n * d && t0 + n <= cap && d.is_multiple_of(g) && d.is_multiple_of(p));
-    assert!(words.len() >= cap * d / p && scale.len() >= d / g * cap && min.len() == scale.len());
-    // SAFETY: lengths asserted above.
-    unsafe {
-        mk_emu_quant_values(
-            rows.as_ptr(),
-            int(n),
-            int(d),
-            int(g),
-            bits as c_int,
-            int(t0),
-            int(cap),
-            words.as_mut_ptr(),
-            scale.as_mut_ptr().cast(),
-            min.as_mut_ptr().cast(),
-            1,
-        );
+/// Host memory standing in for device memory; launches through the emulator.
+#[derive(Debug, Default)]
+pub struct EmuDevice {
+    /// Live allocations: base address -> length in 8-byte words (owned
+    /// through raw pointers from `Box::into_raw`, freed by `free` or drop).
+    mem: Mutex<BTreeMap<u64, usize>>,
+    /// Run a block's threads as OS threads (else as fibers).
+    os_threads: bool,
+}
+
+impl Drop for EmuDevice {
+    fn drop(&mut self) {
+        let m = std::mem::take(self.mem.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for (p, n) in m {
+            // SAFETY: each entry is a live `Box<[u64]>` of `n` words.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p as *mut u64, n)) });
+        }
     }
 }
 
-/// Fused decode of one query per head `q [Hq][d]` over `heads` (one per KV
-/// head), split into chunks of `chunk` tokens; returns `[Hq][d]`.
-///
-/// # Safety
-/// Every pointer in `heads` must be valid for the lengths its counts imply.
-pub unsafe fn decode(q: &[f32], heads: &[MkHead], hq: usize, d: usize, chunk: usize) -> Vec<f32> {
-    assert!(d <= MAX_HEAD_DIM && !heads.is_empty() && hq.is_multiple_of(heads.len()) && chunk > 0);
-    assert_eq!(q.len(), hq * d);
-    let mut out = vec![0.0f32; hq * d];
-    // SAFETY: the caller vouches for the heads; q and out have Hq * d floats.
-    unsafe {
-        mk_emu_decode(
-            q.as_ptr(),
-            heads.as_ptr(),
-            int(hq),
-            int(heads.len()),
-            int(d),
-            1.0 / (d as f32).sqrt(),
-            int(chunk),
-            out.as_mut_ptr(),
-        );
+impl EmuDevice {
+    /// A new emulated device; a block's threads run as fibers on the
+    /// launching thread (fast, deterministic).
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
     }
-    out
+    /// A new emulated device whose blocks' threads are OS threads (real
+    /// concurrency; much slower).
+    pub fn with_os_threads() -> Arc<Self> {
+        Arc::new(Self {
+            mem: Mutex::default(),
+            os_threads: true,
+        })
+    }
+    /// Bytes currently allocated.
+    pub fn allocated(&self) -> usize {
+        let m = self.mem.lock().unwrap_or_else(|p| p.into_inner());
+        m.values().map(|n| n * 8).sum()
+    }
+    /// Checks that `[p, p + n)` lies inside one live allocation.
+    fn check(&self, p: DevPtr, n: usize, what: &str) -> Result<()> {
+        let m = self.mem.lock().unwrap_or_else(|p| p.into_inner());
+        match m.range(..=p).next_back() {
+            Some((&base, &words)) if p + n as u64 <= base + (words * 8) as u64 => Ok(()),
+            _ => Err(err(format!(
+                "{what} of {n} bytes at {p:#x} is outside every device allocation"
+            ))),
+        }
+    }
+}
+
+impl Device for EmuDevice {
+    fn name(&self) -> String {
+        "emulated".into()
+    }
+    fn alloc(&self, bytes: usize) -> Result<DevPtr> {
+        let n = bytes.div_ceil(8).max(1);
+        let p = Box::into_raw(vec![0u64; n].into_boxed_slice()) as *mut u64 as u64;
+        self.mem
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(p, n);
+        Ok(p)
+    }
+    fn free(&self, ptr: DevPtr) {
+        let n = self
+            .mem
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ptr);
+        if let Some(n) = n {
+            // SAFETY: `ptr` was a live `Box<[u64]>` of `n` words, now unlisted.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr as *mut u64, n)) });
+        }
+    }
+    fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
+        self.check(dst, src.len(), "upload")?;
+        // SAFETY: the destination range lies in a live allocation (checked).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+    fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
+        self.check(src, dst.len(), "download")?;
+        // SAFETY: the source range lies in a live allocation (checked).
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+    fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<()> {
+        self.check(dst, bytes, "copy")?;
+        self.check(src, bytes, "copy")?;
+        if dst < src + bytes as u64 && src < dst + bytes as u64 {
+            return Err(err("overlapping device-to-device copy"));
+        }
+        // SAFETY: both ranges live and disjoint (checked).
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+    fn zero(&self, dst: DevPtr, bytes: usize) -> Result<()> {
+        self.check(dst, bytes, "zero")?;
+        // SAFETY: range checked.
+        unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) };
+        Ok(())
+    }
+    fn launch(&self, kernel: &'static str, shape: Launch, args: &[Arg]) -> Result<()> {
+        // Each argument's value in its own 8-byte slot, pointed to as the
+        // driver's kernelParams are.
+        let mut vals: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) => p,
+                Arg::I32(x) => x as u32 as u64,
+                Arg::F32(x) => x.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = vals
+            .iter_mut()
+            .map(|v| v as *mut u64 as *mut c_void)
+            .collect();
+        let name = CString::new(kernel).map_err(|_| err("kernel name"))?;
+        let (g, b) = (shape.grid, shape.block);
+        // SAFETY: the parameter array holds one pointer per argument to a
+        // value of the kernel's parameter type (little-endian: an int or
+        // float is the low 4 bytes of its slot); the pointers inside are
+        // live allocations of this device, sized by the backend.
+        let rc = unsafe {
+            mk_emu_launch(
+                name.as_ptr(),
+                g.0,
+                g.1,
+                g.2,
+                b.0,
+                b.1,
+                b.2,
+                params.as_mut_ptr(),
+                params.len() as c_int,
+                c_int::from(self.os_threads),
+            )
+        };
+        match rc {
+            0 => Ok(()),
+            1 => Err(err(format!("unknown kernel {kernel}"))),
+            2 => Err(err(format!(
+                "{kernel}: {} arguments do not match its parameter list",
+                args.len()
+            ))),
+            _ => Err(err(format!("{kernel}: the emulated launch failed"))),
+        }
+    }
+}
+
+/// The CUDA backend on an emulated device.
+pub fn emulated_backend() -> Result<Arc<dyn AttentionBackend>> {
+    Ok(Arc::new(CudaBackend::new(EmuDevice::new())))
+}
+
+minikv_core::register_backend!(
+    "cuda-emulated",
+    "the CUDA backend (device stores, launches, kernels) on the CPU emulation of CUDA; exact and very slow, for checks without a GPU",
+    emulated_backend
+);
+
+/// Keeps the `cuda-emulated` registration linked (see
+/// [`crate::ensure_registered`]).
+#[inline(never)]
+pub fn ensure_registered() {
+    std::hint::black_box(emulated_backend as fn() -> Result<Arc<dyn AttentionBackend>>);
 }
 
 /// The kernels' f32 -> fp16 conversion (round to nearest even).

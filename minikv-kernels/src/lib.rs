@@ -19,53 +19,98 @@
 //!    codes, the fp16 residual and extra entries with a logit bias, GQA-aware,
 //!    split over tokens (flash-decoding) with an exact final combination.
 //!
+//! The backend ([`CudaBackend`], `backend = "cuda"` in a run config) runs
+//! prefill (with `A_cumul`) and decode through these kernels; its storage
+//! factory creates device-resident stores ([`DeviceFpStore`], fp16 rows;
+//! [`DeviceQuantStore`], codes quantized on the device), so the cache's
+//! `memory()` reports device bytes. Its host code talks to a [`Device`]:
+//! the CUDA driver through cudarc ([`cuda::CudaDevice`], kernels compiled by
+//! NVRTC for the device's architecture at first use, cached per device), or
+//! the CPU emulation of the same kernels ([`emulated::EmuDevice`], feature
+//! `emulate`, registered as `backend = "cuda-emulated"`).
+//!
 //! What is verified where:
 //!
 //! * **Emulated** (every `cargo test`, feature `emulate`): the same source is
 //!   compiled by the host C++ compiler under `cuda/emulate.h` (blocks in turn;
-//!   a block's threads as OS threads with a barrier for `__syncthreads`;
+//!   a block's threads as fibers, or as OS threads, with a barrier for
+//!   `__syncthreads`;
 //!   `__shared__` as per-block statics; warp shuffles through a per-warp
-//!   exchange and barrier) and compared with the CPU backend and quantizer:
-//!   outputs and `A_cumul` within 1e-4 (windows included), window scores
-//!   within 1e-4, codes, words and scales bit-exact, decode within 1e-4 over
-//!   ragged heads with extra entries ([`emulated`], `tests/emulated.rs`).
+//!   exchange and barrier), and the whole backend runs on it, launch for
+//!   launch as on a GPU ([`parity`], `tests/emulated.rs`): prefill outputs
+//!   and `A_cumul` within 1e-4 of the CPU reference (windows, GQA), window
+//!   scores within 1e-4, codes bit-exact with the CPU quantizer (2/4/8 bits,
+//!   both axes), fused decode within 1e-4 over ragged heads with extra
+//!   entries, and a whole cache (MiniKV, KIVI, H2O with decode-time
+//!   probabilities) built on the backend against the same cache on the CPU;
+//!   from the CLI, the real model generates with `backend = "cuda-emulated"`.
 //! * **Compiled** (CI, after `scripts/fetch-cuda-tools.sh`): NVRTC 12.9
 //!   compiles every kernel for sm_80 and sm_90 and `ptxas` assembles them
 //!   with at most 64 registers, no spills ([`nvrtc`], the
 //!   `minikv-kernels-check` binary, `tests/nvrtc.rs`).
-//! * **Not verified here**: execution on a GPU (no device on the CI machine),
-//!   and the `cuda` backend itself: device-resident stores created through
-//!   the backend's storage factory and the launches behind
-//!   [`AttentionBackend`] are not written yet, so [`cuda_backend`] returns a
-//!   clear [`Error::Backend`]; configs with `backend = "cuda"` fail with that
-//!   message instead of silently running on the CPU.
+//! * **On a GPU** (`scripts/gpu-check.sh`, not in CI: no device there): the
+//!   same parity checks with [`cuda::CudaDevice`] (`minikv-kernels-gpucheck`)
+//!   and `minikv bench attention --backend cuda`. The cudarc device code
+//!   ([`cuda`]) is the one part that only a GPU exercises.
+//!
+//! Not implemented by the kernels (clear errors, never a silent CPU
+//! fallback): key-channel pruning (store wrappers), gated extra entries,
+//! quantizers other than min-max, head dimensions above 256. Store methods
+//! that return host data (`scores`, `to_f32`, ...) download first.
+//!
+//! With no CUDA driver, `backend = "cuda"` is a clear error:
 //!
 //! ```
-//! let err = minikv_kernels::cuda_backend().unwrap_err();
-//! assert!(err.to_string().contains("cuda"));
+//! if !minikv_kernels::cuda::driver_available() {
+//!     let err = minikv_kernels::cuda_backend().unwrap_err();
+//!     assert!(err.to_string().contains("CUDA driver"));
+//! }
 //! assert_eq!(minikv_kernels::nvrtc::KERNELS.len(), 7);
 //! ```
 
 #![warn(missing_docs)]
 
+pub mod backend;
+pub mod cuda;
+pub mod device;
 #[cfg(feature = "emulate")]
 pub mod emulated;
 pub mod nvrtc;
+pub mod parity;
+mod store;
 
-use minikv_core::{AttentionBackend, Error, Result};
+pub use backend::{CudaBackend, DeviceStorage};
+pub use device::{Arg, DevBuf, Device, Launch};
+pub use store::{DeviceFpStore, DeviceQuantStore};
+
+use minikv_core::{AttentionBackend, Result};
 use std::sync::Arc;
 
 minikv_core::register_backend!(
     "cuda",
-    "CUDA via cudarc (kernels compiled and emulated; the backend's launches are not wired yet: a clear error)",
+    "CUDA via cudarc: NVRTC-compiled kernels, device-resident stores (device MINIKV_CUDA_DEVICE, default 0)",
     cuda_backend
 );
 
-/// The CUDA backend, when it exists; for now a clear error (the kernels exist
-/// and are checked, see the crate docs; the backend's launches do not).
+/// Makes sure the linker keeps this crate's backend registrations (`cuda`,
+/// and `cuda-emulated` with the `emulate` feature): a binary that selects
+/// backends only by name from configs calls this once.
+#[inline(never)]
+pub fn ensure_registered() {
+    std::hint::black_box(cuda_backend as fn() -> Result<Arc<dyn AttentionBackend>>);
+    #[cfg(feature = "emulate")]
+    emulated::ensure_registered();
+}
+
+/// The CUDA backend on device `MINIKV_CUDA_DEVICE` (default 0); a clear
+/// error without a CUDA driver, a device, or NVRTC.
 pub fn cuda_backend() -> Result<Arc<dyn AttentionBackend>> {
-    Err(Error::Backend {
-        backend: "cuda".into(),
-        reason: "the CUDA backend's device stores and launches are not implemented in this version of minikv (its kernels are compiled and tested under emulation); use backend = \"tiled\" (CPU)".into(),
-    })
+    let ordinal = match std::env::var("MINIKV_CUDA_DEVICE") {
+        Ok(s) => s.trim().parse().map_err(|_| {
+            minikv_core::Error::config("MINIKV_CUDA_DEVICE", format!("{s:?} is not a device index"))
+        })?,
+        Err(_) => 0,
+    };
+    let dev = cuda::CudaDevice::open(ordinal)?;
+    Ok(Arc::new(CudaBackend::new(dev)))
 }

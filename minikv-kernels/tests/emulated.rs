@@ -1,54 +1,19 @@
-//! The CUDA kernels (`cuda/minikv.cu`), run on the CPU under the project's
-//! emulation of CUDA (`cuda/emulate.h`), against the CPU backend and
-//! quantizer: A_cumul and outputs within 1e-4, SnapKV window scores within
-//! 1e-4, quantized codes and scales bit-exact, fused decode within 1e-4 over
-//! ragged heads with quantized, fp16 and extra entries.
+//! The CUDA backend on the CPU emulation of CUDA (`cuda/emulate.h`): the
+//! same kernel source, launch geometry, argument lists and device-resident
+//! stores as on a GPU, checked against the CPU backend and quantizer
+//! (`minikv_kernels::parity`), then whole caches built on the backend from
+//! the repository's presets against the same caches on the CPU.
 
 use half::f16;
-use minikv_core::attention::{
-    AttentionBackend, DecodeArgs, ExtraView, HeadView, PrefillArgs, ReferenceBackend,
-};
-use minikv_core::storage::{Fp16Rows, FpStore};
-use minikv_core::{Axis, QuantStore, Quantizer};
-use minikv_kernels::emulated::{self, MkHead, PrefillShape};
+use minikv_core::{CacheBuilder, KvCache, ModelSpec, RunConfig};
+use minikv_kernels::backend::WindowPooling;
+use minikv_kernels::device::{Arg, Device, Launch};
+use minikv_kernels::emulated::{self, EmuDevice};
+use minikv_kernels::parity::{self, max_rel_err, rand_vec};
+use minikv_kernels::{CudaBackend, DevBuf};
 use minikv_policies::scorers::{Pooling, pool1d};
-use minikv_quant::{MinMax, ScaleDtype, quantize_row};
 use rand::{Rng, SeedableRng, rngs::StdRng};
-
-fn rand_vec(rng: &mut StdRng, n: usize, s: f32) -> Vec<f32> {
-    (0..n).map(|_| rng.random_range(-1.0f32..1.0) * s).collect()
-}
-
-fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-6);
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!((x - y).abs() <= tol * scale, "{what}[{i}]: {x} vs {y}");
-    }
-}
-
-/// The reference backend's prefill (`A_cumul` on).
-fn reference_prefill(s: PrefillShape, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    let mut out = vec![0.0; q.len()];
-    let mut cu = vec![0.0; s.hq * s.t];
-    let keys: Vec<&[f32]> = k.chunks(s.t * s.d).collect();
-    let vals: Vec<&[f32]> = v.chunks(s.t * s.d).collect();
-    ReferenceBackend
-        .prefill(PrefillArgs {
-            n_q_heads: s.hq,
-            head_dim: s.d,
-            q,
-            n: s.n,
-            keys: &keys,
-            values: &vals,
-            t: s.t,
-            out: &mut out,
-            cumulative: Some(&mut cu),
-            window: (s.window > 0).then_some(s.window),
-        })
-        .unwrap();
-    (out, cu)
-}
+use std::sync::Arc;
 
 #[test]
 fn fp16_conversions_are_those_of_half() {
@@ -80,347 +45,292 @@ fn fp16_conversions_are_those_of_half() {
     assert!(emulated::f16_bits_to_f32(emulated::f32_to_f16_bits(f32::NAN)).is_nan());
 }
 
+/// Every parity check of the backend on the emulated device passes.
 #[test]
-fn prefill_and_cumulative_attention_match_the_cpu_backend() {
-    let mut rng = StdRng::seed_from_u64(2);
-    for s in [
-        PrefillShape {
-            hq: 4,
-            hkv: 2,
-            n: 19,
-            t: 19,
-            d: 16,
-            window: 0,
-        },
-        PrefillShape {
-            hq: 2,
-            hkv: 1,
-            n: 9,
-            t: 150,
-            d: 64,
-            window: 0,
-        }, // a chunk after a prefix, > 1 tile
-        PrefillShape {
-            hq: 4,
-            hkv: 1,
-            n: 40,
-            t: 40,
-            d: 8,
-            window: 7,
-        }, // sliding window
-        PrefillShape {
-            hq: 2,
-            hkv: 2,
-            n: 3,
-            t: 140,
-            d: 256,
-            window: 130,
-        },
+fn the_backend_matches_the_cpu_reference_under_emulation() {
+    let r = parity::run_all(EmuDevice::new()).unwrap();
+    for row in &r.rows {
+        assert_eq!(row["ok"], true, "{row}");
+    }
+    // prefill 4, window scores 2, quantization 7, decode 3.
+    assert_eq!(r.rows.len(), 16);
+}
+
+/// The same checks with every block's threads as OS threads (real
+/// concurrency: races that the fibers' fixed order would hide show here).
+#[test]
+fn the_backend_matches_the_cpu_reference_with_os_threads() {
+    let r = parity::run_all(EmuDevice::with_os_threads()).unwrap();
+    for row in &r.rows {
+        assert_eq!(row["ok"], true, "{row}");
+    }
+}
+
+/// A device that skips one kernel: the checks must notice (they are not
+/// vacuous), naming what broke.
+#[derive(Debug)]
+struct Skipping {
+    inner: Arc<EmuDevice>,
+    skip: &'static str,
+}
+
+impl Device for Skipping {
+    fn name(&self) -> String {
+        "skipping".into()
+    }
+    fn alloc(&self, bytes: usize) -> minikv_core::Result<u64> {
+        self.inner.alloc(bytes)
+    }
+    fn free(&self, ptr: u64) {
+        self.inner.free(ptr)
+    }
+    fn upload(&self, dst: u64, src: &[u8]) -> minikv_core::Result<()> {
+        self.inner.upload(dst, src)
+    }
+    fn download(&self, src: u64, dst: &mut [u8]) -> minikv_core::Result<()> {
+        self.inner.download(src, dst)
+    }
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> minikv_core::Result<()> {
+        self.inner.copy(dst, src, bytes)
+    }
+    fn zero(&self, dst: u64, bytes: usize) -> minikv_core::Result<()> {
+        self.inner.zero(dst, bytes)
+    }
+    fn launch(&self, kernel: &'static str, shape: Launch, args: &[Arg]) -> minikv_core::Result<()> {
+        if kernel == self.skip {
+            return Ok(());
+        }
+        self.inner.launch(kernel, shape, args)
+    }
+}
+
+#[test]
+fn the_parity_checks_catch_a_missing_kernel() {
+    for (skip, check) in [
+        ("mk_column_sums", "prefill + A_cumul"),
+        ("mk_pool1d", "window scores"),
+        ("mk_quant_values_token", "quantize and pack"),
+        ("mk_decode_combine", "fused decode"),
     ] {
-        let q = rand_vec(&mut rng, s.hq * s.n * s.d, 2.0);
-        let k = rand_vec(&mut rng, s.hkv * s.t * s.d, 2.0);
-        let v = rand_vec(&mut rng, s.hkv * s.t * s.d, 1.0);
-        let (out, _, cu) = emulated::prefill(s, &q, &k, &v, true);
-        let (ro, rc) = reference_prefill(s, &q, &k, &v);
-        close(&out, &ro, 1e-4, "prefill out");
-        close(&cu.unwrap(), &rc, 1e-4, "A_cumul");
+        let dev = Arc::new(Skipping {
+            inner: EmuDevice::new(),
+            skip,
+        });
+        let r = parity::run_all(dev).unwrap();
+        assert!(
+            r.rows
+                .iter()
+                .any(|row| row["check"] == check && row["ok"] == false),
+            "skipping {skip} went unnoticed"
+        );
     }
 }
 
-/// SnapKV's window scores: the last `w` queries' attention over the prefix,
-/// summed, then pooled; against the reference backend's A_cumul of those
-/// queries alone and `minikv-policies`' pooling.
+/// Device buffers check their bounds, and the emulated device checks every
+/// copy against its live allocations.
 #[test]
-fn snapkv_window_scores_match() {
-    let mut rng = StdRng::seed_from_u64(3);
-    let s = PrefillShape {
-        hq: 4,
-        hkv: 2,
-        n: 60,
-        t: 60,
-        d: 32,
-        window: 0,
-    };
-    let w = 8;
-    let q = rand_vec(&mut rng, s.hq * s.n * s.d, 2.0);
-    let k = rand_vec(&mut rng, s.hkv * s.t * s.d, 2.0);
-    let v = rand_vec(&mut rng, s.hkv * s.t * s.d, 1.0);
-    let (_, lse, _) = emulated::prefill(s, &q, &k, &v, false);
-    // The window's queries alone, as a chunk of w after t - w keys.
-    let qw: Vec<f32> = (0..s.hq)
-        .flat_map(|h| q[(h * s.n + s.n - w) * s.d..(h * s.n + s.n) * s.d].to_vec())
-        .collect();
-    let (_, cu) = reference_prefill(PrefillShape { n: w, ..s }, &qw, &k, &v);
-    for (kernel, max) in [(7, true), (5, false), (1, true)] {
-        let got = emulated::window_scores(s, &q, &k, &lse, w, kernel, max);
-        let pooling = if max { Pooling::Max } else { Pooling::Avg };
-        let want: Vec<f32> = (0..s.hq)
-            .flat_map(|h| pool1d(&cu[h * s.t..h * s.t + s.t - w], kernel, pooling))
-            .collect();
-        close(&got, &want, 1e-4, "window scores");
-    }
+fn device_copies_are_bounds_checked() {
+    let emu = EmuDevice::new();
+    let dev: Arc<dyn Device> = emu.clone();
+    let b = DevBuf::zeroed(&dev, 16).unwrap();
+    assert!(b.write(8, &[1u32, 2]).is_ok());
+    let e = b.write(12, &[1u32, 2]).unwrap_err().to_string();
+    assert!(e.contains("past a 16-byte device buffer"), "{e}");
+    assert!(dev.upload(b.ptr() + 4096, &[0u8; 4]).is_err());
+    assert_eq!(b.to_vec::<u32>(8, 2).unwrap(), [1, 2]);
+    let n = emu.allocated();
+    drop(b);
+    assert_eq!(emu.allocated(), n - 16);
+    let e = dev
+        .launch(
+            "mk_pool1d",
+            Launch {
+                grid: (1, 1, 1),
+                block: (32, 1, 1),
+            },
+            &[Arg::I32(1)],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("do not match its parameter list"), "{e}");
 }
 
-/// Keys per channel and values per token at 2 and 4 bits: codes, word layout
-/// and fp16 scales/minimums bit-exact with the CPU quantizer.
+/// SnapKV window scores on the backend against `minikv-policies`' own
+/// pooling of the reference column sums (an implementation independent of
+/// the parity module's).
 #[test]
-fn quantize_and_pack_is_bit_exact() {
-    let mut rng = StdRng::seed_from_u64(4);
-    for (bits, g, d) in [
-        (2u32, 16usize, 32usize),
-        (4, 32, 64),
-        (2, 32, 16),
-        (4, 8, 8),
-    ] {
-        let p = 32 / bits as usize;
-        let groups = 3;
-        let rows = rand_vec(&mut rng, groups * g * d, 3.0);
-        // Keys: groups of g tokens per channel.
-        let (mut words, mut sc, mut mn) = (Vec::new(), Vec::new(), Vec::new());
-        for gi in 0..groups {
-            emulated::quant_keys(
-                &rows[gi * g * d..(gi + 1) * g * d],
-                g,
-                d,
-                bits,
-                gi * g,
-                &mut words,
-                &mut sc,
-                &mut mn,
-            );
-        }
-        let mut want = vec![0u32; (groups * g).div_ceil(p) * d];
-        for gi in 0..groups {
-            for c in 0..d {
-                let col: Vec<f32> = (0..g).map(|i| rows[(gi * g + i) * d + c]).collect();
-                let r = quantize_row(&col, bits, g, ScaleDtype::F16).unwrap();
-                assert_eq!(
-                    sc[gi * d + c],
-                    f16::from_f32(r.scale[0]).to_bits(),
-                    "key scale g{gi} c{c}"
-                );
-                assert_eq!(
-                    mn[gi * d + c],
-                    f16::from_f32(r.min[0]).to_bits(),
-                    "key min g{gi} c{c}"
-                );
-                for (i, &code) in r.codes.iter().enumerate() {
-                    let t = gi * g + i;
-                    want[(t / p) * d + c] |= (code as u32) << (bits as usize * (t % p));
-                }
-            }
-        }
-        assert_eq!(words, want, "key words, {bits} bits, G {g}, d {d}");
-        // Values: groups of g channels per token.
-        let n = groups * g;
-        let gv = g.min(d);
-        let mut vw = vec![0u32; n * d / p];
-        let mut vs = vec![0u16; d / gv * n];
-        let mut vm = vec![0u16; d / gv * n];
-        emulated::quant_values(&rows, n, d, gv, bits, 0, n, &mut vw, &mut vs, &mut vm);
-        for tkn in 0..n {
-            let r = quantize_row(&rows[tkn * d..(tkn + 1) * d], bits, gv, ScaleDtype::F16).unwrap();
-            let mut w = vec![0u32; d / p];
-            for (c, &code) in r.codes.iter().enumerate() {
-                w[c / p] |= (code as u32) << (bits as usize * (c % p));
-            }
-            assert_eq!(
-                &vw[tkn * d / p..(tkn + 1) * d / p],
-                &w[..],
-                "value words of token {tkn}"
-            );
-            for gi in 0..d / gv {
-                assert_eq!(vs[gi * n + tkn], f16::from_f32(r.scale[gi]).to_bits());
-                assert_eq!(vm[gi * n + tkn], f16::from_f32(r.min[gi]).to_bits());
-            }
-        }
-    }
-}
-
-/// One head's data on both sides.
-struct Head {
-    nqk: usize,
-    nqv: usize,
-    len: usize,
-    rows_k: Vec<f32>,
-    rows_v: Vec<f32>,
-    extra_k: Vec<f32>,
-    extra_v: Vec<f32>,
-    bias: Vec<f32>,
-}
-
-fn f16_bits(x: &[f32]) -> Vec<u16> {
-    x.iter().map(|&v| f16::from_f32(v).to_bits()).collect()
-}
-
-/// Fused decode over ragged heads (different lengths, different quantized /
-/// residual splits for keys and values, extra entries with a logit bias),
-/// split over tokens, against the reference backend over the CPU stores.
-#[test]
-fn fused_decode_matches_the_cpu_backend() {
-    let mut rng = StdRng::seed_from_u64(5);
-    let (hq, d, bits, gk, gv) = (4usize, 32usize, 2u32, 16usize, 16usize);
-    let p = 32 / bits as usize;
-    let spec = [(48usize, 64usize, 70usize, 3usize), (32, 32, 45, 0)]; // (nqk, nqv, len, extras)
-    let heads: Vec<Head> = spec
-        .iter()
-        .map(|&(nqk, nqv, len, ne)| Head {
-            nqk,
-            nqv,
-            len,
-            rows_k: rand_vec(&mut rng, len * d, 2.0),
-            rows_v: rand_vec(&mut rng, len * d, 1.0),
-            extra_k: rand_vec(&mut rng, ne * d, 2.0),
-            extra_v: rand_vec(&mut rng, ne * d, 1.0),
-            bias: rand_vec(&mut rng, ne, 1.0),
-        })
-        .collect();
-    let q = rand_vec(&mut rng, hq * d, 2.0);
-
-    // CPU: MinMax stores (the CPU quantizer), fp16 residuals, extra entries.
-    let kq = MinMax {
-        bits,
-        group: gk,
-        axis: Axis::Channel,
-        scale_dtype: ScaleDtype::F16,
-    };
-    let vq = MinMax {
-        bits,
-        group: gv,
-        axis: Axis::Token,
-        scale_dtype: ScaleDtype::F16,
-    };
-    let mut cpu = Vec::new();
-    for h in &heads {
-        let mut ks = kq.new_store(d, 16).unwrap();
-        ks.append(&h.rows_k[..h.nqk * d]).unwrap();
-        let mut vs = vq.new_store(d, 16).unwrap();
-        vs.append(&h.rows_v[..h.nqv * d]).unwrap();
-        let mut fk = Fp16Rows::new(d, 16);
-        fk.push(&h.rows_k[h.nqk * d..]);
-        let mut fv = Fp16Rows::new(d, 16);
-        fv.push(&h.rows_v[h.nqv * d..]);
-        let mut ek = Fp16Rows::new(d, 16);
-        ek.push(&h.extra_k);
-        let mut ev = Fp16Rows::new(d, 16);
-        ev.push(&h.extra_v);
-        cpu.push((ks, vs, fk, fv, ek, ev));
-    }
-    let views: Vec<HeadView<'_>> = cpu
-        .iter()
-        .zip(&heads)
-        .map(|((ks, vs, fk, fv, ek, ev), h)| HeadView {
-            quant_keys: Some(ks.as_ref() as &dyn QuantStore),
-            quant_values: Some(vs.as_ref() as &dyn QuantStore),
-            fp_keys: fk,
-            fp_values: fv,
-            extra: (!h.bias.is_empty()).then_some(ExtraView {
-                keys: ek,
-                values: ev,
-                bias: &h.bias,
-                gate: None,
-            }),
-        })
-        .collect();
-    let mut want = vec![0.0f32; hq * d];
+fn window_scores_match_the_policies_pooling() {
+    let mut seed = 3u64;
+    let (hq, hkv, t, d, w, kernel) = (4usize, 2usize, 60usize, 32usize, 8usize, 5usize);
+    let be = CudaBackend::new(EmuDevice::new());
+    let qw = rand_vec(&mut seed, hq * w * d, 2.0);
+    let k = rand_vec(&mut seed, hkv * t * d, 2.0);
+    let keys: Vec<&[f32]> = k.chunks(t * d).collect();
+    let mut out = vec![0.0f32; qw.len()];
+    let mut cu = vec![0.0f32; hq * t];
+    use minikv_core::attention::{AttentionBackend, PrefillArgs, ReferenceBackend};
     ReferenceBackend
-        .decode(DecodeArgs {
-            q: &q,
-            heads: &views,
+        .prefill(PrefillArgs {
+            n_q_heads: hq,
             head_dim: d,
-            out: &mut want,
-            probs: None,
+            q: &qw,
+            n: w,
+            keys: &keys,
+            values: &keys,
+            t,
+            out: &mut out,
+            cumulative: Some(&mut cu),
+            window: None,
         })
         .unwrap();
+    for (max, pooling) in [(true, Pooling::Max), (false, Pooling::Avg)] {
+        let got = be
+            .window_scores(&qw, &keys, d, t, w, WindowPooling { kernel, max })
+            .unwrap();
+        let want: Vec<f32> = (0..hq)
+            .flat_map(|h| pool1d(&cu[h * t..h * t + t - w], kernel, pooling))
+            .collect();
+        assert!(max_rel_err(&got, &want) <= 1e-4, "{pooling:?}");
+    }
+}
 
-    // GPU kernels: stores quantized by the emulated kernels.
-    struct Dev {
-        kw: Vec<u32>,
-        ks: Vec<u16>,
-        km: Vec<u16>,
-        vw: Vec<u32>,
-        vs: Vec<u16>,
-        vm: Vec<u16>,
-        fk: Vec<u16>,
-        fv: Vec<u16>,
-        ek: Vec<u16>,
-        ev: Vec<u16>,
+fn spec() -> ModelSpec {
+    ModelSpec {
+        n_layers: 2,
+        n_q_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 32,
+        max_seq_len: 4096,
+        windows: Vec::new(),
     }
-    let devs: Vec<Dev> = heads
-        .iter()
-        .map(|h| {
-            let (mut kw, mut ks, mut km) = (Vec::new(), Vec::new(), Vec::new());
-            for gi in 0..h.nqk / gk {
-                emulated::quant_keys(
-                    &h.rows_k[gi * gk * d..(gi + 1) * gk * d],
-                    gk,
-                    d,
-                    bits,
-                    gi * gk,
-                    &mut kw,
-                    &mut ks,
-                    &mut km,
-                );
-            }
-            let cap = h.nqv;
-            let mut vw = vec![0u32; cap * d / p];
-            let mut vs = vec![0u16; d / gv * cap];
-            let mut vm = vec![0u16; d / gv * cap];
-            emulated::quant_values(
-                &h.rows_v[..h.nqv * d],
-                h.nqv,
-                d,
-                gv,
-                bits,
-                0,
-                cap,
-                &mut vw,
-                &mut vs,
-                &mut vm,
-            );
-            Dev {
-                kw,
-                ks,
-                km,
-                vw,
-                vs,
-                vm,
-                fk: f16_bits(&h.rows_k[h.nqk * d..]),
-                fv: f16_bits(&h.rows_v[h.nqv * d..]),
-                ek: f16_bits(&h.extra_k),
-                ev: f16_bits(&h.extra_v),
-            }
-        })
+}
+
+/// Prefill in two chunks, the end of prefill, then decode steps; returns
+/// every attention output.
+fn drive(c: &mut dyn KvCache, t: usize, steps: usize) -> Vec<f32> {
+    let s = spec();
+    let (hq, hkv, d) = (s.n_q_heads, s.n_kv_heads, s.head_dim);
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut r = |n: usize, sc: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| rng.random_range(-1.0f32..1.0) * sc)
+            .collect()
+    };
+    let mut outs = Vec::new();
+    let (a, b) = (t / 3, t);
+    let data: Vec<_> = (0..s.n_layers)
+        .map(|_| (r(t * hkv * d, 2.0), r(t * hkv * d, 1.0), r(t * hq * d, 2.0)))
         .collect();
-    let mk: Vec<MkHead> = devs
-        .iter()
-        .zip(&heads)
-        .map(|(x, h)| MkHead {
-            kwords: x.kw.as_ptr(),
-            kscale: x.ks.as_ptr(),
-            kmin: x.km.as_ptr(),
-            nqk: h.nqk as i32,
-            kgroup: gk as i32,
-            kbits: bits as i32,
-            vwords: x.vw.as_ptr(),
-            vscale: x.vs.as_ptr(),
-            vmin: x.vm.as_ptr(),
-            nqv: h.nqv as i32,
-            vgroup: gv as i32,
-            vbits: bits as i32,
-            vcap: h.nqv as i32,
-            fk: x.fk.as_ptr(),
-            fv: x.fv.as_ptr(),
-            len: h.len as i32,
-            ek: x.ek.as_ptr(),
-            ev: x.ev.as_ptr(),
-            ebias: h.bias.as_ptr(),
-            n_extra: h.bias.len() as i32,
-        })
-        .collect();
-    for chunk in [7usize, 32, 1000] {
-        // SAFETY: every pointer in `mk` points into `devs` / `heads`, alive here.
-        let got = unsafe { emulated::decode(&q, &mk, hq, d, chunk) };
-        close(&got, &want, 1e-4, &format!("decode, chunks of {chunk}"));
+    for (lo, hi) in [(0, a), (a, b)] {
+        for (l, (k, v, q)) in data.iter().enumerate() {
+            let n = hi - lo;
+            c.append(
+                l,
+                &k[lo * hkv * d..hi * hkv * d],
+                &v[lo * hkv * d..hi * hkv * d],
+                n,
+            )
+            .unwrap();
+            let mut o = vec![0.0f32; n * hq * d];
+            c.attend(l, &q[lo * hq * d..hi * hq * d], n, &mut o)
+                .unwrap();
+            outs.extend(o);
+        }
     }
+    c.end_prefill().unwrap();
+    for _ in 0..steps {
+        for l in 0..s.n_layers {
+            let (k, v, q) = (r(hkv * d, 2.0), r(hkv * d, 1.0), r(hq * d, 2.0));
+            c.append(l, &k, &v, 1).unwrap();
+            let mut o = vec![0.0f32; hq * d];
+            c.attend(l, &q, 1, &mut o).unwrap();
+            outs.extend(o);
+        }
+    }
+    outs
+}
+
+/// Whole caches from the repository's presets, built on the emulated CUDA
+/// backend and on the CPU: every prefill and decode output within 1e-4,
+/// the same tokens held and the same bytes used (device bytes counted).
+#[test]
+fn presets_on_the_emulated_backend_match_the_cpu() {
+    for preset in [
+        "full",
+        "minikv",
+        "minikv-per-token-keys",
+        "kivi-2bit",
+        "h2o",
+        "snapkv-25",
+        "tova",
+    ] {
+        let path = format!("{}/../configs/{preset}.toml", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let cfg = RunConfig::parse(&text, false).unwrap();
+        let mut cpu = CacheBuilder::new(spec()).build(&cfg.cache).unwrap();
+        let mut gpu = CacheBuilder::new(spec())
+            .named_backend("cuda-emulated")
+            .unwrap()
+            .build(&cfg.cache)
+            .unwrap();
+        let (a, b) = (drive(cpu.as_mut(), 96, 24), drive(gpu.as_mut(), 96, 24));
+        let e = max_rel_err(&b, &a);
+        assert!(e <= 1e-4, "{preset}: outputs differ by {e}");
+        let (ma, mb) = (cpu.memory(), gpu.memory());
+        for (la, lb) in ma.layers.iter().zip(&mb.layers) {
+            for (ha, hb) in la.heads.iter().zip(&lb.heads) {
+                assert_eq!(ha.tokens, hb.tokens, "{preset}: tokens held");
+                assert_eq!(ha.used, hb.used, "{preset}: bytes used");
+            }
+        }
+    }
+}
+
+/// What the kernels do not implement is a clear error, not a CPU fallback:
+/// ThinK's key-channel subsets (store wrappers) and ResKV's gated summaries.
+#[test]
+fn unsupported_combinations_are_clear_errors() {
+    for (preset, msg) in [
+        ("think-snapkv", "not a device store"),
+        ("reskv-snapkv", "gated extra entries"),
+    ] {
+        let e = first_decode_error(preset);
+        assert!(e.contains(msg), "{preset}: {e}");
+    }
+}
+
+fn first_decode_error(preset: &str) -> String {
+    let path = format!("{}/../configs/{preset}.toml", env!("CARGO_MANIFEST_DIR"));
+    let cfg = RunConfig::parse(&std::fs::read_to_string(path).unwrap(), false).unwrap();
+    let mut gpu = CacheBuilder::new(spec())
+        .named_backend("cuda-emulated")
+        .unwrap()
+        .build(&cfg.cache)
+        .unwrap();
+    let s = spec();
+    let (hq, hkv, d, t) = (s.n_q_heads, s.n_kv_heads, s.head_dim, 64);
+    let mut seed = 5u64;
+    let mut err = None;
+    for l in 0..s.n_layers {
+        let (k, v, q) = (
+            rand_vec(&mut seed, t * hkv * d, 1.0),
+            rand_vec(&mut seed, t * hkv * d, 1.0),
+            rand_vec(&mut seed, t * hq * d, 1.0),
+        );
+        gpu.append(l, &k, &v, t).unwrap();
+        let mut o = vec![0.0f32; t * hq * d];
+        gpu.attend(l, &q, t, &mut o).unwrap();
+    }
+    gpu.end_prefill().unwrap();
+    let (k, v, q) = (
+        rand_vec(&mut seed, hkv * d, 1.0),
+        rand_vec(&mut seed, hkv * d, 1.0),
+        rand_vec(&mut seed, hq * d, 1.0),
+    );
+    gpu.append(0, &k, &v, 1).unwrap();
+    let mut o = vec![0.0f32; hq * d];
+    if let Err(e) = gpu.attend(0, &q, 1, &mut o) {
+        err = Some(e.to_string());
+    }
+    err.unwrap_or_else(|| panic!("{preset} on the cuda backend must be refused"))
 }

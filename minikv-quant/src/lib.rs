@@ -135,6 +135,14 @@ impl Quantizer for MinMax {
         self.validate(head_dim)?;
         Ok(Box::new(MinMaxStore::new(*self, head_dim, page_tokens)))
     }
+    fn min_max(&self) -> Option<minikv_core::MinMaxSpec> {
+        Some(minikv_core::MinMaxSpec {
+            bits: self.bits,
+            group: self.group,
+            axis: self.axis,
+            f16_scales: self.scale_dtype == ScaleDtype::F16,
+        })
+    }
 }
 
 minikv_core::register!(

@@ -243,7 +243,8 @@ pub fn make_backend(name: &str) -> Result<Arc<dyn AttentionBackend>> {
     (backend_info(name)?.make)()
 }
 
-pub(crate) fn check_prefill(a: &PrefillArgs<'_>) -> Result<(usize, usize)> {
+/// Checks a prefill call's shapes; returns `(Hkv, Hq / Hkv)`. For backends.
+pub fn check_prefill(a: &PrefillArgs<'_>) -> Result<(usize, usize)> {
     let (hq, d, n, t) = (a.n_q_heads, a.head_dim, a.n, a.t);
     let hkv = a.keys.len();
     if hkv == 0 || hq % hkv != 0 || a.values.len() != hkv {
@@ -275,7 +276,9 @@ pub(crate) fn check_prefill(a: &PrefillArgs<'_>) -> Result<(usize, usize)> {
     Ok((hkv, hq / hkv))
 }
 
-pub(crate) fn check_decode(a: &DecodeArgs<'_>) -> Result<usize> {
+/// Checks a decode call's shapes; returns the query heads per storage head.
+/// For backends.
+pub fn check_decode(a: &DecodeArgs<'_>) -> Result<usize> {
     let d = a.head_dim;
     let hs = a.heads.len();
     let hq = a.q.len() / d;

@@ -1,0 +1,546 @@
+//! The CUDA attention backend: prefill (with `A_cumul`) and fused decode
+//! through minikv.cu's kernels on any [`Device`], with device-resident
+//! stores created by its storage factory.
+
+use crate::device::{Arg, DevBuf, DevPtr, Device, Launch};
+use crate::store::{DeviceFpStore, DeviceQuantStore, Staging};
+use minikv_core::attention::{
+    AttentionBackend, DecodeArgs, PrefillArgs, check_decode, check_prefill,
+};
+use minikv_core::storage::{FpStore, StorageFactory};
+use minikv_core::{Axis, Error, QuantStore, Quantizer, Result};
+use std::sync::{Arc, Mutex};
+
+/// Threads per block of the attention kernels (`MK_THREADS`).
+const THREADS: u32 = 128;
+/// Largest head dimension the kernels take (`MK_MAX_D`).
+pub const MAX_HEAD_DIM: usize = 256;
+/// Tokens per split of the fused decode (flash-decoding).
+pub const DECODE_CHUNK: usize = 256;
+
+fn err(reason: impl Into<String>) -> Error {
+    Error::Backend {
+        backend: "cuda".into(),
+        reason: reason.into(),
+    }
+}
+
+fn int(x: usize) -> Result<i32> {
+    i32::try_from(x).map_err(|_| err(format!("{x} does not fit the kernels' int")))
+}
+
+/// `MkQuant` of minikv.cu with device addresses (same C layout; the padding
+/// is explicit so that the struct is plain bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct MkQuant {
+    /// Packed words.
+    pub words: u64,
+    /// Scales (fp16 bits or f32).
+    pub scale: u64,
+    /// Minimums.
+    pub minv: u64,
+    /// Tokens held.
+    pub n: i32,
+    /// Group size.
+    pub group: i32,
+    /// Bits per code.
+    pub bits: i32,
+    /// 0: per channel, 1: per token.
+    pub axis: i32,
+    /// 1: fp16 scales, 0: f32.
+    pub f16: i32,
+    /// Padding (the C struct's trailing 4 bytes).
+    pub pad: i32,
+}
+
+/// `MkHead` of minikv.cu with device addresses.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct MkHead {
+    /// Quantized keys.
+    pub k: MkQuant,
+    /// Quantized values.
+    pub v: MkQuant,
+    /// fp16 residual keys `[len - k.n][d]`.
+    pub fk: u64,
+    /// fp16 residual values `[len - v.n][d]`.
+    pub fv: u64,
+    /// Tokens held.
+    pub len: i32,
+    /// Padding.
+    pub pad0: i32,
+    /// Extra entries' keys `[n_extra][d]`, fp16.
+    pub ek: u64,
+    /// Extra entries' values.
+    pub ev: u64,
+    /// Extra entries' logit bias (f32).
+    pub ebias: u64,
+    /// Extra entries.
+    pub n_extra: i32,
+    /// Padding.
+    pub pad1: i32,
+}
+
+const _: () = assert!(std::mem::size_of::<MkQuant>() == 48);
+const _: () = assert!(std::mem::size_of::<MkHead>() == 152);
+
+/// Creates device-resident stores.
+#[derive(Debug)]
+pub struct DeviceStorage {
+    dev: Arc<dyn Device>,
+    staging: Arc<Staging>,
+}
+
+impl StorageFactory for DeviceStorage {
+    fn fp_store(&self, head_dim: usize, page_tokens: usize) -> Box<dyn FpStore> {
+        Box::new(DeviceFpStore::new(self.dev.clone(), head_dim, page_tokens))
+    }
+    fn quant_store(
+        &self,
+        q: &dyn Quantizer,
+        head_dim: usize,
+        page_tokens: usize,
+    ) -> Result<Box<dyn QuantStore>> {
+        q.validate(head_dim)?;
+        let spec = q.min_max().ok_or_else(|| {
+            err(format!(
+                "the quantizer {q:?} is not the min-max quantizer the CUDA kernels implement"
+            ))
+        })?;
+        Ok(Box::new(DeviceQuantStore::new(
+            self.dev.clone(),
+            self.staging.clone(),
+            spec,
+            head_dim,
+            page_tokens,
+        )?))
+    }
+}
+
+/// Grow-only device buffers reused across calls (one per slot).
+#[derive(Debug, Default)]
+struct Scratch(Vec<Option<DevBuf>>);
+
+impl Scratch {
+    fn get(&mut self, dev: &Arc<dyn Device>, slot: usize, bytes: usize) -> Result<&DevBuf> {
+        if self.0.len() <= slot {
+            self.0.resize_with(slot + 1, || None);
+        }
+        let b = &mut self.0[slot];
+        if b.as_ref().is_none_or(|b| b.len() < bytes) {
+            *b = None;
+            *b = Some(DevBuf::zeroed(dev, bytes.max(4).next_power_of_two())?);
+        }
+        Ok(b.as_ref().expect("allocated"))
+    }
+    /// Uploads `data` into `slot` and returns its address.
+    fn put<T: bytemuck::Pod>(
+        &mut self,
+        dev: &Arc<dyn Device>,
+        slot: usize,
+        data: &[T],
+    ) -> Result<DevPtr> {
+        let b = self.get(dev, slot, std::mem::size_of_val(data))?;
+        b.write(0, data)?;
+        Ok(b.ptr())
+    }
+}
+
+/// SnapKV's pooling of window scores (`same` padding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowPooling {
+    /// Kernel size (odd in SnapKV's configs).
+    pub kernel: usize,
+    /// Max pooling (else average, zero padding counted).
+    pub max: bool,
+}
+
+/// The CUDA backend over a [`Device`]: the real GPU ([`crate::cuda_backend`])
+/// or, with the `emulate` feature, the CPU emulation of the same kernels.
+#[derive(Debug)]
+pub struct CudaBackend {
+    dev: Arc<dyn Device>,
+    storage: DeviceStorage,
+    scratch: Mutex<Scratch>,
+}
+
+impl CudaBackend {
+    /// A backend on `dev`.
+    pub fn new(dev: Arc<dyn Device>) -> Self {
+        Self {
+            storage: DeviceStorage {
+                dev: dev.clone(),
+                staging: Arc::default(),
+            },
+            dev,
+            scratch: Mutex::default(),
+        }
+    }
+    /// The device.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.dev
+    }
+    fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch> {
+        self.scratch.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// SnapKV's window scores on the device: the column sums of the softmax
+    /// of the last `w` queries (`q_window [Hq][w][d]`, positions `t - w ..
+    /// t`) over the first `t - w` keys, pooled with `kernel` (`max`: max
+    /// pooling, else average; `same` padding). Returns `[Hq][t - w]`.
+    pub fn window_scores(
+        &self,
+        q_window: &[f32],
+        keys: &[&[f32]],
+        d: usize,
+        t: usize,
+        w: usize,
+        pool: WindowPooling,
+    ) -> Result<Vec<f32>> {
+        let WindowPooling { kernel, max } = pool;
+        let hkv = keys.len();
+        let hq = q_window.len() / (w * d).max(1);
+        if hkv == 0 || w == 0 || w >= t || hq * w * d != q_window.len() || !hq.is_multiple_of(hkv) {
+            return Err(Error::shape(
+                "window scores (q_window, keys, w, t)",
+                "q [Hq][w][d], Hkv | Hq, 0 < w < t",
+                format!("{} floats, {hkv} heads, w {w}, t {t}", q_window.len()),
+            ));
+        }
+        if d > MAX_HEAD_DIM || kernel == 0 {
+            return Err(Error::shape(
+                "window scores (d, kernel)",
+                "d <= 256, kernel > 0",
+                (d, kernel).0,
+            ));
+        }
+        for k in keys {
+            minikv_core::check_len("window keys", t * d, k.len())?;
+        }
+        let dev = &self.dev;
+        let mut s = self.scratch();
+        let qp = s.put(dev, 0, q_window)?;
+        let kall: Vec<f32> = keys.iter().flat_map(|k| k.iter().copied()).collect();
+        let kp = s.put(dev, 1, &kall)?;
+        // The values are not needed for the scores; pass the keys (same shape).
+        let outp = s.get(dev, 2, hq * w * d * 4)?.ptr();
+        let lsep = s.get(dev, 3, hq * w * 4)?.ptr();
+        let zeros = vec![0.0f32; hq * t];
+        let sp = s.put(dev, 4, &zeros)?;
+        let pp = s.put(dev, 5, &zeros)?;
+        let (wi, ti, di, gi) = (int(w)?, int(t)?, int(d)?, int(hq / hkv)?);
+        let scale = 1.0 / (d as f32).sqrt();
+        dev.launch(
+            "mk_prefill_fwd",
+            Launch {
+                grid: (w as u32, hq as u32, 1),
+                block: (THREADS, 1, 1),
+            },
+            &[
+                Arg::Ptr(qp),
+                Arg::Ptr(kp),
+                Arg::Ptr(kp),
+                Arg::Ptr(outp),
+                Arg::Ptr(lsep),
+                Arg::I32(wi),
+                Arg::I32(ti),
+                Arg::I32(di),
+                Arg::I32(gi),
+                Arg::F32(scale),
+                Arg::I32(0),
+            ],
+        )?;
+        dev.launch(
+            "mk_column_sums",
+            Launch {
+                grid: (t.div_ceil(THREADS as usize) as u32, hq as u32, 1),
+                block: (THREADS, 1, 1),
+            },
+            &[
+                Arg::Ptr(qp),
+                Arg::Ptr(kp),
+                Arg::Ptr(lsep),
+                Arg::Ptr(sp),
+                Arg::I32(wi),
+                Arg::I32(ti),
+                Arg::I32(di),
+                Arg::I32(gi),
+                Arg::F32(scale),
+                Arg::I32(0),
+                Arg::I32(0),
+                Arg::I32(wi),
+            ],
+        )?;
+        let p = t - w;
+        dev.launch(
+            "mk_pool1d",
+            Launch {
+                grid: (p.div_ceil(32) as u32, hq as u32, 1),
+                block: (32, 1, 1),
+            },
+            &[
+                Arg::Ptr(sp),
+                Arg::Ptr(pp),
+                Arg::I32(int(hq)?),
+                Arg::I32(int(p)?),
+                Arg::I32(ti),
+                Arg::I32(int(kernel)?),
+                Arg::I32(if max { 0 } else { 1 }),
+            ],
+        )?;
+        let pooled: Vec<f32> = s.get(dev, 5, 0)?.to_vec(0, hq * t)?;
+        Ok((0..hq)
+            .flat_map(|h| pooled[h * t..h * t + p].iter().copied())
+            .collect())
+    }
+
+    fn quant_view(z: Option<&dyn QuantStore>, what: &str, s: usize) -> Result<MkQuant> {
+        let Some(z) = z else {
+            return Ok(MkQuant {
+                bits: 2,
+                group: 1,
+                ..Default::default()
+            });
+        };
+        let dq = z.as_any().downcast_ref::<DeviceQuantStore>().ok_or_else(|| {
+            err(format!(
+                "decode head {s}: the quantized {what} are not a device store (created outside the cuda backend's storage factory)"
+            ))
+        })?;
+        let sp = dq.spec();
+        let (w, sc, mn) = dq.ptrs();
+        Ok(MkQuant {
+            words: w,
+            scale: sc,
+            minv: mn,
+            n: int(dq.len())?,
+            group: int(sp.group)?,
+            bits: sp.bits as i32,
+            axis: match sp.axis {
+                Axis::Channel => 0,
+                Axis::Token => 1,
+            },
+            f16: i32::from(sp.f16_scales),
+            pad: 0,
+        })
+    }
+
+    fn fp_ptr(f: &dyn FpStore, what: &str, s: usize) -> Result<u64> {
+        f.as_any()
+            .downcast_ref::<DeviceFpStore>()
+            .map(|x| x.ptr())
+            .ok_or_else(|| {
+                let dbg = format!("{f:?}");
+                let ty = dbg.split([' ', '{', '(']).next().unwrap_or("");
+                err(format!(
+                    "decode head {s}: the {what} are a {ty}, not a device store (the cuda backend does not run key-channel pruning or other store wrappers)"
+                ))
+            })
+    }
+}
+
+impl AttentionBackend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn prefill(&self, a: PrefillArgs<'_>) -> Result<()> {
+        let (hkv, group) = check_prefill(&a)?;
+        let (hq, d, n, t) = (a.n_q_heads, a.head_dim, a.n, a.t);
+        if d > MAX_HEAD_DIM {
+            return Err(Error::shape("cuda prefill head dim", "<= 256", d));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let dev = &self.dev;
+        let mut s = self.scratch();
+        let qp = s.put(dev, 0, a.q)?;
+        let mut kv = Vec::with_capacity(hkv * t * d);
+        for k in a.keys {
+            kv.extend_from_slice(k);
+        }
+        let kp = s.put(dev, 1, &kv)?;
+        kv.clear();
+        for v in a.values {
+            kv.extend_from_slice(v);
+        }
+        let vp = s.put(dev, 2, &kv)?;
+        let op = s.get(dev, 3, hq * n * d * 4)?.ptr();
+        let lp = s.get(dev, 4, hq * n * 4)?.ptr();
+        let window = int(a.window.unwrap_or(0))?;
+        let (ni, ti, di, gi) = (int(n)?, int(t)?, int(d)?, int(group)?);
+        let scale = 1.0 / (d as f32).sqrt();
+        dev.launch(
+            "mk_prefill_fwd",
+            Launch {
+                grid: (n as u32, hq as u32, 1),
+                block: (THREADS, 1, 1),
+            },
+            &[
+                Arg::Ptr(qp),
+                Arg::Ptr(kp),
+                Arg::Ptr(vp),
+                Arg::Ptr(op),
+                Arg::Ptr(lp),
+                Arg::I32(ni),
+                Arg::I32(ti),
+                Arg::I32(di),
+                Arg::I32(gi),
+                Arg::F32(scale),
+                Arg::I32(window),
+            ],
+        )?;
+        if let Some(c) = a.cumulative {
+            let cp = s.put(dev, 5, c)?;
+            dev.launch(
+                "mk_column_sums",
+                Launch {
+                    grid: (t.div_ceil(THREADS as usize) as u32, hq as u32, 1),
+                    block: (THREADS, 1, 1),
+                },
+                &[
+                    Arg::Ptr(qp),
+                    Arg::Ptr(kp),
+                    Arg::Ptr(lp),
+                    Arg::Ptr(cp),
+                    Arg::I32(ni),
+                    Arg::I32(ti),
+                    Arg::I32(di),
+                    Arg::I32(gi),
+                    Arg::F32(scale),
+                    Arg::I32(window),
+                    Arg::I32(0),
+                    Arg::I32(ni),
+                ],
+            )?;
+            s.get(dev, 5, 0)?.read(0, c)?;
+        }
+        s.get(dev, 3, 0)?.read(0, a.out)?;
+        Ok(())
+    }
+
+    fn decode(&self, a: DecodeArgs<'_>) -> Result<()> {
+        let group = check_decode(&a)?;
+        let d = a.head_dim;
+        if d > MAX_HEAD_DIM {
+            return Err(Error::shape("cuda decode head dim", "<= 256", d));
+        }
+        let hq = a.q.len() / d;
+        let dev = &self.dev;
+        let mut s = self.scratch();
+        let mut heads = Vec::with_capacity(a.heads.len());
+        let mut biases: Vec<f32> = Vec::new();
+        let mut bias_at = Vec::with_capacity(a.heads.len());
+        for (i, h) in a.heads.iter().enumerate() {
+            let mut mk = MkHead {
+                k: Self::quant_view(h.quant_keys, "keys", i)?,
+                v: Self::quant_view(h.quant_values, "values", i)?,
+                fk: Self::fp_ptr(h.fp_keys, "keys", i)?,
+                fv: Self::fp_ptr(h.fp_values, "values", i)?,
+                len: int(h.len())?,
+                ..Default::default()
+            };
+            bias_at.push(biases.len());
+            if let Some(x) = h.extra {
+                if x.gate.is_some() {
+                    return Err(err(format!(
+                        "decode head {i}: gated extra entries (a logit gate) are not implemented by the cuda kernels"
+                    )));
+                }
+                mk.ek = Self::fp_ptr(x.keys, "extra keys", i)?;
+                mk.ev = Self::fp_ptr(x.values, "extra values", i)?;
+                mk.n_extra = int(x.bias.len())?;
+                biases.extend_from_slice(x.bias);
+            }
+            heads.push(mk);
+        }
+        if !biases.is_empty() {
+            let bp = s.put(dev, 10, &biases)?;
+            for (mk, &at) in heads.iter_mut().zip(&bias_at) {
+                if mk.n_extra > 0 {
+                    mk.ebias = bp + (at * 4) as u64;
+                }
+            }
+        }
+        let longest = a
+            .heads
+            .iter()
+            .map(|h| h.len() + h.n_extra())
+            .max()
+            .unwrap_or(0);
+        let splits = longest.div_ceil(DECODE_CHUNK).max(1);
+        let hp = s.put(dev, 11, &heads)?;
+        let qp = s.put(dev, 12, a.q)?;
+        let pm = s.get(dev, 13, hq * splits * 4)?.ptr();
+        let pl = s.get(dev, 14, hq * splits * 4)?.ptr();
+        let pacc = s.get(dev, 15, hq * splits * d * 4)?.ptr();
+        let op = s.get(dev, 16, hq * d * 4)?.ptr();
+        let nmax = a.heads.iter().map(|h| h.len()).max().unwrap_or(0);
+        let (lg, lse) = if a.probs.is_some() {
+            (
+                s.get(dev, 17, hq * nmax.max(1) * 4)?.ptr(),
+                s.get(dev, 18, hq * 4)?.ptr(),
+            )
+        } else {
+            (0, 0)
+        };
+        let scale = 1.0 / (d as f32).sqrt();
+        dev.launch(
+            "mk_decode_partial",
+            Launch {
+                grid: (splits as u32, hq as u32, 1),
+                block: (THREADS, 1, 1),
+            },
+            &[
+                Arg::Ptr(qp),
+                Arg::Ptr(hp),
+                Arg::I32(int(d)?),
+                Arg::I32(int(group)?),
+                Arg::F32(scale),
+                Arg::I32(int(DECODE_CHUNK)?),
+                Arg::Ptr(pm),
+                Arg::Ptr(pl),
+                Arg::Ptr(pacc),
+                Arg::Ptr(lg),
+                Arg::I32(int(nmax)?),
+            ],
+        )?;
+        dev.launch(
+            "mk_decode_combine",
+            Launch {
+                grid: (hq as u32, 1, 1),
+                block: (THREADS, 1, 1),
+            },
+            &[
+                Arg::Ptr(pm),
+                Arg::Ptr(pl),
+                Arg::Ptr(pacc),
+                Arg::I32(int(splits)?),
+                Arg::I32(int(d)?),
+                Arg::Ptr(op),
+                Arg::Ptr(lse),
+            ],
+        )?;
+        s.get(dev, 16, 0)?.read(0, a.out)?;
+        if let Some(probs) = a.probs {
+            let logits: Vec<f32> = s.get(dev, 17, 0)?.to_vec(0, hq * nmax.max(1))?;
+            let lses: Vec<f32> = s.get(dev, 18, 0)?.to_vec(0, hq)?;
+            for (h, p) in probs.iter_mut().enumerate() {
+                let n = a.heads[h / group].len();
+                p.clear();
+                p.extend(
+                    logits[h * nmax..h * nmax + n]
+                        .iter()
+                        .map(|&x| (x - lses[h]).exp()),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn storage(&self) -> &dyn StorageFactory {
+        &self.storage
+    }
+}

@@ -1,0 +1,422 @@
+//! Parity checks of the CUDA backend on any [`Device`] against minikv's CPU
+//! reference: the same checks run under emulation in every `cargo test`
+//! (`tests/emulated.rs`) and on a GPU (`minikv-kernels-gpucheck`).
+//!
+//! * prefill outputs and `A_cumul` (GQA, sliding windows, `A_cumul` added to
+//!   what is there) against [`ReferenceBackend`] (f64), within 1e-4 of the
+//!   largest value;
+//! * SnapKV window scores (max and average pooling) against the reference
+//!   backend's column sums pooled on the host, within 1e-4;
+//! * quantization: words equal to [`minikv_quant::quantize_row`] packed by
+//!   [`minikv_quant::pack`], scales and minimums equal to its rounded ones,
+//!   dequantized rows bit-equal to the CPU store's, at 2/4/8 bits, both
+//!   axes, fp16 and f32 scales, appended in several calls across pages;
+//! * fused decode over ragged heads (quantized keys and values split
+//!   differently, fp16 residuals, extra entries with a logit bias), with
+//!   decode-time probabilities, against [`TiledBackend`] over CPU stores
+//!   holding the same data, within 1e-4.
+
+use crate::backend::{CudaBackend, WindowPooling};
+use crate::device::Device;
+use minikv_core::attention::{
+    AttentionBackend, DecodeArgs, ExtraView, HeadView, PrefillArgs, ReferenceBackend, TiledBackend,
+};
+use minikv_core::storage::{FpStore, StorageFactory};
+use minikv_core::{Axis, QuantStore, Quantizer, Result};
+use minikv_quant::{MinMax, ScaleDtype, pack, quantize_row};
+use serde_json::{Value, json};
+use std::sync::Arc;
+
+/// Tolerance relative to the largest reference value.
+pub const TOL: f32 = 1e-4;
+
+/// Deterministic values in `[-s, s)` (a 64-bit LCG; no dependency).
+pub fn rand_vec(seed: &mut u64, n: usize, s: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((*seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * s
+        })
+        .collect()
+}
+
+/// Largest `|a - b|` relative to the largest `|b|` (infinite on a length
+/// mismatch or a non-finite value).
+pub fn max_rel_err(a: &[f32], b: &[f32]) -> f32 {
+    if a.len() != b.len() {
+        return f32::INFINITY;
+    }
+    let scale = b.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-6);
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            let e = (x - y).abs() / scale;
+            if e.is_finite() { e } else { f32::INFINITY }
+        })
+        .fold(0.0, f32::max)
+}
+
+/// The outcome of the checks.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// One JSON object per check (`check`, `ok`, measured errors).
+    pub rows: Vec<Value>,
+}
+
+impl Report {
+    /// True when every check passed.
+    pub fn ok(&self) -> bool {
+        self.rows.iter().all(|r| r["ok"] == json!(true))
+    }
+    fn push(&mut self, ok: bool, mut row: Value) {
+        row["ok"] = json!(ok);
+        self.rows.push(row);
+    }
+}
+
+/// Runs every check on `dev`.
+pub fn run_all(dev: Arc<dyn Device>) -> Result<Report> {
+    let be = CudaBackend::new(dev);
+    let mut r = Report::default();
+    let mut seed = 7u64;
+    prefill(&be, &mut seed, &mut r)?;
+    window_scores(&be, &mut seed, &mut r)?;
+    quantization(&be, &mut seed, &mut r)?;
+    decode(&be, &mut seed, &mut r)?;
+    Ok(r)
+}
+
+fn prefill(be: &CudaBackend, seed: &mut u64, r: &mut Report) -> Result<()> {
+    for (hq, hkv, n, t, d, window) in [
+        (4usize, 2usize, 5usize, 9usize, 16usize, 0usize),
+        (6, 2, 40, 170, 64, 0),
+        (4, 1, 33, 33, 256, 7),
+        (2, 2, 130, 300, 32, 64),
+    ] {
+        let q = rand_vec(seed, hq * n * d, 2.0);
+        let k = rand_vec(seed, hkv * t * d, 2.0);
+        let v = rand_vec(seed, hkv * t * d, 1.0);
+        let start = rand_vec(seed, hq * t, 1.0);
+        let keys: Vec<&[f32]> = k.chunks(t * d).collect();
+        let vals: Vec<&[f32]> = v.chunks(t * d).collect();
+        let run = |b: &dyn AttentionBackend| -> Result<(Vec<f32>, Vec<f32>)> {
+            let mut out = vec![0.0f32; q.len()];
+            let mut cu = start.clone();
+            b.prefill(PrefillArgs {
+                n_q_heads: hq,
+                head_dim: d,
+                q: &q,
+                n,
+                keys: &keys,
+                values: &vals,
+                t,
+                out: &mut out,
+                cumulative: Some(&mut cu),
+                window: (window > 0).then_some(window),
+            })?;
+            Ok((out, cu))
+        };
+        let (go, gc) = run(be)?;
+        let (ro, rc) = run(&ReferenceBackend)?;
+        let (eo, ec) = (max_rel_err(&go, &ro), max_rel_err(&gc, &rc));
+        r.push(
+            eo <= TOL && ec <= TOL,
+            json!({"check": "prefill + A_cumul", "hq": hq, "hkv": hkv, "n": n, "t": t, "d": d,
+                   "window": window, "out_err": eo, "cumul_err": ec}),
+        );
+    }
+    Ok(())
+}
+
+/// Pooling with `same` padding (max: -inf padding; average: zeros counted).
+fn pool(x: &[f32], kernel: usize, max: bool) -> Vec<f32> {
+    let rad = kernel / 2;
+    (0..x.len())
+        .map(|j| {
+            let (lo, hi) = (j.saturating_sub(rad), (j + rad).min(x.len() - 1));
+            let w = &x[lo..=hi];
+            if max {
+                w.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+            } else {
+                w.iter().sum::<f32>() / kernel as f32
+            }
+        })
+        .collect()
+}
+
+fn window_scores(be: &CudaBackend, seed: &mut u64, r: &mut Report) -> Result<()> {
+    for (hq, hkv, t, d, w, kernel, max) in [
+        (4usize, 2usize, 100usize, 32usize, 8usize, 5usize, true),
+        (3, 1, 300, 64, 32, 7, false),
+    ] {
+        let qw = rand_vec(seed, hq * w * d, 2.0);
+        let k = rand_vec(seed, hkv * t * d, 2.0);
+        let keys: Vec<&[f32]> = k.chunks(t * d).collect();
+        let got = be.window_scores(&qw, &keys, d, t, w, WindowPooling { kernel, max })?;
+        let mut out = vec![0.0f32; qw.len()];
+        let mut cu = vec![0.0f32; hq * t];
+        ReferenceBackend.prefill(PrefillArgs {
+            n_q_heads: hq,
+            head_dim: d,
+            q: &qw,
+            n: w,
+            keys: &keys,
+            values: &keys,
+            t,
+            out: &mut out,
+            cumulative: Some(&mut cu),
+            window: None,
+        })?;
+        let p = t - w;
+        let want: Vec<f32> = (0..hq)
+            .flat_map(|h| pool(&cu[h * t..h * t + p], kernel, max))
+            .collect();
+        let e = max_rel_err(&got, &want);
+        r.push(
+            e <= TOL,
+            json!({"check": "window scores", "hq": hq, "t": t, "d": d, "w": w, "kernel": kernel,
+                   "pooling": if max { "max" } else { "avg" }, "err": e}),
+        );
+    }
+    Ok(())
+}
+
+fn quantization(be: &CudaBackend, seed: &mut u64, r: &mut Report) -> Result<()> {
+    for (bits, group, axis, dtype, d) in [
+        (2u32, 16usize, Axis::Channel, ScaleDtype::F16, 32usize),
+        (4, 32, Axis::Channel, ScaleDtype::F16, 64),
+        (2, 8, Axis::Channel, ScaleDtype::F32, 16),
+        (8, 16, Axis::Channel, ScaleDtype::F16, 8),
+        (2, 16, Axis::Token, ScaleDtype::F16, 32),
+        (4, 32, Axis::Token, ScaleDtype::F32, 64),
+        (8, 8, Axis::Token, ScaleDtype::F16, 16),
+    ] {
+        let q = MinMax {
+            bits,
+            group,
+            axis,
+            scale_dtype: dtype,
+        };
+        let gran = q.token_granularity();
+        let mut dev = be.storage().quant_store(&q, d, 2 * gran)?;
+        let mut cpu = q.new_store(d, 2 * gran)?;
+        // Appends of 1, 3 and 2 granules cross page boundaries.
+        let mut all = Vec::new();
+        for m in [1usize, 3, 2] {
+            let rows = rand_vec(seed, m * gran * d, 3.0);
+            dev.append(&rows)?;
+            cpu.append(&rows)?;
+            all.extend(rows);
+        }
+        let n = all.len() / d;
+        let dq = dev
+            .as_any()
+            .downcast_ref::<crate::DeviceQuantStore>()
+            .expect("a device store");
+        let words = dq.words()?;
+        let (scales, mins) = dq.scales_and_mins()?;
+        let p = 32 / bits as usize;
+        let (mut want_w, mut want_s, mut want_m) = (Vec::new(), Vec::new(), Vec::new());
+        match axis {
+            Axis::Channel => {
+                want_w = vec![0u32; n.div_ceil(p) * d];
+                want_s = vec![0.0f32; n / group * d];
+                want_m = want_s.clone();
+                for gi in 0..n / group {
+                    for c in 0..d {
+                        let col: Vec<f32> =
+                            (0..group).map(|i| all[(gi * group + i) * d + c]).collect();
+                        let z = quantize_row(&col, bits, group, dtype)?;
+                        want_s[gi * d + c] = dtype.round(z.scale[0]);
+                        want_m[gi * d + c] = dtype.round(z.min[0]);
+                        for (i, &code) in z.codes.iter().enumerate() {
+                            let tk = gi * group + i;
+                            want_w[(tk / p) * d + c] |= (code as u32) << (bits as usize * (tk % p));
+                        }
+                    }
+                }
+            }
+            Axis::Token => {
+                for row in all.chunks(d) {
+                    let z = quantize_row(row, bits, group, dtype)?;
+                    want_w.extend(pack(&z.codes, bits));
+                    want_s.extend(z.scale.iter().map(|&x| dtype.round(x)));
+                    want_m.extend(z.min.iter().map(|&x| dtype.round(x)));
+                }
+            }
+        }
+        let mut a = vec![0.0f32; n * d];
+        let mut b = vec![0.0f32; n * d];
+        dev.dequantize(&mut a);
+        cpu.dequantize(&mut b);
+        let bits_eq = |x: &[f32], y: &[f32]| {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits())
+        };
+        let ok_w = words == want_w;
+        let ok_s = bits_eq(&scales, &want_s) && bits_eq(&mins, &want_m);
+        let ok_d = bits_eq(&a, &b);
+        let used = dev.used_bytes() == cpu.used_bytes();
+        r.push(
+            ok_w && ok_s && ok_d && used,
+            json!({"check": "quantize and pack", "bits": bits, "group": group,
+                   "axis": format!("{axis:?}"), "scales": format!("{dtype:?}"), "d": d, "tokens": n,
+                   "words_equal": ok_w, "scales_equal": ok_s, "dequantized_equal": ok_d,
+                   "used_bytes_equal": used, "device_bytes": dev.bytes().codes + dev.bytes().scales}),
+        );
+    }
+    Ok(())
+}
+
+/// One head's stores built by a storage factory.
+struct Stores {
+    qk: Option<Box<dyn QuantStore>>,
+    qv: Option<Box<dyn QuantStore>>,
+    fk: Box<dyn FpStore>,
+    fv: Box<dyn FpStore>,
+    ek: Box<dyn FpStore>,
+    ev: Box<dyn FpStore>,
+    bias: Vec<f32>,
+}
+
+struct HeadData {
+    nqk: usize,
+    nqv: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    ek: Vec<f32>,
+    ev: Vec<f32>,
+    bias: Vec<f32>,
+}
+
+fn build(
+    st: &dyn StorageFactory,
+    h: &HeadData,
+    kq: &MinMax,
+    vq: &MinMax,
+    d: usize,
+) -> Result<Stores> {
+    let mut s = Stores {
+        qk: None,
+        qv: None,
+        fk: st.fp_store(d, 64),
+        fv: st.fp_store(d, 64),
+        ek: st.fp_store(d, 1),
+        ev: st.fp_store(d, 1),
+        bias: h.bias.clone(),
+    };
+    if h.nqk > 0 {
+        let mut z = st.quant_store(kq, d, 64)?;
+        z.append(&h.k[..h.nqk * d])?;
+        s.qk = Some(z);
+    }
+    if h.nqv > 0 {
+        let mut z = st.quant_store(vq, d, 64)?;
+        z.append(&h.v[..h.nqv * d])?;
+        s.qv = Some(z);
+    }
+    s.fk.push(&h.k[h.nqk * d..]);
+    s.fv.push(&h.v[h.nqv * d..]);
+    s.ek.push(&h.ek);
+    s.ev.push(&h.ev);
+    Ok(s)
+}
+
+fn views(s: &[Stores]) -> Vec<HeadView<'_>> {
+    s.iter()
+        .map(|x| HeadView {
+            quant_keys: x.qk.as_deref(),
+            quant_values: x.qv.as_deref(),
+            fp_keys: x.fk.as_ref(),
+            fp_values: x.fv.as_ref(),
+            extra: (!x.bias.is_empty()).then_some(ExtraView {
+                keys: x.ek.as_ref(),
+                values: x.ev.as_ref(),
+                bias: &x.bias,
+                gate: None,
+            }),
+        })
+        .collect()
+}
+
+fn decode(be: &CudaBackend, seed: &mut u64, r: &mut Report) -> Result<()> {
+    // (head dim, query heads, per head: (len, quantized keys, quantized
+    // values, extra entries), bits, key axis).
+    type Case = (usize, usize, Vec<(usize, usize, usize, usize)>, u32, Axis);
+    let cases: Vec<Case> = vec![
+        (
+            64,
+            6,
+            vec![(300, 288, 299, 3), (40, 32, 40, 0), (700, 640, 690, 5)],
+            2,
+            Axis::Channel,
+        ),
+        (
+            32,
+            4,
+            vec![(17, 0, 0, 0), (530, 512, 500, 2)],
+            4,
+            Axis::Channel,
+        ),
+        (128, 2, vec![(260, 256, 256, 1)], 2, Axis::Token),
+    ];
+    for (d, hq, heads, bits, kaxis) in cases {
+        let kq = MinMax {
+            bits,
+            group: 16,
+            axis: kaxis,
+            scale_dtype: ScaleDtype::F16,
+        };
+        let vq = MinMax {
+            bits,
+            group: 16,
+            axis: Axis::Token,
+            scale_dtype: ScaleDtype::F16,
+        };
+        let data: Vec<HeadData> = heads
+            .iter()
+            .map(|&(len, nqk, nqv, ne)| HeadData {
+                nqk,
+                nqv,
+                k: rand_vec(seed, len * d, 2.0),
+                v: rand_vec(seed, len * d, 1.0),
+                ek: rand_vec(seed, ne * d, 2.0),
+                ev: rand_vec(seed, ne * d, 1.0),
+                bias: rand_vec(seed, ne, 1.0),
+            })
+            .collect();
+        let q = rand_vec(seed, hq * d, 2.0);
+        let run = |b: &dyn AttentionBackend| -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
+            let stores = data
+                .iter()
+                .map(|h| build(b.storage(), h, &kq, &vq, d))
+                .collect::<Result<Vec<_>>>()?;
+            let v = views(&stores);
+            let mut out = vec![0.0f32; hq * d];
+            let mut probs = vec![Vec::new(); hq];
+            b.decode(DecodeArgs {
+                q: &q,
+                heads: &v,
+                head_dim: d,
+                out: &mut out,
+                probs: Some(&mut probs),
+            })?;
+            Ok((out, probs))
+        };
+        let (go, gp) = run(be)?;
+        let (ro, rp) = run(&TiledBackend::default())?;
+        let eo = max_rel_err(&go, &ro);
+        let ep = gp
+            .iter()
+            .zip(&rp)
+            .map(|(a, b)| max_rel_err(a, b))
+            .fold(0.0f32, f32::max);
+        r.push(
+            eo <= TOL && ep <= TOL,
+            json!({"check": "fused decode", "d": d, "hq": hq, "heads": heads.len(), "bits": bits,
+                   "key_axis": format!("{kaxis:?}"), "out_err": eo, "probs_err": ep}),
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,527 @@
+//! Device-resident stores: fp16 rows ([`DeviceFpStore`]) and min-max
+//! quantized codes ([`DeviceQuantStore`], quantized on the device by
+//! `mk_quant_keys_channel` / `mk_quant_values_token`). Both grow in pages
+//! like the CPU stores and report the device bytes they hold.
+//!
+//! Decode attention reads them in place (the backend's fused kernel). The
+//! trait methods that return host data (`scores`, `accumulate`, `to_f32`,
+//! `dequantize`, used by policies that score on the host) download the
+//! rows first: correct, and a transfer per call.
+
+use crate::device::{Arg, DevBuf, Device, Launch};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use minikv_core::storage::FpStore;
+use minikv_core::{Axis, Error, MinMaxSpec, QuantBytes, QuantStore, Result};
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+
+fn dev_err(reason: impl Into<String>) -> Error {
+    Error::Backend {
+        backend: "cuda".into(),
+        reason: reason.into(),
+    }
+}
+
+/// A store method that cannot return an error met a device error: the
+/// device is lost or out of memory, and continuing would give wrong output.
+#[track_caller]
+fn fatal(e: Error) -> ! {
+    panic!("cuda backend: {e}")
+}
+
+/// `out[j * stride + t] = q_j . x_t` over host rows `[n][d]`.
+fn host_scores(x: &[f32], d: usize, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
+    for (t, r) in x.chunks_exact(d).enumerate() {
+        for j in 0..g {
+            out[j * stride + t] = q[j * d..(j + 1) * d]
+                .iter()
+                .zip(r)
+                .map(|(a, b)| a * b)
+                .sum();
+        }
+    }
+}
+
+/// `out[j][c] += sum_t p[j * stride + t] * x_t[c]` over host rows.
+fn host_accumulate(x: &[f32], d: usize, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
+    for (t, r) in x.chunks_exact(d).enumerate() {
+        for j in 0..g {
+            let w = p[j * stride + t];
+            for (o, v) in out[j * d..(j + 1) * d].iter_mut().zip(r) {
+                *o += w * v;
+            }
+        }
+    }
+}
+
+/// fp16 rows `[len][d]` on the device, grown in pages of `page` rows.
+#[derive(Debug)]
+pub struct DeviceFpStore {
+    dev: Arc<dyn Device>,
+    d: usize,
+    page: usize,
+    len: usize,
+    buf: Option<DevBuf>,
+}
+
+impl DeviceFpStore {
+    /// An empty store for head dimension `d`.
+    pub fn new(dev: Arc<dyn Device>, d: usize, page: usize) -> Self {
+        Self {
+            dev,
+            d,
+            page: page.max(1),
+            len: 0,
+            buf: None,
+        }
+    }
+    fn row_bytes(&self) -> usize {
+        2 * self.d
+    }
+    fn capacity(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.len() / self.row_bytes())
+    }
+    /// The device address of row 0 (0 when nothing is allocated).
+    pub fn ptr(&self) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.ptr())
+    }
+    fn realloc(&mut self, rows: usize) -> Result<()> {
+        let nb = if rows == 0 {
+            None
+        } else {
+            let nb = DevBuf::zeroed(&self.dev, rows * self.row_bytes())?;
+            if let Some(old) = &self.buf {
+                nb.copy_from(0, old, 0, self.len * self.row_bytes())?;
+            }
+            Some(nb)
+        };
+        self.buf = nb;
+        Ok(())
+    }
+    fn ensure(&mut self, extra: usize) -> Result<()> {
+        let need = self.len + extra;
+        if need > self.capacity() {
+            self.realloc(need.div_ceil(self.page) * self.page)?;
+        }
+        Ok(())
+    }
+    fn try_push(&mut self, rows: &[f32]) -> Result<()> {
+        let n = rows.len() / self.d;
+        if n == 0 {
+            return Ok(());
+        }
+        self.ensure(n)?;
+        let mut h = vec![f16::ZERO; n * self.d];
+        h.convert_from_f32_slice(&rows[..n * self.d]);
+        let off = self.len * self.row_bytes();
+        self.buf.as_ref().expect("allocated").write(off, &h)?;
+        self.len += n;
+        Ok(())
+    }
+    fn read_rows(&self, r0: usize, n: usize, out: &mut [f32]) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let h: Vec<f16> = self
+            .buf
+            .as_ref()
+            .expect("rows held")
+            .to_vec(r0 * self.row_bytes(), n * self.d)?;
+        h.convert_to_f32_slice(&mut out[..n * self.d]);
+        Ok(())
+    }
+    fn all_f32(&self) -> Vec<f32> {
+        let mut v = vec![0.0; self.len * self.d];
+        self.read_rows(0, self.len, &mut v)
+            .unwrap_or_else(|e| fatal(e));
+        v
+    }
+    fn try_drain_front(&mut self, n: usize, out: &mut Vec<f32>) -> Result<()> {
+        let n = n.min(self.len);
+        if n == 0 {
+            return Ok(());
+        }
+        let at = out.len();
+        out.resize(at + n * self.d, 0.0);
+        self.read_rows(0, n, &mut out[at..])?;
+        let rest = self.len - n;
+        let cap = self.capacity();
+        let old = self.buf.take().expect("rows held");
+        let nb = DevBuf::zeroed(&self.dev, cap * self.row_bytes())?;
+        nb.copy_from(0, &old, n * self.row_bytes(), rest * self.row_bytes())?;
+        self.buf = Some(nb);
+        self.len = rest;
+        Ok(())
+    }
+}
+
+impl FpStore for DeviceFpStore {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn dim(&self) -> usize {
+        self.d
+    }
+    fn push(&mut self, rows: &[f32]) {
+        self.try_push(rows).unwrap_or_else(|e| fatal(e));
+    }
+    fn replace(&mut self, idx: usize, row: &[f32]) {
+        assert!(idx < self.len, "replace: row {idx} of {}", self.len);
+        let mut h = vec![f16::ZERO; self.d];
+        h.convert_from_f32_slice(&row[..self.d]);
+        let off = idx * self.row_bytes();
+        self.buf
+            .as_ref()
+            .expect("rows held")
+            .write(off, &h)
+            .unwrap_or_else(|e| fatal(e));
+    }
+    fn swap_remove(&mut self, idx: usize) {
+        assert!(idx < self.len, "swap_remove: row {idx} of {}", self.len);
+        let last = self.len - 1;
+        if idx != last {
+            let b = self.buf.as_ref().expect("rows held");
+            let rb = self.row_bytes();
+            b.copy_from(idx * rb, b, last * rb, rb)
+                .unwrap_or_else(|e| fatal(e));
+        }
+        self.len = last;
+    }
+    fn drain_front(&mut self, n: usize, out: &mut Vec<f32>) {
+        self.try_drain_front(n, out).unwrap_or_else(|e| fatal(e));
+    }
+    fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
+        host_scores(&self.all_f32(), self.d, q, g, out, stride);
+    }
+    fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
+        host_accumulate(&self.all_f32(), self.d, p, g, stride, out);
+    }
+    fn to_f32(&self, out: &mut [f32]) {
+        self.read_rows(0, self.len, out)
+            .unwrap_or_else(|e| fatal(e));
+    }
+    fn bytes(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.len())
+    }
+    fn used_bytes(&self) -> usize {
+        self.len * self.row_bytes()
+    }
+    fn reserve_exact(&mut self, rows: usize) {
+        if self.len + rows > self.capacity() {
+            self.realloc(self.len + rows).unwrap_or_else(|e| fatal(e));
+        }
+    }
+    fn shrink(&mut self) {
+        if self.capacity() > self.len {
+            self.realloc(self.len).unwrap_or_else(|e| fatal(e));
+        }
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Host staging for the rows a quantize kernel reads, shared by the stores
+/// of one backend (grown, never shrunk; working memory, not cache memory).
+#[derive(Debug, Default)]
+pub(crate) struct Staging(Mutex<Option<DevBuf>>);
+
+impl Staging {
+    /// Uploads `rows` and runs `f` with their device address.
+    pub(crate) fn with_rows<R>(
+        &self,
+        dev: &Arc<dyn Device>,
+        rows: &[f32],
+        f: impl FnOnce(u64) -> Result<R>,
+    ) -> Result<R> {
+        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let need = std::mem::size_of_val(rows).max(4);
+        if g.as_ref().is_none_or(|b| b.len() < need) {
+            *g = Some(DevBuf::zeroed(dev, need.next_power_of_two())?);
+        }
+        let b = g.as_ref().expect("allocated");
+        b.write(0, rows)?;
+        f(b.ptr())
+    }
+}
+
+/// One head's min-max quantized keys or values on the device, in the
+/// kernels' layouts (`cuda/minikv.cu`): per channel, word `(j / P) * d + c`
+/// and scales `[j / G][d]`; per token, `d / P` words per token and scales
+/// `[j][d / G]`. The words are the CPU store's, bit for bit.
+#[derive(Debug)]
+pub struct DeviceQuantStore {
+    dev: Arc<dyn Device>,
+    staging: Arc<Staging>,
+    spec: MinMaxSpec,
+    d: usize,
+    page: usize,
+    len: usize,
+    cap: usize,
+    words: Option<DevBuf>,
+    scales: Option<DevBuf>,
+    mins: Option<DevBuf>,
+}
+
+impl DeviceQuantStore {
+    pub(crate) fn new(
+        dev: Arc<dyn Device>,
+        staging: Arc<Staging>,
+        spec: MinMaxSpec,
+        d: usize,
+        page: usize,
+    ) -> Result<Self> {
+        if !matches!(spec.bits, 2 | 4 | 8) {
+            return Err(dev_err(format!(
+                "{}-bit codes are not supported (2, 4 or 8)",
+                spec.bits
+            )));
+        }
+        if spec.axis == Axis::Token
+            && (!d.is_multiple_of(spec.group) || !d.is_multiple_of(32 / spec.bits as usize))
+        {
+            return Err(Error::config(
+                "group",
+                format!(
+                    "per-token groups of {} at {} bits do not tile head dim {d}",
+                    spec.group, spec.bits
+                ),
+            ));
+        }
+        // Whole groups per page keep every page boundary on a group boundary.
+        let gran = match spec.axis {
+            Axis::Channel => spec.group,
+            Axis::Token => 1,
+        };
+        Ok(Self {
+            dev,
+            staging,
+            spec,
+            d,
+            page: page.max(1).div_ceil(gran) * gran,
+            len: 0,
+            cap: 0,
+            words: None,
+            scales: None,
+            mins: None,
+        })
+    }
+    /// The quantizer's parameters.
+    pub fn spec(&self) -> MinMaxSpec {
+        self.spec
+    }
+    fn per_word(&self) -> usize {
+        32 / self.spec.bits as usize
+    }
+    fn scale_bytes(&self) -> usize {
+        if self.spec.f16_scales { 2 } else { 4 }
+    }
+    /// (words, scale entries) for `n` tokens.
+    fn sizes(&self, n: usize) -> (usize, usize) {
+        let (p, g, d) = (self.per_word(), self.spec.group, self.d);
+        match self.spec.axis {
+            Axis::Channel => (n.div_ceil(p) * d, n.div_ceil(g) * d),
+            Axis::Token => (n * d / p, n * (d / g)),
+        }
+    }
+    /// Device addresses of the words, scales and minimums (0 when empty).
+    pub fn ptrs(&self) -> (u64, u64, u64) {
+        let p = |b: &Option<DevBuf>| b.as_ref().map_or(0, |b| b.ptr());
+        (p(&self.words), p(&self.scales), p(&self.mins))
+    }
+    fn realloc(&mut self, cap: usize) -> Result<()> {
+        let (w_used, s_used) = self.sizes(self.len);
+        let (w_cap, s_cap) = self.sizes(cap);
+        let sb = self.scale_bytes();
+        let grow = |old: &Option<DevBuf>, bytes: usize, used: usize| -> Result<Option<DevBuf>> {
+            if bytes == 0 {
+                return Ok(None);
+            }
+            let nb = DevBuf::zeroed(&self.dev, bytes)?;
+            if let Some(o) = old {
+                nb.copy_from(0, o, 0, used)?;
+            }
+            Ok(Some(nb))
+        };
+        let words = grow(&self.words, w_cap * 4, w_used * 4)?;
+        let scales = grow(&self.scales, s_cap * sb, s_used * sb)?;
+        let mins = grow(&self.mins, s_cap * sb, s_used * sb)?;
+        (self.words, self.scales, self.mins, self.cap) = (words, scales, mins, cap);
+        Ok(())
+    }
+    /// The packed words of the tokens held (layout in the type's docs).
+    pub fn words(&self) -> Result<Vec<u32>> {
+        let (w, _) = self.sizes(self.len);
+        match &self.words {
+            Some(b) => b.to_vec(0, w),
+            None => Ok(Vec::new()),
+        }
+    }
+    /// Scales and minimums of the tokens held, as f32.
+    pub fn scales_and_mins(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (_, s) = self.sizes(self.len);
+        let read = |b: &Option<DevBuf>| -> Result<Vec<f32>> {
+            let Some(b) = b else { return Ok(Vec::new()) };
+            Ok(if self.spec.f16_scales {
+                b.to_vec::<f16>(0, s)?.iter().map(|x| x.to_f32()).collect()
+            } else {
+                b.to_vec::<f32>(0, s)?
+            })
+        };
+        Ok((read(&self.scales)?, read(&self.mins)?))
+    }
+    /// Dequantized rows `[len][d]`, computed on the host from the device's
+    /// codes (the kernels' formula: `code * scale + min`).
+    fn try_dequantize(&self, out: &mut [f32]) -> Result<()> {
+        let words = self.words()?;
+        let (sc, mn) = self.scales_and_mins()?;
+        let (p, g, d, bits) = (
+            self.per_word(),
+            self.spec.group,
+            self.d,
+            self.spec.bits as usize,
+        );
+        let mask = (1u32 << bits) - 1;
+        for j in 0..self.len {
+            for c in 0..d {
+                let (code, s) = match self.spec.axis {
+                    Axis::Channel => (
+                        (words[(j / p) * d + c] >> (bits * (j % p))) & mask,
+                        (j / g) * d + c,
+                    ),
+                    Axis::Token => (
+                        (words[j * (d / p) + c / p] >> (bits * (c % p))) & mask,
+                        j * (d / g) + c / g,
+                    ),
+                };
+                out[j * d + c] = code as f32 * sc[s] + mn[s];
+            }
+        }
+        Ok(())
+    }
+    fn all_f32(&self) -> Vec<f32> {
+        let mut v = vec![0.0; self.len * self.d];
+        self.try_dequantize(&mut v).unwrap_or_else(|e| fatal(e));
+        v
+    }
+}
+
+impl QuantStore for DeviceQuantStore {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn head_dim(&self) -> usize {
+        self.d
+    }
+    fn append(&mut self, rows: &[f32]) -> Result<()> {
+        let d = self.d;
+        if !rows.len().is_multiple_of(d) {
+            return Err(Error::shape(
+                "quantized append: rows",
+                "a multiple of d",
+                rows.len(),
+            ));
+        }
+        let n = rows.len() / d;
+        let g = self.spec.group;
+        if self.spec.axis == Axis::Channel && !n.is_multiple_of(g) {
+            return Err(Error::shape(
+                "per-channel quantized append: tokens",
+                format!("a multiple of the group {g}"),
+                n,
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        if let Some(i) = rows.iter().position(|x| !x.is_finite()) {
+            return Err(Error::Input(format!(
+                "quantized append: non-finite value at index {i}"
+            )));
+        }
+        if self.len + n > self.cap {
+            self.realloc((self.len + n).div_ceil(self.page) * self.page)?;
+        }
+        let (w, s, m) = self.ptrs();
+        let (bits, f16) = (self.spec.bits as i32, i32::from(self.spec.f16_scales));
+        let int = |x: usize| i32::try_from(x).map_err(|_| dev_err("shape past i32"));
+        let (len, dev) = (self.len, self.dev.clone());
+        self.staging.with_rows(&dev, rows, |rp| {
+            match self.spec.axis {
+                Axis::Channel => {
+                    for gi in 0..n / g {
+                        dev.launch(
+                            "mk_quant_keys_channel",
+                            Launch {
+                                grid: (d.div_ceil(32) as u32, 1, 1),
+                                block: (32, 1, 1),
+                            },
+                            &[
+                                Arg::Ptr(rp + (gi * g * d * 4) as u64),
+                                Arg::I32(int(g)?),
+                                Arg::I32(int(d)?),
+                                Arg::I32(bits),
+                                Arg::I32(int(len + gi * g)?),
+                                Arg::Ptr(w),
+                                Arg::Ptr(s),
+                                Arg::Ptr(m),
+                                Arg::I32(f16),
+                            ],
+                        )?;
+                    }
+                }
+                Axis::Token => dev.launch(
+                    "mk_quant_values_token",
+                    Launch {
+                        grid: (n.div_ceil(32) as u32, 1, 1),
+                        block: (32, 1, 1),
+                    },
+                    &[
+                        Arg::Ptr(rp),
+                        Arg::I32(int(n)?),
+                        Arg::I32(int(d)?),
+                        Arg::I32(int(g)?),
+                        Arg::I32(bits),
+                        Arg::I32(int(len)?),
+                        Arg::Ptr(w),
+                        Arg::Ptr(s),
+                        Arg::Ptr(m),
+                        Arg::I32(f16),
+                    ],
+                )?,
+            }
+            Ok(())
+        })?;
+        self.len += n;
+        Ok(())
+    }
+    fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
+        host_scores(&self.all_f32(), self.d, q, g, out, stride);
+    }
+    fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
+        host_accumulate(&self.all_f32(), self.d, p, g, stride, out);
+    }
+    fn dequantize(&self, out: &mut [f32]) {
+        self.try_dequantize(out).unwrap_or_else(|e| fatal(e));
+    }
+    fn bytes(&self) -> QuantBytes {
+        let b = |x: &Option<DevBuf>| x.as_ref().map_or(0, |b| b.len());
+        QuantBytes {
+            codes: b(&self.words),
+            scales: b(&self.scales) + b(&self.mins),
+        }
+    }
+    fn used_bytes(&self) -> usize {
+        let (w, s) = self.sizes(self.len);
+        w * 4 + 2 * s * self.scale_bytes()
+    }
+    fn shrink(&mut self) {
+        if self.cap > self.len {
+            self.realloc(self.len).unwrap_or_else(|e| fatal(e));
+        }
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
