@@ -51,6 +51,13 @@ pub mod compensate;
 pub mod components;
 pub mod config;
 mod error;
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+mod f16x86;
 pub mod hybrid;
 pub mod layered;
 pub mod probe;

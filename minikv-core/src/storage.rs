@@ -197,6 +197,16 @@ impl FpStore for Fp16Rows {
     fn scores_rows(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize, rows: Range<usize>) {
         let d = self.d;
         let (lo, hi) = (rows.start, rows.end);
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma",
+            target_feature = "f16c"
+        ))]
+        if d.is_multiple_of(8) {
+            crate::f16x86::scores(&self.data[lo * d..hi * d], d, q, g, out, stride);
+            return;
+        }
         if d > 256 {
             let mut row = vec![0.0f32; d];
             for t in lo..hi {
@@ -242,6 +252,16 @@ impl FpStore for Fp16Rows {
     ) {
         let d = self.d;
         let lo = rows.start;
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma",
+            target_feature = "f16c"
+        ))]
+        if d.is_multiple_of(8) {
+            crate::f16x86::accumulate(&self.data[lo * d..rows.end * d], d, p, g, stride, out);
+            return;
+        }
         if d > 256 {
             let mut row = vec![0.0f32; d];
             for t in rows {
