@@ -158,6 +158,8 @@ inline float __logf(float x) { return std::log(x); }
 
 namespace emu {
 inline constexpr std::size_t kStack = 128 * 1024;
+// Fiber stacks, shared by every launch (launches are serialized).
+inline std::vector<std::unique_ptr<char[]>> stacks;
 
 inline void trampoline() {
   body();
@@ -177,7 +179,6 @@ void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
   if (n == 0 || n % 32 != 0) throw std::runtime_error("emulated blocks hold whole warps");
   grid_dim = grid;
   block_dim = blk;
-  static std::vector<std::unique_ptr<char[]>> stacks;
   if (mode == 0) {
     while (stacks.size() < n) stacks.emplace_back(new char[kStack]);
     fibers.assign(n, Fiber{});
