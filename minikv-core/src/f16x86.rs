@@ -145,32 +145,71 @@ unsafe fn accumulate_g<const G: usize>(
     stride: usize,
     out: &mut [f32],
 ) {
-    // Blocks of rows small enough to stay in L1 across the channel chunks;
-    // within a block, each output chunk stays in a register over the rows.
-    const BLOCK: usize = 32;
+    // Up to 12 accumulators: G heads x NC chunks of 8 channels, so that
+    // enough independent FMA chains hide the FMA latency.
+    let mut c = 0;
+    if G <= 3 {
+        while c + 32 <= d {
+            // SAFETY: channels c..c + 32 <= d (loop bound), as below.
+            unsafe { accumulate_chunks::<G, 4>(rows, d, m, w, stride, out, c) };
+            c += 32;
+        }
+    }
+    while c + 16 <= d {
+        unsafe { accumulate_chunks::<G, 2>(rows, d, m, w, stride, out, c) };
+        c += 16;
+    }
+    while c < d {
+        unsafe { accumulate_chunks::<G, 1>(rows, d, m, w, stride, out, c) };
+        c += 8;
+    }
+}
+
+/// Channels `c .. c + 8 NC` of the weighted sum: each output chunk in a
+/// register over blocks of rows small enough to stay in L1; every element
+/// still receives its rows in order, one fused multiply-add each.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn accumulate_chunks<const G: usize, const NC: usize>(
+    rows: &[f16],
+    d: usize,
+    m: usize,
+    w: &[f32],
+    stride: usize,
+    out: &mut [f32],
+    c: usize,
+) {
+    debug_assert!(c + 8 * NC <= d && w.len() >= (G - 1) * stride + m);
+    const BLOCK: usize = 64;
     let mut r0 = 0;
     while r0 < m {
         let r1 = (r0 + BLOCK).min(m);
-        let mut c = 0;
-        while c < d {
-            let mut y = [_mm256_setzero_ps(); G];
-            for (j, y) in y.iter_mut().enumerate() {
-                // SAFETY: output row j, channels c..c + 8 <= d.
-                *y = unsafe { _mm256_loadu_ps(out.as_ptr().add(j * d + c)) };
+        let mut y = [[_mm256_setzero_ps(); NC]; G];
+        for (j, y) in y.iter_mut().enumerate() {
+            for (u, y) in y.iter_mut().enumerate() {
+                // SAFETY: output row j < G, channels c + 8u + 8 <= d.
+                *y = unsafe { _mm256_loadu_ps(out.as_ptr().add(j * d + c + 8 * u)) };
             }
-            for r in r0..r1 {
-                // SAFETY: row r < m.
-                let x = unsafe { load_row(rows, r * d + c) };
-                for (j, y) in y.iter_mut().enumerate() {
-                    let p = _mm256_set1_ps(w[j * stride + r]);
-                    *y = _mm256_fmadd_ps(p, x, *y);
+        }
+        for r in r0..r1 {
+            let mut x = [_mm256_setzero_ps(); NC];
+            for (u, x) in x.iter_mut().enumerate() {
+                // SAFETY: row r < m, channels in bounds.
+                *x = unsafe { load_row(rows, r * d + c + 8 * u) };
+            }
+            for (j, y) in y.iter_mut().enumerate() {
+                // SAFETY: j * stride + r < w.len() (asserted shape).
+                let p = _mm256_set1_ps(unsafe { *w.get_unchecked(j * stride + r) });
+                for (y, x) in y.iter_mut().zip(&x) {
+                    *y = _mm256_fmadd_ps(p, *x, *y);
                 }
             }
-            for (j, y) in y.iter().enumerate() {
+        }
+        for (j, y) in y.iter().enumerate() {
+            for (u, y) in y.iter().enumerate() {
                 // SAFETY: as the loads above.
-                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(j * d + c), *y) };
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(j * d + c + 8 * u), *y) };
             }
-            c += 8;
         }
         r0 = r1;
     }
