@@ -2,7 +2,7 @@
 //! through minikv.cu's kernels on any [`Device`], with device-resident
 //! stores created by its storage factory.
 
-use crate::device::{Arg, DevBuf, DevPtr, Device, Launch};
+use crate::device::{Arg, DevPtr, Device, Launch, Scratch, err, int};
 use crate::store::{DeviceFpStore, DeviceQuantStore, Staging};
 use minikv_core::attention::{
     AttentionBackend, DecodeArgs, PrefillArgs, check_decode, check_prefill,
@@ -17,17 +17,6 @@ const THREADS: u32 = 128;
 pub const MAX_HEAD_DIM: usize = 256;
 /// Tokens per split of the fused decode (flash-decoding).
 pub const DECODE_CHUNK: usize = 256;
-
-fn err(reason: impl Into<String>) -> Error {
-    Error::Backend {
-        backend: "cuda".into(),
-        reason: reason.into(),
-    }
-}
-
-fn int(x: usize) -> Result<i32> {
-    i32::try_from(x).map_err(|_| err(format!("{x} does not fit the kernels' int")))
-}
 
 /// `MkQuant` of minikv.cu with device addresses (same C layout; the padding
 /// is explicit so that the struct is plain bytes).
@@ -118,32 +107,74 @@ impl StorageFactory for DeviceStorage {
     }
 }
 
-/// Grow-only device buffers reused across calls (one per slot).
-#[derive(Debug, Default)]
-struct Scratch(Vec<Option<DevBuf>>);
+/// One prefill-shaped attention on the device: `hq` query heads of `n`
+/// rows `q [Hq][n][d]` at the last `n` of `t` positions, keys `[Hkv][t][d]`.
+struct Rows {
+    q: DevPtr,
+    k: DevPtr,
+    hq: usize,
+    n: i32,
+    t: i32,
+    d: i32,
+    group: i32,
+    scale: f32,
+    window: i32,
+}
 
-impl Scratch {
-    fn get(&mut self, dev: &Arc<dyn Device>, slot: usize, bytes: usize) -> Result<&DevBuf> {
-        if self.0.len() <= slot {
-            self.0.resize_with(slot + 1, || None);
-        }
-        let b = &mut self.0[slot];
-        if b.as_ref().is_none_or(|b| b.len() < bytes) {
-            *b = None;
-            *b = Some(DevBuf::zeroed(dev, bytes.max(4).next_power_of_two())?);
-        }
-        Ok(b.as_ref().expect("allocated"))
+impl Rows {
+    /// `mk_prefill_fwd`: outputs and each row's log-sum-exp.
+    fn forward(&self, dev: &Arc<dyn Device>, v: DevPtr, out: DevPtr, lse: DevPtr) -> Result<()> {
+        dev.launch(
+            "mk_prefill_fwd",
+            Launch {
+                grid: (self.n as u32, self.hq as u32, 1),
+                block: (THREADS, 1, 1),
+            },
+            &[
+                Arg::Ptr(self.q),
+                Arg::Ptr(self.k),
+                Arg::Ptr(v),
+                Arg::Ptr(out),
+                Arg::Ptr(lse),
+                Arg::I32(self.n),
+                Arg::I32(self.t),
+                Arg::I32(self.d),
+                Arg::I32(self.group),
+                Arg::F32(self.scale),
+                Arg::I32(self.window),
+            ],
+        )
     }
-    /// Uploads `data` into `slot` and returns its address.
-    fn put<T: bytemuck::Pod>(
-        &mut self,
+    /// `mk_column_sums` of rows `i_begin..i_end`, added into `cumul [Hq][t]`.
+    fn column_sums(
+        &self,
         dev: &Arc<dyn Device>,
-        slot: usize,
-        data: &[T],
-    ) -> Result<DevPtr> {
-        let b = self.get(dev, slot, std::mem::size_of_val(data))?;
-        b.write(0, data)?;
-        Ok(b.ptr())
+        lse: DevPtr,
+        cumul: DevPtr,
+        i_begin: i32,
+        i_end: i32,
+    ) -> Result<()> {
+        dev.launch(
+            "mk_column_sums",
+            Launch {
+                grid: ((self.t as u32).div_ceil(THREADS), self.hq as u32, 1),
+                block: (THREADS, 1, 1),
+            },
+            &[
+                Arg::Ptr(self.q),
+                Arg::Ptr(self.k),
+                Arg::Ptr(lse),
+                Arg::Ptr(cumul),
+                Arg::I32(self.n),
+                Arg::I32(self.t),
+                Arg::I32(self.d),
+                Arg::I32(self.group),
+                Arg::F32(self.scale),
+                Arg::I32(self.window),
+                Arg::I32(i_begin),
+                Arg::I32(i_end),
+            ],
+        )
     }
 }
 
@@ -210,9 +241,9 @@ impl CudaBackend {
         }
         if d > MAX_HEAD_DIM || kernel == 0 {
             return Err(Error::shape(
-                "window scores (d, kernel)",
+                "window scores (head dim, pooling kernel)",
                 "d <= 256, kernel > 0",
-                (d, kernel).0,
+                format!("({d}, {kernel})"),
             ));
         }
         for k in keys {
@@ -229,49 +260,19 @@ impl CudaBackend {
         let zeros = vec![0.0f32; hq * t];
         let sp = s.put(dev, 4, &zeros)?;
         let pp = s.put(dev, 5, &zeros)?;
-        let (wi, ti, di, gi) = (int(w)?, int(t)?, int(d)?, int(hq / hkv)?);
-        let scale = 1.0 / (d as f32).sqrt();
-        dev.launch(
-            "mk_prefill_fwd",
-            Launch {
-                grid: (w as u32, hq as u32, 1),
-                block: (THREADS, 1, 1),
-            },
-            &[
-                Arg::Ptr(qp),
-                Arg::Ptr(kp),
-                Arg::Ptr(kp),
-                Arg::Ptr(outp),
-                Arg::Ptr(lsep),
-                Arg::I32(wi),
-                Arg::I32(ti),
-                Arg::I32(di),
-                Arg::I32(gi),
-                Arg::F32(scale),
-                Arg::I32(0),
-            ],
-        )?;
-        dev.launch(
-            "mk_column_sums",
-            Launch {
-                grid: (t.div_ceil(THREADS as usize) as u32, hq as u32, 1),
-                block: (THREADS, 1, 1),
-            },
-            &[
-                Arg::Ptr(qp),
-                Arg::Ptr(kp),
-                Arg::Ptr(lsep),
-                Arg::Ptr(sp),
-                Arg::I32(wi),
-                Arg::I32(ti),
-                Arg::I32(di),
-                Arg::I32(gi),
-                Arg::F32(scale),
-                Arg::I32(0),
-                Arg::I32(0),
-                Arg::I32(wi),
-            ],
-        )?;
+        let rows = Rows {
+            q: qp,
+            k: kp,
+            hq,
+            n: int(w)?,
+            t: int(t)?,
+            d: int(d)?,
+            group: int(hq / hkv)?,
+            scale: 1.0 / (d as f32).sqrt(),
+            window: 0,
+        };
+        rows.forward(dev, kp, outp, lsep)?;
+        rows.column_sums(dev, lsep, sp, 0, rows.n)?;
         let p = t - w;
         dev.launch(
             "mk_pool1d",
@@ -284,7 +285,7 @@ impl CudaBackend {
                 Arg::Ptr(pp),
                 Arg::I32(int(hq)?),
                 Arg::I32(int(p)?),
-                Arg::I32(ti),
+                Arg::I32(rows.t),
                 Arg::I32(int(kernel)?),
                 Arg::I32(if max { 0 } else { 1 }),
             ],
@@ -369,52 +370,21 @@ impl AttentionBackend for CudaBackend {
         let vp = s.put(dev, 2, &kv)?;
         let op = s.get(dev, 3, hq * n * d * 4)?.ptr();
         let lp = s.get(dev, 4, hq * n * 4)?.ptr();
-        let window = int(a.window.unwrap_or(0))?;
-        let (ni, ti, di, gi) = (int(n)?, int(t)?, int(d)?, int(group)?);
-        let scale = 1.0 / (d as f32).sqrt();
-        dev.launch(
-            "mk_prefill_fwd",
-            Launch {
-                grid: (n as u32, hq as u32, 1),
-                block: (THREADS, 1, 1),
-            },
-            &[
-                Arg::Ptr(qp),
-                Arg::Ptr(kp),
-                Arg::Ptr(vp),
-                Arg::Ptr(op),
-                Arg::Ptr(lp),
-                Arg::I32(ni),
-                Arg::I32(ti),
-                Arg::I32(di),
-                Arg::I32(gi),
-                Arg::F32(scale),
-                Arg::I32(window),
-            ],
-        )?;
+        let rows = Rows {
+            q: qp,
+            k: kp,
+            hq,
+            n: int(n)?,
+            t: int(t)?,
+            d: int(d)?,
+            group: int(group)?,
+            scale: 1.0 / (d as f32).sqrt(),
+            window: int(a.window.unwrap_or(0))?,
+        };
+        rows.forward(dev, vp, op, lp)?;
         if let Some(c) = a.cumulative {
             let cp = s.put(dev, 5, c)?;
-            dev.launch(
-                "mk_column_sums",
-                Launch {
-                    grid: (t.div_ceil(THREADS as usize) as u32, hq as u32, 1),
-                    block: (THREADS, 1, 1),
-                },
-                &[
-                    Arg::Ptr(qp),
-                    Arg::Ptr(kp),
-                    Arg::Ptr(lp),
-                    Arg::Ptr(cp),
-                    Arg::I32(ni),
-                    Arg::I32(ti),
-                    Arg::I32(di),
-                    Arg::I32(gi),
-                    Arg::F32(scale),
-                    Arg::I32(window),
-                    Arg::I32(0),
-                    Arg::I32(ni),
-                ],
-            )?;
+            rows.column_sums(dev, lp, cp, 0, rows.n)?;
             s.get(dev, 5, 0)?.read(0, c)?;
         }
         s.get(dev, 3, 0)?.read(0, a.out)?;

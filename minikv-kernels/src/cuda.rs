@@ -2,19 +2,12 @@
 //! CUDA at build time). The kernels are compiled with NVRTC for the device's
 //! architecture at first use and cached per device for the process.
 
-use crate::device::{Arg, DevPtr, Device, Launch};
+use crate::device::{Arg, DevPtr, Device, Launch, err};
 use cudarc::driver::result as cu;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use minikv_core::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
-
-fn err(reason: impl Into<String>) -> Error {
-    Error::Backend {
-        backend: "cuda".into(),
-        reason: reason.into(),
-    }
-}
 
 fn drv(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
     move |e| err(format!("{what}: {e:?}"))
@@ -128,11 +121,6 @@ impl Device for CudaDevice {
         self.bind()?;
         // SAFETY: both ranges checked by DevBuf, not overlapping.
         unsafe { cu::memcpy_dtod_sync(dst, src, bytes) }.map_err(drv("cuMemcpyDtoD"))
-    }
-    fn zero(&self, dst: DevPtr, bytes: usize) -> Result<()> {
-        self.bind()?;
-        // SAFETY: range checked by DevBuf.
-        unsafe { cu::memset_d8_sync(dst, 0, bytes) }.map_err(drv("cuMemset"))
     }
     fn launch(&self, kernel: &'static str, shape: Launch, args: &[Arg]) -> Result<()> {
         self.bind()?;

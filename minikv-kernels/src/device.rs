@@ -10,6 +10,19 @@ use minikv_core::{Error, Result};
 use std::fmt::Debug;
 use std::sync::Arc;
 
+/// The backend's error with `reason`.
+pub(crate) fn err(reason: impl Into<String>) -> Error {
+    Error::Backend {
+        backend: "cuda".into(),
+        reason: reason.into(),
+    }
+}
+
+/// A size or index as the kernels' `int`.
+pub(crate) fn int(x: usize) -> Result<i32> {
+    i32::try_from(x).map_err(|_| err(format!("{x} does not fit the kernels' int")))
+}
+
 /// A device address (`CUdeviceptr` on a GPU, a host address when emulated).
 pub type DevPtr = u64;
 
@@ -51,8 +64,6 @@ pub trait Device: Send + Sync + Debug {
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<()>;
     /// Device to device (the ranges must not overlap).
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<()>;
-    /// Sets `bytes` bytes to zero.
-    fn zero(&self, dst: DevPtr, bytes: usize) -> Result<()>;
     /// Launches `kernel` (one of [`crate::nvrtc::KERNELS`]).
     fn launch(&self, kernel: &'static str, shape: Launch, args: &[Arg]) -> Result<()>;
 }
@@ -100,13 +111,10 @@ impl DevBuf {
     }
     fn check(&self, offset: usize, n: usize, what: &str) -> Result<()> {
         if offset + n > self.bytes {
-            return Err(Error::Backend {
-                backend: "cuda".into(),
-                reason: format!(
-                    "{what} of {n} bytes at offset {offset} past a {}-byte device buffer",
-                    self.bytes
-                ),
-            });
+            return Err(err(format!(
+                "{what} of {n} bytes at offset {offset} past a {}-byte device buffer",
+                self.bytes
+            )));
         }
         Ok(())
     }
@@ -143,18 +151,46 @@ impl DevBuf {
         }
         self.dev.copy(self.at(off), src.at(src_off), bytes)
     }
-    /// Zeroes `bytes` bytes at `off`.
-    pub fn zero(&self, off: usize, bytes: usize) -> Result<()> {
-        self.check(off, bytes, "zero")?;
-        if bytes == 0 {
-            return Ok(());
-        }
-        self.dev.zero(self.at(off), bytes)
-    }
 }
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
         self.dev.free(self.ptr);
+    }
+}
+
+/// Grow-only device buffers reused across calls, one per slot (working
+/// memory of the backend and of its stores' uploads, not cache memory).
+#[derive(Debug, Default)]
+pub(crate) struct Scratch(Vec<Option<DevBuf>>);
+
+impl Scratch {
+    /// Slot `slot`, at least `bytes` long.
+    pub(crate) fn get(
+        &mut self,
+        dev: &Arc<dyn Device>,
+        slot: usize,
+        bytes: usize,
+    ) -> Result<&DevBuf> {
+        if self.0.len() <= slot {
+            self.0.resize_with(slot + 1, || None);
+        }
+        let b = &mut self.0[slot];
+        if b.as_ref().is_none_or(|b| b.len() < bytes) {
+            *b = None;
+            *b = Some(DevBuf::zeroed(dev, bytes.max(4).next_power_of_two())?);
+        }
+        Ok(b.as_ref().expect("allocated"))
+    }
+    /// Uploads `data` into `slot` and returns its address.
+    pub(crate) fn put<T: bytemuck::Pod>(
+        &mut self,
+        dev: &Arc<dyn Device>,
+        slot: usize,
+        data: &[T],
+    ) -> Result<DevPtr> {
+        let b = self.get(dev, slot, std::mem::size_of_val(data))?;
+        b.write(0, data)?;
+        Ok(b.ptr())
     }
 }

@@ -138,12 +138,6 @@ impl Device for EmuDevice {
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
         Ok(())
     }
-    fn zero(&self, dst: DevPtr, bytes: usize) -> Result<()> {
-        self.check(dst, bytes, "zero")?;
-        // SAFETY: range checked.
-        unsafe { std::ptr::write_bytes(dst as *mut u8, 0, bytes) };
-        Ok(())
-    }
     fn launch(&self, kernel: &'static str, shape: Launch, args: &[Arg]) -> Result<()> {
         // Each argument's value in its own 8-byte slot, pointed to as the
         // driver's kernelParams are.

@@ -146,6 +146,34 @@ fn pool(x: &[f32], kernel: usize, max: bool) -> Vec<f32> {
         .collect()
 }
 
+/// The reference backend's column sums `[Hq][t]` of the softmax of the last
+/// `w` queries `q_window [Hq][w][d]` over keys `[Hkv][t][d]` (SnapKV's
+/// window scores before pooling).
+pub fn reference_column_sums(
+    q_window: &[f32],
+    keys: &[&[f32]],
+    d: usize,
+    t: usize,
+    w: usize,
+) -> Result<Vec<f32>> {
+    let hq = q_window.len() / (w * d);
+    let mut out = vec![0.0f32; q_window.len()];
+    let mut cu = vec![0.0f32; hq * t];
+    ReferenceBackend.prefill(PrefillArgs {
+        n_q_heads: hq,
+        head_dim: d,
+        q: q_window,
+        n: w,
+        keys,
+        values: keys,
+        t,
+        out: &mut out,
+        cumulative: Some(&mut cu),
+        window: None,
+    })?;
+    Ok(cu)
+}
+
 fn window_scores(be: &CudaBackend, seed: &mut u64, r: &mut Report) -> Result<()> {
     for (hq, hkv, t, d, w, kernel, max) in [
         (4usize, 2usize, 100usize, 32usize, 8usize, 5usize, true),
@@ -155,20 +183,7 @@ fn window_scores(be: &CudaBackend, seed: &mut u64, r: &mut Report) -> Result<()>
         let k = rand_vec(seed, hkv * t * d, 2.0);
         let keys: Vec<&[f32]> = k.chunks(t * d).collect();
         let got = be.window_scores(&qw, &keys, d, t, w, WindowPooling { kernel, max })?;
-        let mut out = vec![0.0f32; qw.len()];
-        let mut cu = vec![0.0f32; hq * t];
-        ReferenceBackend.prefill(PrefillArgs {
-            n_q_heads: hq,
-            head_dim: d,
-            q: &qw,
-            n: w,
-            keys: &keys,
-            values: &keys,
-            t,
-            out: &mut out,
-            cumulative: Some(&mut cu),
-            window: None,
-        })?;
+        let cu = reference_column_sums(&qw, &keys, d, t, w)?;
         let p = t - w;
         let want: Vec<f32> = (0..hq)
             .flat_map(|h| pool(&cu[h * t..h * t + p], kernel, max))

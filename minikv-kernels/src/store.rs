@@ -8,20 +8,13 @@
 //! `dequantize`, used by policies that score on the host) download the
 //! rows first: correct, and a transfer per call.
 
-use crate::device::{Arg, DevBuf, Device, Launch};
+use crate::device::{Arg, DevBuf, Device, Launch, Scratch, err, int};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use minikv_core::storage::FpStore;
-use minikv_core::{Axis, Error, MinMaxSpec, QuantBytes, QuantStore, Result};
+use minikv_core::{Axis, Error, MinMaxSpec, QuantBytes, QuantStore, Result, check_finite, simd};
 use std::any::Any;
 use std::sync::{Arc, Mutex};
-
-fn dev_err(reason: impl Into<String>) -> Error {
-    Error::Backend {
-        backend: "cuda".into(),
-        reason: reason.into(),
-    }
-}
 
 /// A store method that cannot return an error met a device error: the
 /// device is lost or out of memory, and continuing would give wrong output.
@@ -34,11 +27,7 @@ fn fatal(e: Error) -> ! {
 fn host_scores(x: &[f32], d: usize, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
     for (t, r) in x.chunks_exact(d).enumerate() {
         for j in 0..g {
-            out[j * stride + t] = q[j * d..(j + 1) * d]
-                .iter()
-                .zip(r)
-                .map(|(a, b)| a * b)
-                .sum();
+            out[j * stride + t] = simd::dot(&q[j * d..(j + 1) * d], r);
         }
     }
 }
@@ -47,10 +36,7 @@ fn host_scores(x: &[f32], d: usize, q: &[f32], g: usize, out: &mut [f32], stride
 fn host_accumulate(x: &[f32], d: usize, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
     for (t, r) in x.chunks_exact(d).enumerate() {
         for j in 0..g {
-            let w = p[j * stride + t];
-            for (o, v) in out[j * d..(j + 1) * d].iter_mut().zip(r) {
-                *o += w * v;
-            }
+            simd::axpy(p[j * stride + t], r, &mut out[j * d..(j + 1) * d]);
         }
     }
 }
@@ -222,29 +208,9 @@ impl FpStore for DeviceFpStore {
     }
 }
 
-/// Host staging for the rows a quantize kernel reads, shared by the stores
-/// of one backend (grown, never shrunk; working memory, not cache memory).
-#[derive(Debug, Default)]
-pub(crate) struct Staging(Mutex<Option<DevBuf>>);
-
-impl Staging {
-    /// Uploads `rows` and runs `f` with their device address.
-    pub(crate) fn with_rows<R>(
-        &self,
-        dev: &Arc<dyn Device>,
-        rows: &[f32],
-        f: impl FnOnce(u64) -> Result<R>,
-    ) -> Result<R> {
-        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let need = std::mem::size_of_val(rows).max(4);
-        if g.as_ref().is_none_or(|b| b.len() < need) {
-            *g = Some(DevBuf::zeroed(dev, need.next_power_of_two())?);
-        }
-        let b = g.as_ref().expect("allocated");
-        b.write(0, rows)?;
-        f(b.ptr())
-    }
-}
+/// Device staging for the rows a quantize kernel reads, shared by the
+/// stores of one backend.
+pub(crate) type Staging = Mutex<Scratch>;
 
 /// One head's min-max quantized keys or values on the device, in the
 /// kernels' layouts (`cuda/minikv.cu`): per channel, word `(j / P) * d + c`
@@ -273,7 +239,7 @@ impl DeviceQuantStore {
         page: usize,
     ) -> Result<Self> {
         if !matches!(spec.bits, 2 | 4 | 8) {
-            return Err(dev_err(format!(
+            return Err(err(format!(
                 "{}-bit codes are not supported (2, 4 or 8)",
                 spec.bits
             )));
@@ -435,64 +401,58 @@ impl QuantStore for DeviceQuantStore {
         if n == 0 {
             return Ok(());
         }
-        if let Some(i) = rows.iter().position(|x| !x.is_finite()) {
-            return Err(Error::Input(format!(
-                "quantized append: non-finite value at index {i}"
-            )));
-        }
+        check_finite("quantized append", rows)?;
         if self.len + n > self.cap {
             self.realloc((self.len + n).div_ceil(self.page) * self.page)?;
         }
         let (w, s, m) = self.ptrs();
         let (bits, f16) = (self.spec.bits as i32, i32::from(self.spec.f16_scales));
-        let int = |x: usize| i32::try_from(x).map_err(|_| dev_err("shape past i32"));
-        let (len, dev) = (self.len, self.dev.clone());
-        self.staging.with_rows(&dev, rows, |rp| {
-            match self.spec.axis {
-                Axis::Channel => {
-                    for gi in 0..n / g {
-                        dev.launch(
-                            "mk_quant_keys_channel",
-                            Launch {
-                                grid: (d.div_ceil(32) as u32, 1, 1),
-                                block: (32, 1, 1),
-                            },
-                            &[
-                                Arg::Ptr(rp + (gi * g * d * 4) as u64),
-                                Arg::I32(int(g)?),
-                                Arg::I32(int(d)?),
-                                Arg::I32(bits),
-                                Arg::I32(int(len + gi * g)?),
-                                Arg::Ptr(w),
-                                Arg::Ptr(s),
-                                Arg::Ptr(m),
-                                Arg::I32(f16),
-                            ],
-                        )?;
-                    }
+        let (len, dev) = (self.len, &self.dev);
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let rp = staging.put(dev, 0, rows)?;
+        match self.spec.axis {
+            Axis::Channel => {
+                for gi in 0..n / g {
+                    dev.launch(
+                        "mk_quant_keys_channel",
+                        Launch {
+                            grid: (d.div_ceil(32) as u32, 1, 1),
+                            block: (32, 1, 1),
+                        },
+                        &[
+                            Arg::Ptr(rp + (gi * g * d * 4) as u64),
+                            Arg::I32(int(g)?),
+                            Arg::I32(int(d)?),
+                            Arg::I32(bits),
+                            Arg::I32(int(len + gi * g)?),
+                            Arg::Ptr(w),
+                            Arg::Ptr(s),
+                            Arg::Ptr(m),
+                            Arg::I32(f16),
+                        ],
+                    )?;
                 }
-                Axis::Token => dev.launch(
-                    "mk_quant_values_token",
-                    Launch {
-                        grid: (n.div_ceil(32) as u32, 1, 1),
-                        block: (32, 1, 1),
-                    },
-                    &[
-                        Arg::Ptr(rp),
-                        Arg::I32(int(n)?),
-                        Arg::I32(int(d)?),
-                        Arg::I32(int(g)?),
-                        Arg::I32(bits),
-                        Arg::I32(int(len)?),
-                        Arg::Ptr(w),
-                        Arg::Ptr(s),
-                        Arg::Ptr(m),
-                        Arg::I32(f16),
-                    ],
-                )?,
             }
-            Ok(())
-        })?;
+            Axis::Token => dev.launch(
+                "mk_quant_values_token",
+                Launch {
+                    grid: (n.div_ceil(32) as u32, 1, 1),
+                    block: (32, 1, 1),
+                },
+                &[
+                    Arg::Ptr(rp),
+                    Arg::I32(int(n)?),
+                    Arg::I32(int(d)?),
+                    Arg::I32(int(g)?),
+                    Arg::I32(bits),
+                    Arg::I32(int(len)?),
+                    Arg::Ptr(w),
+                    Arg::Ptr(s),
+                    Arg::Ptr(m),
+                    Arg::I32(f16),
+                ],
+            )?,
+        }
         self.len += n;
         Ok(())
     }
