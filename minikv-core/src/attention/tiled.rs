@@ -1,6 +1,6 @@
 //! FlashAttention-style CPU backend: tiled, online softmax, f32 log-sum-exp, rayon
-//! over (head, row block), fully masked causal blocks skipped, `A_cumul` in a
-//! second pass with `O(T)` extra memory per head.
+//! over (head, row block), fully masked causal blocks skipped; `A_cumul` in the
+//! same pass, from the exponentials the softmax already took.
 
 use super::{AttentionBackend, DecodeArgs, PrefillArgs, check_decode, check_prefill};
 use crate::simd::softmax_inplace;
@@ -102,6 +102,157 @@ impl TiledBackend {
     }
 }
 
+/// One prefill call's shapes and inputs.
+struct Prefill<'a> {
+    d: usize,
+    n: usize,
+    t: usize,
+    /// Query heads per KV head.
+    g: usize,
+    br: usize,
+    bk: usize,
+    scale: f32,
+    /// Position of query 0.
+    off: usize,
+    /// Sliding window (`usize::MAX`: none).
+    win: usize,
+    q: &'a [f32],
+    keys: &'a [&'a [f32]],
+    values: &'a [&'a [f32]],
+}
+
+/// Row segments per head when `A_cumul` is requested.
+const CUMUL_SEGMENTS: usize = 8;
+
+impl Prefill<'_> {
+    /// First key position visible to the query at position `pos`.
+    fn lo_of(&self, pos: usize) -> usize {
+        (pos + 1).saturating_sub(self.win)
+    }
+
+    /// Row bounds `0 = b0 < b1 < ... = n` of the `A_cumul` segments: whole row
+    /// blocks, cut where the visible keys summed so far pass `k / S` of the total.
+    fn segments(&self) -> Vec<usize> {
+        let blocks = self.n.div_ceil(self.br);
+        let work = |rb: usize| -> usize {
+            let last = (self.off + ((rb + 1) * self.br).min(self.n) - 1) as u64;
+            (last + 1 - self.lo_of(last as usize) as u64) as usize
+        };
+        let total: usize = (0..blocks).map(work).sum();
+        let segs = CUMUL_SEGMENTS.min(blocks);
+        let mut bounds = vec![0];
+        let mut done = 0usize;
+        for rb in 0..blocks {
+            done += work(rb);
+            let k = bounds.len();
+            if k < segs && done as u128 * segs as u128 >= total as u128 * k as u128 {
+                bounds.push(((rb + 1) * self.br).min(self.n));
+            }
+        }
+        if *bounds.last().unwrap() != self.n {
+            bounds.push(self.n);
+        }
+        bounds
+    }
+
+    /// Attention output of query head `h`, rows `r0 .. r0 + acc.len() / d`
+    /// (online softmax over key blocks). With `col`, also adds
+    /// `sum_i exp(s_ij - lse_i)` of these rows to `col[j]`: the exponentials of
+    /// every key block are kept with the running maximum they were taken
+    /// against, and rescaled by `exp(m - lse)` once the row's `lse` is known.
+    fn row_block(&self, h: usize, r0: usize, acc: &mut [f32], col: Option<&mut [f32]>) {
+        let (d, t, br, bk) = (self.d, self.t, self.br, self.bk);
+        let nr = acc.len() / d;
+        debug_assert!(nr <= br);
+        let (k, v) = (self.keys[h / self.g], self.values[h / self.g]);
+        let first_pos = self.off + r0;
+        let last_pos = first_pos + nr - 1;
+        let c_start = self.lo_of(first_pos) / bk * bk;
+        let nblocks = (last_pos + 1 - c_start).div_ceil(bk);
+        let keep = col.is_some();
+        // Scores of one key block, or of all of them when they are kept.
+        // (The last block may reach past `last_pos`: its columns are masked.)
+        let span = (c_start + nblocks * bk).min(t) - c_start;
+        let s_len = if keep { nr * span } else { nr * bk };
+        let mb_len = if keep { nr * nblocks } else { 0 };
+        with_scratch(nr * d + s_len + mb_len + 2 * nr, |buf| {
+            let (qb, rest) = buf.split_at_mut(nr * d);
+            let (s_all, rest) = rest.split_at_mut(s_len);
+            let (mblk, rest) = rest.split_at_mut(mb_len);
+            let (m, l) = rest.split_at_mut(nr);
+            for (dst, src) in qb
+                .iter_mut()
+                .zip(&self.q[(h * self.n + r0) * d..(h * self.n + r0 + nr) * d])
+            {
+                *dst = src * self.scale;
+            }
+            m.fill(f32::NEG_INFINITY);
+            l.fill(0.0);
+            acc.fill(0.0);
+            let mut c0 = c_start;
+            let mut bi = 0;
+            while c0 <= last_pos {
+                let nc = bk.min(t - c0);
+                let s = if keep {
+                    &mut s_all[nr * (c0 - c_start)..nr * (c0 - c_start + nc)]
+                } else {
+                    &mut s_all[..nr * nc]
+                };
+                gemm(nr, d, nc, qb, (d, 1), &k[c0 * d..], (1, d), 0.0, s, nc);
+                let needs_mask = c0 + nc - 1 > first_pos || self.lo_of(last_pos) > c0;
+                for i in 0..nr {
+                    let row = &mut s[i * nc..(i + 1) * nc];
+                    if needs_mask {
+                        let pos = first_pos + i;
+                        let vis = (pos + 1).saturating_sub(c0).min(nc);
+                        row[vis..].fill(f32::NEG_INFINITY);
+                        let below = self.lo_of(pos).saturating_sub(c0).min(nc);
+                        row[..below].fill(f32::NEG_INFINITY);
+                    }
+                    let bm = crate::simd::max(row);
+                    let mnew = m[i].max(bm);
+                    if mnew == f32::NEG_INFINITY {
+                        row.fill(0.0);
+                    } else {
+                        let alpha = crate::simd::exp_neg(m[i] - mnew);
+                        let sum = crate::simd::exp_sub_sum(row, mnew);
+                        l[i] = l[i] * alpha + sum;
+                        m[i] = mnew;
+                        if alpha != 1.0 {
+                            acc[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= alpha);
+                        }
+                    }
+                    if keep {
+                        mblk[i * nblocks + bi] = m[i];
+                    }
+                }
+                gemm(nr, nc, d, s, (nc, 1), &v[c0 * d..], (d, 1), 1.0, acc, d);
+                c0 += bk;
+                bi += 1;
+            }
+            for i in 0..nr {
+                let inv = 1.0 / l[i];
+                acc[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= inv);
+            }
+            let Some(col) = col else { return };
+            for i in 0..nr {
+                let lse = m[i] + l[i].ln();
+                let mut c0 = c_start;
+                for bi in 0..nblocks {
+                    let nc = bk.min(t - c0);
+                    let w = crate::simd::exp_neg(mblk[i * nblocks + bi] - lse);
+                    if w != 0.0 {
+                        let base = nr * (c0 - c_start);
+                        let p = &s_all[base + i * nc..base + (i + 1) * nc];
+                        crate::simd::axpy(w, p, &mut col[c0..c0 + nc]);
+                    }
+                    c0 += bk;
+                }
+            }
+        })
+    }
+}
+
 impl AttentionBackend for TiledBackend {
     fn name(&self) -> &'static str {
         "tiled"
@@ -111,136 +262,66 @@ impl AttentionBackend for TiledBackend {
         self.check_blocks()?;
         let (_, g) = check_prefill(&a)?;
         let (d, n, t) = (a.head_dim, a.n, a.t);
-        let (br, bk) = (self.block_q, self.block_k);
-        let scale = 1.0 / (d as f32).sqrt();
-        let off = t - n; // position of query 0
-        // Sliding window: row `i` sees keys `lo(i) ..= off + i`.
-        let win = a.window.unwrap_or(usize::MAX);
-        let lo_of = move |pos: usize| (pos + 1).saturating_sub(win);
-        let q = a.q;
-        let keys = a.keys;
-        let values = a.values;
-        // Per-row log-sum-exp: the only O(T) extra state (per head) of pass 1.
-        let mut lse = vec![0.0f32; a.n_q_heads * n];
         if n == 0 {
             return Ok(());
         }
-
-        a.out
-            .par_chunks_mut(n * d)
-            .zip(lse.par_chunks_mut(n))
-            .enumerate()
-            .for_each(|(h, (oh, lh))| {
-                let (k, v) = (keys[h / g], values[h / g]);
-                oh.par_chunks_mut(br * d)
-                    .zip(lh.par_chunks_mut(br))
+        let p = Prefill {
+            d,
+            n,
+            t,
+            g,
+            br: self.block_q,
+            bk: self.block_k,
+            scale: 1.0 / (d as f32).sqrt(),
+            off: t - n,
+            win: a.window.unwrap_or(usize::MAX),
+            q: a.q,
+            keys: a.keys,
+            values: a.values,
+        };
+        let Some(cumul) = a.cumulative else {
+            // One task per (head, row block).
+            a.out.par_chunks_mut(n * d).enumerate().for_each(|(h, oh)| {
+                oh.par_chunks_mut(p.br * d)
                     .enumerate()
-                    .for_each(|(rb, (acc, lrow))| {
-                        let r0 = rb * br;
-                        let nr = lrow.len();
-                        with_scratch(nr * d + nr * bk + 2 * nr, |buf| {
-                            let (qb, rest) = buf.split_at_mut(nr * d);
-                            let (s, rest) = rest.split_at_mut(nr * bk);
-                            let (m, l) = rest.split_at_mut(nr);
-                            for (dst, src) in qb
-                                .iter_mut()
-                                .zip(&q[(h * n + r0) * d..(h * n + r0 + nr) * d])
-                            {
-                                *dst = src * scale;
-                            }
-                            m.fill(f32::NEG_INFINITY);
-                            l.fill(0.0);
-                            acc.fill(0.0);
-                            let first_pos = off + r0;
-                            let last_pos = off + r0 + nr - 1;
-                            let mut c0 = lo_of(first_pos) / bk * bk;
-                            while c0 <= last_pos {
-                                let nc = bk.min(t - c0);
-                                let s = &mut s[..nr * nc];
-                                gemm(nr, d, nc, qb, (d, 1), &k[c0 * d..], (1, d), 0.0, s, nc);
-                                let needs_mask = c0 + nc - 1 > first_pos || lo_of(last_pos) > c0;
-                                for i in 0..nr {
-                                    let row = &mut s[i * nc..(i + 1) * nc];
-                                    if needs_mask {
-                                        let pos = first_pos + i;
-                                        let vis = (pos + 1).saturating_sub(c0).min(nc);
-                                        row[vis..].fill(f32::NEG_INFINITY);
-                                        let below = lo_of(pos).saturating_sub(c0).min(nc);
-                                        row[..below].fill(f32::NEG_INFINITY);
-                                    }
-                                    let bm = crate::simd::max(row);
-                                    let mnew = m[i].max(bm);
-                                    if mnew == f32::NEG_INFINITY {
-                                        row.fill(0.0);
-                                        continue;
-                                    }
-                                    let alpha = crate::simd::exp_neg(m[i] - mnew);
-                                    let sum = crate::simd::exp_sub_sum(row, mnew);
-                                    l[i] = l[i] * alpha + sum;
-                                    m[i] = mnew;
-                                    if alpha != 1.0 {
-                                        acc[i * d..(i + 1) * d]
-                                            .iter_mut()
-                                            .for_each(|x| *x *= alpha);
-                                    }
-                                }
-                                gemm(nr, nc, d, s, (nc, 1), &v[c0 * d..], (d, 1), 1.0, acc, d);
-                                c0 += bk;
-                            }
-                            for i in 0..nr {
-                                let inv = 1.0 / l[i];
-                                acc[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= inv);
-                                lrow[i] = m[i] + l[i].ln();
-                            }
-                        })
-                    });
+                    .for_each(|(rb, acc)| p.row_block(h, rb * p.br, acc, None));
             });
-
-        // Pass 2: A_cumul[h, j] += sum_i exp(s_ij - lse_i), one task per (head, key block).
-        if let Some(cumul) = a.cumulative {
-            let lse = &lse;
-            cumul.par_chunks_mut(t).enumerate().for_each(|(h, ch)| {
-                let k = keys[h / g];
-                ch.par_chunks_mut(bk).enumerate().for_each(|(kb, col)| {
-                    let c0 = kb * bk;
-                    let nc = col.len();
-                    // First query row that sees key c0; rows past `i_end`
-                    // see no key of the block (sliding window).
-                    let i_start = c0.saturating_sub(off);
-                    let i_end = (c0 + nc - 1).saturating_add(win).saturating_sub(off).min(n);
-                    if i_start >= i_end {
-                        return;
-                    }
-                    with_scratch(br * d + br * nc, |buf| {
-                        let (qb, s) = buf.split_at_mut(br * d);
-                        let mut i0 = i_start;
-                        while i0 < i_end {
-                            let nr = br.min(i_end - i0);
-                            let qb = &mut qb[..nr * d];
-                            for (dst, src) in qb
-                                .iter_mut()
-                                .zip(&q[(h * n + i0) * d..(h * n + i0 + nr) * d])
-                            {
-                                *dst = src * scale;
-                            }
-                            let s = &mut s[..nr * nc];
-                            gemm(nr, d, nc, qb, (d, 1), &k[c0 * d..], (1, d), 0.0, s, nc);
-                            for i in 0..nr {
-                                let pos = off + i0 + i;
-                                let vis = (pos + 1).saturating_sub(c0).min(nc);
-                                let below = lo_of(pos).saturating_sub(c0).min(vis);
-                                let li = lse[h * n + i0 + i];
-                                let row = &s[i * nc + below..i * nc + vis];
-                                for (c, x) in col[below..vis].iter_mut().zip(row) {
-                                    *c += crate::simd::exp_neg(x - li);
-                                }
-                            }
-                            i0 += nr;
-                        }
-                    })
-                });
-            });
+            return Ok(());
+        };
+        // With `A_cumul`: each head's rows are cut into a fixed number of
+        // contiguous segments of about equal causal work (independent of the
+        // thread count, so the sums are too). A segment's task walks its row
+        // blocks in order and adds their column sums into its own partial row;
+        // the partials are then added to `A_cumul` in segment order.
+        let bounds = p.segments();
+        let segs = bounds.len() - 1;
+        let mut partial = vec![0.0f32; a.n_q_heads * segs * t];
+        let mut tasks: Vec<(usize, usize, &mut [f32], &mut [f32])> = Vec::new();
+        let mut out_rest: &mut [f32] = a.out;
+        let mut part_rest: &mut [f32] = &mut partial;
+        for h in 0..a.n_q_heads {
+            for s in 0..segs {
+                let rows = bounds[s + 1] - bounds[s];
+                let (o, rest) = out_rest.split_at_mut(rows * d);
+                out_rest = rest;
+                let (c, rest) = part_rest.split_at_mut(t);
+                part_rest = rest;
+                tasks.push((h, bounds[s], o, c));
+            }
         }
+        tasks.into_par_iter().for_each(|(h, r0, out, col)| {
+            for (k, acc) in out.chunks_mut(p.br * d).enumerate() {
+                p.row_block(h, r0 + k * p.br, acc, Some(col));
+            }
+        });
+        cumul
+            .par_chunks_mut(t)
+            .zip(partial.par_chunks(segs * t))
+            .for_each(|(ch, parts)| {
+                for part in parts.chunks(t) {
+                    ch.iter_mut().zip(part).for_each(|(c, x)| *c += x);
+                }
+            });
         Ok(())
     }
 
