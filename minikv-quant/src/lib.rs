@@ -30,6 +30,12 @@
 #![warn(missing_docs)]
 
 mod store;
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod x86;
 
 pub use store::MinMaxStore;
 

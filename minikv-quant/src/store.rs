@@ -73,9 +73,23 @@ thread_local! {
 }
 
 /// Largest head dimension the fused kernels keep on the stack.
-const MAX_D: usize = 512;
+pub(crate) const MAX_D: usize = 512;
 /// Largest GQA group the fused kernels keep on the stack.
 const MAX_G: usize = 16;
+
+/// Accumulator banks of the fused kernels for `p` codes per word and `ng`
+/// query heads: about 6 independent 8-lane FMA chains, 1 to 4 banks (more
+/// accumulators than that spill to the stack with 16 vector registers).
+const fn banks(p: usize, ng: usize) -> usize {
+    let b = 48 / (p * ng);
+    if b == 0 {
+        1
+    } else if b > 4 {
+        4
+    } else {
+        b
+    }
+}
 
 /// One head's quantized keys or values.
 #[derive(Debug, Clone)]
@@ -269,8 +283,10 @@ impl MinMaxStore {
 
     /// Fast path: per-channel keys with `G % P == 0` (every word block lies in
     /// one group). `NG` query heads share each decoded word; the `NG x P`
-    /// accumulators stay in registers.
-    fn scores_channel_fast<const P: usize, const NG: usize>(
+    /// accumulators stay in registers, in `B` banks that channels take in turn
+    /// (`B` independent FMA chains per accumulator hide the FMA latency), added
+    /// in bank order at the end of the block.
+    fn scores_channel_fast<const P: usize, const NG: usize, const B: usize>(
         &self,
         q: &[f32],
         out: &mut [f32],
@@ -282,6 +298,7 @@ impl MinMaxStore {
         let mut qs = [[0.0f32; MAX_D]; NG];
         let mut sc = [0.0f32; MAX_D];
         let mut mn = [0.0f32; MAX_D];
+        let whole = d / B * B;
         for gi in 0..self.len / grp {
             self.scale[0].read(gi * d, &mut sc[..d]);
             self.min[0].read(gi * d, &mut mn[..d]);
@@ -294,21 +311,52 @@ impl MinMaxStore {
                 bias[j] = simd::dot(qj, &mn[..d]);
             }
             for k in (gi * grp / P)..((gi + 1) * grp / P) {
-                let mut acc = [[0.0f32; P]; NG];
                 let words = &self.words[k * d..(k + 1) * d];
-                for (c, &w) in words.iter().enumerate() {
-                    let codes: [f32; P] = std::array::from_fn(|l| ((w >> shifts[l]) & mask) as f32);
+                #[cfg(all(
+                    target_arch = "x86_64",
+                    target_feature = "avx2",
+                    target_feature = "fma"
+                ))]
+                if P == 8 || P == 16 {
+                    let mut sums = [[0.0f32; 16]; NG];
+                    // SAFETY: AVX2 and FMA are enabled (cfg); `qs[j]` holds `d`
+                    // values, one per word of the block.
+                    unsafe {
+                        crate::x86::key_block::<P, NG, B>(words, b as u32, &qs, &bias, &mut sums)
+                    };
+                    for (j, sj) in sums.iter().enumerate() {
+                        out[j * stride + k * P..j * stride + (k + 1) * P].copy_from_slice(&sj[..P]);
+                    }
+                    continue;
+                }
+                let mut acc = [[[0.0f32; P]; NG]; B];
+                let step = |bank: &mut [[f32; P]; NG], c: usize, w: u32| {
+                    // Codes are below 2^8: `as i32` first is one vector convert.
+                    let codes: [f32; P] =
+                        std::array::from_fn(|l| ((w >> shifts[l]) & mask) as i32 as f32);
                     for j in 0..NG {
                         let s = qs[j][c];
                         for l in 0..P {
-                            acc[j][l] = simd::fmadd(s, codes[l], acc[j][l]);
+                            bank[j][l] = simd::fmadd(s, codes[l], bank[j][l]);
                         }
                     }
+                };
+                for (cb, wb) in words[..whole].chunks_exact(B).enumerate() {
+                    for (i, bank) in acc.iter_mut().enumerate() {
+                        step(bank, cb * B + i, wb[i]);
+                    }
+                }
+                for (c, &w) in words.iter().enumerate().skip(whole) {
+                    step(&mut acc[0], c, w);
                 }
                 for j in 0..NG {
                     let o = &mut out[j * stride + k * P..j * stride + (k + 1) * P];
-                    for (o, a) in o.iter_mut().zip(&acc[j]) {
-                        *o = a + bias[j];
+                    for (l, o) in o.iter_mut().enumerate() {
+                        let mut x = acc[0][j][l];
+                        for bank in &acc[1..] {
+                            x += bank[j][l];
+                        }
+                        *o = x + bias[j];
                     }
                 }
             }
@@ -318,8 +366,9 @@ impl MinMaxStore {
     /// Fast path: per-token values with `G % P == 0`, `out[j] += sum_t p_jt v_hat_t`.
     /// Per channel group: `a_j[t] = p_jt * scale_t` and `sum_t p_jt * min_t` in
     /// vector passes; then per output word the `NG x P` accumulators stay in
-    /// registers while tokens stream by (code extraction + `NG` FMAs per token).
-    fn accumulate_token_fast<const P: usize, const NG: usize>(
+    /// registers while tokens stream by (code extraction + `NG` FMAs per token),
+    /// in `B` banks that tokens take in turn, added in bank order at the end.
+    fn accumulate_token_fast<const P: usize, const NG: usize, const B: usize>(
         &self,
         p: &[f32],
         stride: usize,
@@ -330,6 +379,7 @@ impl MinMaxStore {
         let mask = self.mask();
         let wpt = d / P;
         let shifts: [u32; P] = std::array::from_fn(|j| (b * j) as u32);
+        let whole = n / B * B;
         SCRATCH.with(|cell| {
             let mut buf = cell.borrow_mut();
             if buf.len() < (NG + 1) * n {
@@ -349,22 +399,60 @@ impl MinMaxStore {
                         *a = x * s;
                     }
                 }
+                let a = &a[..NG * n];
                 for k in gi * grp / P..(gi + 1) * grp / P {
-                    let mut acc = [[0.0f32; P]; NG];
-                    for t in 0..n {
-                        let w = self.words[t * wpt + k];
+                    #[cfg(all(
+                        target_arch = "x86_64",
+                        target_feature = "avx2",
+                        target_feature = "fma"
+                    ))]
+                    if (P == 8 || P == 16) && n > 0 {
+                        // SAFETY: AVX2 and FMA are enabled (cfg); the words of
+                        // tokens 0..n at stride `wpt` from `k`, `a` holds
+                        // `NG * n` values and `out` `NG` rows of `d` from
+                        // channel `k * P`, P of them each.
+                        unsafe {
+                            crate::x86::value_column::<P, NG, B>(
+                                &self.words[k..],
+                                wpt,
+                                n,
+                                b as u32,
+                                a,
+                                &macc,
+                                &mut out[k * P..],
+                                d,
+                            )
+                        };
+                        continue;
+                    }
+                    let mut acc = [[[0.0f32; P]; NG]; B];
+                    let step = |bank: &mut [[f32; P]; NG], t: usize, w: u32| {
+                        // Codes are below 2^8: `as i32` first is one vector convert.
                         let codes: [f32; P] =
-                            std::array::from_fn(|l| ((w >> shifts[l]) & mask) as f32);
+                            std::array::from_fn(|l| ((w >> shifts[l]) & mask) as i32 as f32);
                         for j in 0..NG {
                             let aj = a[j * n + t];
                             for l in 0..P {
-                                acc[j][l] = simd::fmadd(aj, codes[l], acc[j][l]);
+                                bank[j][l] = simd::fmadd(aj, codes[l], bank[j][l]);
                             }
                         }
+                    };
+                    let words = &self.words[k..];
+                    for t0 in (0..whole).step_by(B) {
+                        for (i, bank) in acc.iter_mut().enumerate() {
+                            step(bank, t0 + i, words[(t0 + i) * wpt]);
+                        }
+                    }
+                    for t in whole..n {
+                        step(&mut acc[0], t, words[t * wpt]);
                     }
                     for j in 0..NG {
                         let o = &mut out[j * d + k * P..j * d + (k + 1) * P];
-                        for (o, x) in o.iter_mut().zip(&acc[j]) {
+                        for (l, o) in o.iter_mut().enumerate() {
+                            let mut x = acc[0][j][l];
+                            for bank in &acc[1..] {
+                                x += bank[j][l];
+                            }
                             *o += x + macc[j];
                         }
                     }
@@ -421,12 +509,30 @@ impl QuantStore for MinMaxStore {
             macro_rules! go {
                 ($p:literal) => {
                     match g {
-                        1 => return self.scores_channel_fast::<$p, 1>(q, out, stride),
-                        2 => return self.scores_channel_fast::<$p, 2>(q, out, stride),
-                        3 => return self.scores_channel_fast::<$p, 3>(q, out, stride),
-                        4 => return self.scores_channel_fast::<$p, 4>(q, out, stride),
-                        6 => return self.scores_channel_fast::<$p, 6>(q, out, stride),
-                        8 => return self.scores_channel_fast::<$p, 8>(q, out, stride),
+                        1 => {
+                            return self
+                                .scores_channel_fast::<$p, 1, { banks($p, 1) }>(q, out, stride)
+                        }
+                        2 => {
+                            return self
+                                .scores_channel_fast::<$p, 2, { banks($p, 2) }>(q, out, stride)
+                        }
+                        3 => {
+                            return self
+                                .scores_channel_fast::<$p, 3, { banks($p, 3) }>(q, out, stride)
+                        }
+                        4 => {
+                            return self
+                                .scores_channel_fast::<$p, 4, { banks($p, 4) }>(q, out, stride)
+                        }
+                        6 => {
+                            return self
+                                .scores_channel_fast::<$p, 6, { banks($p, 6) }>(q, out, stride)
+                        }
+                        8 => {
+                            return self
+                                .scores_channel_fast::<$p, 8, { banks($p, 8) }>(q, out, stride)
+                        }
                         _ => {}
                     }
                 };
@@ -493,12 +599,30 @@ impl QuantStore for MinMaxStore {
             macro_rules! go {
                 ($p:literal) => {
                     match g {
-                        1 => return self.accumulate_token_fast::<$p, 1>(p, stride, out),
-                        2 => return self.accumulate_token_fast::<$p, 2>(p, stride, out),
-                        3 => return self.accumulate_token_fast::<$p, 3>(p, stride, out),
-                        4 => return self.accumulate_token_fast::<$p, 4>(p, stride, out),
-                        6 => return self.accumulate_token_fast::<$p, 6>(p, stride, out),
-                        8 => return self.accumulate_token_fast::<$p, 8>(p, stride, out),
+                        1 => {
+                            return self
+                                .accumulate_token_fast::<$p, 1, { banks($p, 1) }>(p, stride, out)
+                        }
+                        2 => {
+                            return self
+                                .accumulate_token_fast::<$p, 2, { banks($p, 2) }>(p, stride, out)
+                        }
+                        3 => {
+                            return self
+                                .accumulate_token_fast::<$p, 3, { banks($p, 3) }>(p, stride, out)
+                        }
+                        4 => {
+                            return self
+                                .accumulate_token_fast::<$p, 4, { banks($p, 4) }>(p, stride, out)
+                        }
+                        6 => {
+                            return self
+                                .accumulate_token_fast::<$p, 6, { banks($p, 6) }>(p, stride, out)
+                        }
+                        8 => {
+                            return self
+                                .accumulate_token_fast::<$p, 8, { banks($p, 8) }>(p, stride, out)
+                        }
                         _ => {}
                     }
                 };
