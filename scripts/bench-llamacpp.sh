@@ -6,7 +6,9 @@
 # with ratios (docs/performance.md keeps the latest). llama.cpp is built once
 # by scripts/build-llamacpp.sh. Knobs (env): MODEL (the fetched SmolLM2 GGUF),
 # THREADS (nproc), DEPTHS (0,4096,8192), N (64), REPS (3), PROMPTS (4096,8000),
-# OUT (results/bench-llamacpp), CONFIGS (configs/minikv.toml configs/kivi-2bit.toml).
+# OUT (results/bench-llamacpp), CONFIGS (configs/minikv.toml configs/kivi-2bit.toml),
+# Q8 (1: also time the full cache with `--activations q8`, llama.cpp's 8-bit
+# activation arithmetic; 0: skip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-assets/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -17,6 +19,7 @@ REPS=${REPS:-3}
 PROMPTS=${PROMPTS:-4096,8000}
 OUT=${OUT:-results/bench-llamacpp}
 CONFIGS=${CONFIGS:-configs/minikv.toml configs/kivi-2bit.toml}
+Q8=${Q8:-1}
 mkdir -p "$OUT"
 [ -f "$MODEL" ] || ./scripts/fetch-assets.sh >&2
 BIN=$(./scripts/build-llamacpp.sh)
@@ -39,10 +42,15 @@ run_ll llamacpp-prefill -p "$PROMPTS" -n 0
 echo "bench-llamacpp: minikv decode" >&2
 RAYON_NUM_THREADS=$THREADS $MK bench decode --model "$MODEL" --config configs/full.toml "${CFG_ARGS[@]}" \
   --depth "$DEPTHS" --tokens "$N" --runs "$REPS" --json > "$OUT/minikv-decode.json"
+if [ "$Q8" = 1 ]; then
+  echo "bench-llamacpp: minikv decode, q8 activations" >&2
+  RAYON_NUM_THREADS=$THREADS $MK bench decode --model "$MODEL" --config configs/full.toml --activations q8 \
+    --depth "$DEPTHS" --tokens "$N" --runs "$REPS" --json > "$OUT/minikv-decode-q8.json"
+fi
 echo "bench-llamacpp: minikv prefill" >&2
 RAYON_NUM_THREADS=$THREADS $MK bench prefill --model "$MODEL" --config configs/full.toml --config configs/minikv.toml \
   --tokens "$PROMPTS" --runs "$REPS" --json > "$OUT/minikv-prefill.json"
-python3 - "$OUT" "$THREADS" <<'PY'
+python3 - "$OUT" "$THREADS" "$Q8" <<'PY'
 import json, sys, os
 out, threads = sys.argv[1], sys.argv[2]
 def ll(name):
@@ -56,6 +64,11 @@ cfgs = []
 for r in mk["results"]:
     if r["config"] not in cfgs: cfgs.append(r["config"])
 dec = {(r["config"], r["depth"]): r for r in mk["results"]}
+q8 = os.path.join(out, "minikv-decode-q8.json")
+if sys.argv[3] == "1" and os.path.exists(q8):
+    cfgs.append("full, q8 activations")
+    for r in json.load(open(q8))["results"]:
+        dec[("full, q8 activations", r["depth"])] = r
 lowered = sorted({(r["depth"], r["depth_used"]) for r in mk["results"] if r["depth"] > 0 and r.get("depth_used", r["depth"]) != r["depth"]})
 print(f"Decode tokens/s ({threads} threads, {mk['model']}, minikv {mk['git_rev']}; median of runs, minikv spread in brackets; ratio = minikv / llama.cpp f16):\n")
 print("| depth | llama.cpp f16 KV | llama.cpp q4_0 KV | " + " | ".join(f"minikv {c}" for c in cfgs) + " |")

@@ -95,7 +95,9 @@ pub fn load_model(m: &ModelArg) -> Result<Loaded> {
         Some(p) => crate::provenance::resolve_model(p)?,
         None => default_model()?,
     };
-    let (model, tok) = minikv_models::load(&path)?;
+    let (mut model, tok) = minikv_models::load(&path)?;
+    model.set_activations(m.activations);
+    crate::provenance::set_activations(m.activations);
     Ok(Loaded {
         model,
         tok,
@@ -479,6 +481,7 @@ pub fn budgets(a: &BudgetsArgs) -> Result<()> {
         (Some(mp), Some(tp)) => {
             let l = load_model(&crate::ModelArg {
                 model: Some(mp.clone()),
+                activations: Default::default(),
             })?;
             let ids = first_tokens(&l.tok, &read_text(tp)?, t, tp)?;
             let mut cache = build_cache(l.model.as_ref(), &cfg)?;

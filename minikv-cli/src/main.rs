@@ -154,6 +154,12 @@ pub struct ModelArg {
     /// `smollm2-135m` (the default) or `gemma3-270m`.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Decode matvec activations: `f32` (exact, the default) or `q8`
+    /// (8-bit per block of 32 with integer dot products, llama.cpp's
+    /// arithmetic, for `Q4_1` and `Q8_0` weights). Recorded in every result's
+    /// provenance.
+    #[arg(long, default_value = "f32")]
+    pub activations: minikv_models::Activations,
 }
 
 #[derive(Args)]

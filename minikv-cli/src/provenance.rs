@@ -19,11 +19,22 @@ pub struct Provenance {
     /// sha256 of the model file (or of `model.safetensors`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model_sha256: Option<String>,
+    /// Decode matvec activations when not the exact default (`q8`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub activations: Option<&'static str>,
     /// Seed.
     pub seed: u64,
     /// Resolved config.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub config: Option<serde_json::Value>,
+}
+
+/// The activations the process's model was loaded with (one model per process).
+static ACTIVATIONS: std::sync::OnceLock<minikv_models::Activations> = std::sync::OnceLock::new();
+
+/// Records the loaded model's activations for every later [`Provenance`].
+pub fn set_activations(a: minikv_models::Activations) {
+    let _ = ACTIVATIONS.set(a);
 }
 
 pub fn git_rev() -> String {
@@ -77,6 +88,11 @@ pub fn provenance(
         git_rev: git_rev(),
         model: model.map(|p| p.display().to_string()),
         model_sha256: model.map(sha256_file).transpose()?,
+        activations: ACTIVATIONS
+            .get()
+            .copied()
+            .filter(|a| *a != minikv_models::Activations::F32)
+            .map(|a| a.name()),
         seed,
         config,
     })

@@ -214,6 +214,8 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
     }
     let l: Loaded = load_model(&crate::ModelArg {
         model: a.model.clone(),
+        // Sweeps run the exact default (their row keys do not name activations).
+        activations: Default::default(),
     })?;
     let model_sha = l.sha256()?;
     let rev = git_rev();

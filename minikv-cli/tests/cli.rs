@@ -1136,3 +1136,38 @@ fn cuda_backend_under_emulation_on_the_real_model() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--activations q8` (llama.cpp's 8-bit activation arithmetic for decode
+/// matvecs) takes effect on the real model, stays close to the exact default,
+/// and is recorded in the provenance; the exact default records nothing; an
+/// unknown mode is a clear error.
+#[test]
+fn q8_activations_on_the_real_model() {
+    let run = |act: &str| {
+        ok_json(&[
+            "perplexity",
+            "--text",
+            "assets/paul_graham/addiction.txt",
+            "--tokens",
+            "192",
+            "--prefill",
+            "64",
+            "--activations",
+            act,
+            "--json",
+        ])
+    };
+    let (exact, q8) = (run("f32"), run("q8"));
+    let (pe, pq) = (
+        exact["decode_ppl"].as_f64().unwrap(),
+        q8["decode_ppl"].as_f64().unwrap(),
+    );
+    // The prefill (a matmul) is exact in both; the 128 decoded tokens differ.
+    assert_eq!(exact["prefill_tokens"], q8["prefill_tokens"]);
+    assert_ne!(pe, pq, "q8 activations must change the decode arithmetic");
+    assert!((pq / pe - 1.0).abs() < 0.02, "exact {pe}, q8 {pq}");
+    assert_eq!(q8["provenance"]["activations"], "q8");
+    assert!(exact["provenance"].get("activations").is_none());
+    let (ok, _, err) = minikv(&["perplexity", "--activations", "q4"]);
+    assert!(!ok && err.contains("expected f32 or q8"), "{err}");
+}

@@ -265,6 +265,40 @@ pub fn needs_block_sums(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_1 | GgmlType::Q4_K)
 }
 
+/// The portable `Q4_1` row dot (16 lanes of fused multiply-adds, then the
+/// minimums' term); `blocks_x86` computes exactly this with intrinsics.
+pub(crate) fn dot_q4_1_portable(src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let mut macc = 0.0f32;
+    for ((b, xb), xs) in src.chunks_exact(20).zip(x.chunks_exact(32)).zip(xsum) {
+        let d = h(b, 0);
+        macc += h(b, 2) * xs;
+        let qs: &[u8; 16] = b[4..20].try_into().expect("16");
+        let (xl, xh) = xb.split_at(16);
+        for j in 0..16 {
+            acc[j] = fmadd(
+                d,
+                fmadd((qs[j] & 15) as f32, xl[j], (qs[j] >> 4) as f32 * xh[j]),
+                acc[j],
+            );
+        }
+    }
+    acc.iter().sum::<f32>() + macc
+}
+
+/// The portable `Q8_0` row dot (32 lanes of fused multiply-adds).
+pub(crate) fn dot_q8_0_portable(src: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 32];
+    for (b, xb) in src.chunks_exact(34).zip(x.chunks_exact(32)) {
+        let d = h(b, 0);
+        let qs: &[u8; 32] = b[2..34].try_into().expect("32");
+        for j in 0..32 {
+            acc[j] = fmadd(d, qs[j] as i8 as f32 * xb[j], acc[j]);
+        }
+    }
+    acc.iter().sum()
+}
+
 /// `row . x` straight from the row's bytes. `xsum` = [`block_sums`] of `x`
 /// (for `Q4_1` and `Q4_K`: their minimums multiply sums of 32 inputs).
 #[inline]
@@ -296,35 +330,29 @@ pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
             }
             acc.iter().sum()
         }
-        GgmlType::Q4_1 => {
-            let mut acc = [0.0f32; 16];
-            let mut macc = 0.0f32;
-            for ((b, xb), xs) in src.chunks_exact(20).zip(x.chunks_exact(32)).zip(xsum) {
-                let d = h(b, 0);
-                macc += h(b, 2) * xs;
-                let qs: &[u8; 16] = b[4..20].try_into().expect("16");
-                let (xl, xh) = xb.split_at(16);
-                for j in 0..16 {
-                    acc[j] = fmadd(
-                        d,
-                        fmadd((qs[j] & 15) as f32, xl[j], (qs[j] >> 4) as f32 * xh[j]),
-                        acc[j],
-                    );
-                }
-            }
-            acc.iter().sum::<f32>() + macc
-        }
-        GgmlType::Q8_0 => {
-            let mut acc = [0.0f32; 32];
-            for (b, xb) in src.chunks_exact(34).zip(x.chunks_exact(32)) {
-                let d = h(b, 0);
-                let qs: &[u8; 32] = b[2..34].try_into().expect("32");
-                for j in 0..32 {
-                    acc[j] = fmadd(d, qs[j] as i8 as f32 * xb[j], acc[j]);
-                }
-            }
-            acc.iter().sum()
-        }
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma",
+            target_feature = "f16c"
+        ))]
+        // SAFETY: the features are enabled (cfg); a row holds `x.len() / 32`
+        // blocks and `xsum` one sum per block.
+        GgmlType::Q4_1 if src.len() >= x.len() / 32 * 20 && xsum.len() >= x.len() / 32 => unsafe {
+            crate::blocks_x86::dot_q4_1(src, x, xsum)
+        },
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma",
+            target_feature = "f16c"
+        ))]
+        // SAFETY: as above, `x.len() / 32` blocks of 34 bytes.
+        GgmlType::Q8_0 if src.len() >= x.len() / 32 * 34 => unsafe {
+            crate::blocks_x86::dot_q8_0(src, x)
+        },
+        GgmlType::Q4_1 => dot_q4_1_portable(src, x, xsum),
+        GgmlType::Q8_0 => dot_q8_0_portable(src, x),
         GgmlType::Q5_0 => {
             let mut acc = [0.0f32; 16];
             for (b, xb) in src.chunks_exact(22).zip(x.chunks_exact(32)) {
@@ -547,6 +575,46 @@ mod tests {
                 (got - want).abs() <= 1e-4 * want.abs().max(1.0),
                 "{ty:?}: {got} vs {want}"
             );
+        }
+    }
+
+    /// The AVX2 `Q4_1` and `Q8_0` dots are bitwise equal to the portable loops
+    /// on random rows (random scales, minimums, codes and inputs, including
+    /// rows of one block and of SmolLM2's 18 and 48 blocks).
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    #[test]
+    fn x86_dots_are_bitwise_equal_to_the_portable_loops() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for &nb in &[1usize, 2, 18, 48, 5] {
+            for _ in 0..200 {
+                let x: Vec<f32> = (0..32 * nb).map(|_| rng.random_range(-3.0..3.0)).collect();
+                let mut xs = Vec::new();
+                block_sums(&x, &mut xs);
+                let mut q41 = Vec::new();
+                let mut q80 = Vec::new();
+                for _ in 0..nb {
+                    q41.extend(f16b(rng.random_range(-0.1..0.1)));
+                    q41.extend(f16b(rng.random_range(-1.0..1.0)));
+                    q41.extend((0..16).map(|_| rng.random::<u8>()));
+                    q80.extend(f16b(rng.random_range(-0.1..0.1)));
+                    q80.extend((0..32).map(|_| rng.random::<u8>()));
+                }
+                // SAFETY: the features are enabled (cfg); nb blocks each.
+                let (a, b) = unsafe {
+                    (
+                        crate::blocks_x86::dot_q4_1(&q41, &x, &xs),
+                        crate::blocks_x86::dot_q8_0(&q80, &x),
+                    )
+                };
+                assert_eq!(a.to_bits(), dot_q4_1_portable(&q41, &x, &xs).to_bits());
+                assert_eq!(b.to_bits(), dot_q8_0_portable(&q80, &x).to_bits());
+            }
         }
     }
 }

@@ -493,6 +493,30 @@ impl LanguageModel for Gemma3 {
         })
     }
 
+    fn set_activations(&mut self, act: crate::Activations) {
+        for b in &mut self.blocks {
+            let qkv: Vec<&mut QMatrix> = match &mut b.qkv {
+                Qkv::Fused(m) => vec![m],
+                Qkv::Split(q, k, v) => vec![q, k, v],
+            };
+            let gate_up: Vec<&mut QMatrix> = match &mut b.gate_up {
+                GateUp::Fused(m) => vec![m],
+                GateUp::Split(g, u) => vec![g, u],
+            };
+            for m in qkv
+                .into_iter()
+                .chain(gate_up)
+                .chain([&mut b.wo, &mut b.w_down])
+            {
+                m.set_activations(act);
+            }
+        }
+        self.embed.set_activations(act);
+        if let Some(h) = self.lm_head.as_mut() {
+            h.set_activations(act);
+        }
+    }
+
     fn forward(
         &self,
         tokens: &[u32],

@@ -24,11 +24,20 @@
 #![warn(missing_docs)]
 
 pub mod blocks;
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+mod blocks_x86;
 pub mod gemma3;
 mod generate;
 pub mod gguf;
 pub mod llama;
 pub mod matrix;
+pub mod q8;
+pub use q8::Activations;
 mod safetensors;
 mod sampling;
 mod tokenizer;
@@ -90,6 +99,9 @@ pub trait LanguageModel: Send + Sync + std::fmt::Debug {
     fn reconstruction_prompts(&self) -> Option<&ReconstructionPrompts> {
         None
     }
+    /// Sets how every weight matrix's decode matvec treats its input (see
+    /// [`q8`]); [`Activations::F32`], the default, is exact.
+    fn set_activations(&mut self, act: Activations);
     /// Runs `tokens` at the cache's next positions; returns the requested logits.
     fn forward(
         &self,

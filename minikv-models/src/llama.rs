@@ -519,6 +519,32 @@ impl LanguageModel for Llama {
         })
     }
 
+    fn set_activations(&mut self, act: crate::Activations) {
+        let blocks = self.blocks.iter_mut().flat_map(|b| {
+            [
+                &mut b.wq,
+                &mut b.wk,
+                &mut b.wv,
+                &mut b.wo,
+                &mut b.w_gate,
+                &mut b.w_up,
+                &mut b.w_down,
+            ]
+        });
+        let fused = self
+            .fused
+            .iter_mut()
+            .flat_map(|f| [f.qkv.as_mut(), f.gate_up.as_mut()])
+            .flatten();
+        for m in blocks
+            .chain(fused)
+            .chain([&mut self.embed])
+            .chain(self.lm_head.as_mut())
+        {
+            m.set_activations(act);
+        }
+    }
+
     fn forward(
         &self,
         tokens: &[u32],

@@ -3,6 +3,7 @@
 
 use crate::blocks::{GgmlType, block_sums, dequantize_row, dot_row};
 use crate::gguf::Blob;
+use crate::q8::{Activations, Q8Vec};
 use minikv_core::{Error, Result};
 use rayon::prelude::*;
 use std::cell::RefCell;
@@ -17,10 +18,14 @@ pub struct QMatrix {
     /// Input features.
     pub cols: usize,
     data: Blob,
+    /// How decode matvecs treat the input ([`Activations::F32`] unless set).
+    act: Activations,
 }
 
 thread_local! {
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The 8-bit input of a [`Activations::Q8`] matvec (reused: no allocation per call).
+    static Q8_INPUT: RefCell<Q8Vec> = RefCell::new(Q8Vec::default());
 }
 
 /// Output rows dequantized per prefill tile.
@@ -62,6 +67,7 @@ impl QMatrix {
             rows,
             cols,
             data,
+            act: Activations::F32,
         })
     }
 
@@ -100,6 +106,7 @@ impl QMatrix {
             rows: ms.iter().map(|m| m.rows).sum(),
             cols: first.cols,
             data: Blob::owned(bytes),
+            act: first.act,
         })
     }
 
@@ -111,7 +118,19 @@ impl QMatrix {
             rows,
             cols,
             data: Blob::owned(bytes),
+            act: Activations::F32,
         }
+    }
+
+    /// Sets how decode matvecs treat the input. [`Activations::Q8`] applies
+    /// to `Q4_1` and `Q8_0` weights (other types keep the exact f32 dot).
+    pub fn set_activations(&mut self, act: Activations) {
+        self.act = act;
+    }
+
+    /// How decode matvecs treat the input.
+    pub fn activations(&self) -> Activations {
+        self.act
     }
 
     /// Bytes of the weights.
@@ -138,6 +157,13 @@ impl QMatrix {
     /// `y = W x` (decode), parallel over rows, f32 activations against the
     /// weights' own blocks (exact up to f32 rounding).
     pub fn matvec(&self, x: &[f32], y: &mut [f32]) {
+        if self.act == Activations::Q8 && matches!(self.dtype, GgmlType::Q4_1 | GgmlType::Q8_0) {
+            // A nested call on this thread (rayon work-stealing) gets its own buffer.
+            return Q8_INPUT.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut a) => self.matvec_q8(x, &mut a, y),
+                Err(_) => self.matvec_q8(x, &mut Q8Vec::default(), y),
+            });
+        }
         let mut xs = Vec::new();
         if crate::blocks::needs_block_sums(self.dtype) {
             block_sums(x, &mut xs);
@@ -146,6 +172,22 @@ impl QMatrix {
         y.par_chunks_mut(c).enumerate().for_each(|(i, yc)| {
             for (j, o) in yc.iter_mut().enumerate() {
                 *o = dot_row(self.dtype, self.row(i * c + j), x, &xs);
+            }
+        });
+    }
+
+    /// [`Self::matvec`] with the input rounded to 8 bits per block of 32.
+    fn matvec_q8(&self, x: &[f32], a: &mut Q8Vec, y: &mut [f32]) {
+        a.quantize(x);
+        let a = &*a;
+        let c = self.chunk_rows();
+        let dot = match self.dtype {
+            GgmlType::Q4_1 => crate::q8::dot_q4_1,
+            _ => crate::q8::dot_q8_0,
+        };
+        y.par_chunks_mut(c).enumerate().for_each(|(i, yc)| {
+            for (j, o) in yc.iter_mut().enumerate() {
+                *o = dot(self.row(i * c + j), a);
             }
         });
     }

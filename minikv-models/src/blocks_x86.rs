@@ -1,0 +1,112 @@
+//! `Q4_1` and `Q8_0` row dot products written with AVX2/FMA/F16C intrinsics
+//! (compiled when `target-cpu=native` enables them).
+//!
+//! They perform the portable loops' arithmetic of [`crate::blocks::dot_row`]
+//! exactly, lane for lane and in the same order (so every logit is bitwise
+//! unchanged, `tests` below). What they fix is the scalar loads of each
+//! block's fp16 scale and minimum: the compiler inserted them into a register
+//! with `vpinsrw`, which merges into (so waits for) whatever that register
+//! last held, in practice the running sum of the minimum terms, chaining every
+//! block's loads behind the previous block's additions. Here the two fp16
+//! values are read as one 32-bit word into a fresh register (`vmovd`) and
+//! widened together (`vcvtph2ps`).
+
+use std::arch::x86_64::*;
+
+/// Software prefetch distance in bytes.
+const PREFETCH: usize = 1024;
+
+/// The block's leading fp16 pair (`d`, and `m` for `Q4_1`) as `[d, m, 0, 0]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scale_pair(b: *const u8) -> __m128 {
+    // SAFETY: the caller guarantees 4 readable bytes at `b`.
+    unsafe { _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned())) }
+}
+
+/// Sum of the lanes in index order: the portable `acc.iter().sum::<f32>()`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lanes_sum(acc: &[__m256]) -> f32 {
+    let mut lanes = [0.0f32; 32];
+    for (k, a) in acc.iter().enumerate() {
+        // SAFETY: at most 4 vectors, 32 lanes.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * k), *a) };
+    }
+    lanes[..8 * acc.len()].iter().sum::<f32>()
+}
+
+/// `Q4_1` row (`x.len() / 32` blocks of 20 bytes) dot `x`, with `xsum` the
+/// 32-block sums of `x`.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; `src` must hold `x.len() / 32`
+/// blocks and `xsum` as many sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_1(src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
+    let nb = x.len() / 32;
+    // SAFETY: every pointer below stays within block `i < nb` of `src`, `x`
+    // and `xsum`, as the caller guarantees.
+    unsafe {
+        let mask = _mm_set1_epi8(15);
+        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut macc = 0.0f32;
+        for i in 0..nb {
+            let b = src.as_ptr().add(20 * i);
+            // Weights stream from memory: ask for the bytes ~1 KiB ahead (a
+            // prefetch never faults, past the row's end included).
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
+            let dm = scale_pair(b);
+            let d = _mm256_broadcastss_ps(dm);
+            let m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+            macc += m * *xsum.get_unchecked(i);
+            let qs = _mm_loadu_si128(b.add(4) as *const __m128i);
+            let lo = _mm_and_si128(qs, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+            let xp = x.as_ptr().add(32 * i);
+            // Lanes j = 0..16: weight j (low nibble, x[j]) and j + 16 (high, x[j + 16]).
+            let in0 = _mm256_fmadd_ps(
+                f(lo),
+                _mm256_loadu_ps(xp),
+                _mm256_mul_ps(f(hi), _mm256_loadu_ps(xp.add(16))),
+            );
+            let in1 = _mm256_fmadd_ps(
+                f(_mm_srli_si128(lo, 8)),
+                _mm256_loadu_ps(xp.add(8)),
+                _mm256_mul_ps(f(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xp.add(24))),
+            );
+            acc0 = _mm256_fmadd_ps(d, in0, acc0);
+            acc1 = _mm256_fmadd_ps(d, in1, acc1);
+        }
+        lanes_sum(&[acc0, acc1]) + macc
+    }
+}
+
+/// `Q8_0` row (`x.len() / 32` blocks of 34 bytes) dot `x`.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available; `src` must hold `x.len() / 32` blocks.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q8_0(src: &[u8], x: &[f32]) -> f32 {
+    let nb = x.len() / 32;
+    // SAFETY: every pointer below stays within block `i < nb` of `src` and `x`
+    // (the fp16 scale is read as a 4-byte word: its 2 bytes and the first two
+    // codes, which the conversion then ignores).
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for i in 0..nb {
+            let b = src.as_ptr().add(34 * i);
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
+            let d = _mm256_broadcastss_ps(scale_pair(b));
+            let xp = x.as_ptr().add(32 * i);
+            for (k, a) in acc.iter_mut().enumerate() {
+                let q8 = _mm_loadl_epi64(b.add(2 + 8 * k) as *const __m128i);
+                let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+                let qx = _mm256_mul_ps(q, _mm256_loadu_ps(xp.add(8 * k)));
+                *a = _mm256_fmadd_ps(d, qx, *a);
+            }
+        }
+        lanes_sum(&acc)
+    }
+}

@@ -1,0 +1,364 @@
+//! 8-bit activations for decode matvecs: llama.cpp's arithmetic, opt-in.
+//!
+//! By default minikv multiplies the weights' blocks with f32 activations
+//! (exact up to f32 rounding). [`Activations::Q8`] instead rounds each block
+//! of 32 inputs to 8-bit integers with one f32 scale (`d = max|x| / 127`,
+//! `q = round(x / d)`, ties to even; plus `s = d * sum(q)` for the
+//! minimums of `Q4_1`), as llama.cpp does before its `Q4_1 x Q8_1` and
+//! `Q8_0 x Q8_0` dot products, and computes each block's dot product in
+//! integers: `d_w * d_x * sum(w_q * x_q)` (+ `m_w * s_x` for `Q4_1`). On AVX2
+//! that is `vpmaddubsw` + `vpmaddwd` on 32 weights at once. It applies to
+//! decode (one or two rows); prefill keeps its f32 matmul, and weight types
+//! other than `Q4_1` and `Q8_0` keep the exact dot.
+//!
+//! The rounding costs accuracy: `minikv perplexity --activations q8` reports
+//! it (docs/performance.md has the numbers).
+
+use serde::{Deserialize, Serialize};
+
+/// How decode matvecs treat activations.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Activations {
+    /// f32 activations against the weights' blocks (exact up to f32 rounding).
+    #[default]
+    F32,
+    /// 8-bit activations per block of 32 and integer dot products
+    /// (llama.cpp's arithmetic) for `Q4_1` and `Q8_0` weights.
+    Q8,
+}
+
+impl std::str::FromStr for Activations {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "q8" => Ok(Self::Q8),
+            other => Err(format!(
+                "unknown activations `{other}` (expected f32 or q8)"
+            )),
+        }
+    }
+}
+
+impl Activations {
+    /// The name `--activations` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Q8 => "q8",
+        }
+    }
+}
+
+/// One input vector in blocks of 32 8-bit integers.
+#[derive(Debug, Clone, Default)]
+pub struct Q8Vec {
+    /// Codes, `32` per block.
+    pub q: Vec<i8>,
+    /// Scale per block.
+    pub d: Vec<f32>,
+    /// `d * sum(q)` per block.
+    pub s: Vec<f32>,
+}
+
+impl Q8Vec {
+    /// Quantizes `x` (a multiple of 32 long) in place of the previous contents.
+    pub fn quantize(&mut self, x: &[f32]) {
+        let nb = x.len() / 32;
+        self.q.resize(nb * 32, 0);
+        self.d.resize(nb, 0.0);
+        self.s.resize(nb, 0.0);
+        for (b, xb) in x.chunks_exact(32).enumerate() {
+            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, v) in self.q[b * 32..(b + 1) * 32].iter_mut().zip(xb) {
+                let r = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+                *q = r;
+                sum += r as i32;
+            }
+            self.d[b] = d;
+            self.s[b] = d * sum as f32;
+        }
+    }
+}
+
+#[inline]
+fn h(b: &[u8], i: usize) -> f32 {
+    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// `Q4_1` row dot a quantized input: per block `d_w d_x sum(w_q x_q) + m_w s_x`,
+/// the blocks' terms added in order.
+pub fn dot_q4_1(src: &[u8], a: &Q8Vec) -> f32 {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    if src.len() >= a.d.len() * 20 {
+        // SAFETY: AVX2/FMA are enabled (cfg); `src` holds `a.d.len()` blocks.
+        return unsafe { x86::dot_q4_1(src, a) };
+    }
+    dot_q4_1_portable(src, a)
+}
+
+/// The portable loop of [`dot_q4_1`] (what the AVX2 kernel computes, bitwise).
+fn dot_q4_1_portable(src: &[u8], a: &Q8Vec) -> f32 {
+    // Eight lanes as the AVX2 kernel keeps them: lane `l` holds weights
+    // `4l .. 4l + 4` of every block.
+    let mut acc = [0.0f32; 8];
+    let mut macc = 0.0f32;
+    for (b, (blk, xq)) in src.chunks_exact(20).zip(a.q.chunks_exact(32)).enumerate() {
+        let qs = &blk[4..20];
+        let w = |j: usize| if j < 16 { qs[j] & 15 } else { qs[j - 16] >> 4 } as i32;
+        let dd = h(blk, 0) * a.d[b];
+        for (l, acc) in acc.iter_mut().enumerate() {
+            let isum: i32 = (4 * l..4 * l + 4).map(|j| w(j) * xq[j] as i32).sum();
+            *acc = dd.mul_add(isum as f32, *acc);
+        }
+        macc += h(blk, 2) * a.s[b];
+    }
+    acc.iter().sum::<f32>() + macc
+}
+
+/// `Q8_0` row dot a quantized input: per block `d_w d_x sum(w_q x_q)`.
+pub fn dot_q8_0(src: &[u8], a: &Q8Vec) -> f32 {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    if src.len() >= a.d.len() * 34 {
+        // SAFETY: AVX2/FMA are enabled (cfg); `src` holds `a.d.len()` blocks.
+        return unsafe { x86::dot_q8_0(src, a) };
+    }
+    dot_q8_0_portable(src, a)
+}
+
+/// The portable loop of [`dot_q8_0`] (what the AVX2 kernel computes, bitwise).
+fn dot_q8_0_portable(src: &[u8], a: &Q8Vec) -> f32 {
+    let mut acc = [0.0f32; 8];
+    for (b, (blk, xq)) in src.chunks_exact(34).zip(a.q.chunks_exact(32)).enumerate() {
+        let dd = h(blk, 0) * a.d[b];
+        for (l, acc) in acc.iter_mut().enumerate() {
+            let isum: i32 = (4 * l..4 * l + 4)
+                .map(|j| blk[2 + j] as i8 as i32 * xq[j] as i32)
+                .sum();
+            *acc = dd.mul_add(isum as f32, *acc);
+        }
+    }
+    acc.iter().sum::<f32>()
+}
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod x86 {
+    use super::Q8Vec;
+    use std::arch::x86_64::*;
+
+    /// Software prefetch distance in bytes.
+    const PREFETCH: usize = 1024;
+
+    /// The lanes summed in index order (the portable `acc.iter().sum()`).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn lanes_sum(v: __m256) -> f32 {
+        let mut l = [0.0f32; 8];
+        // SAFETY: 8 lanes into 8 floats.
+        unsafe { _mm256_storeu_ps(l.as_mut_ptr(), v) };
+        l.iter().sum::<f32>()
+    }
+
+    /// The block's first two fp16 values (`d`, and `m` for `Q4_1`), read as
+    /// one word into a fresh register (`vmovd`; a scalar `vpinsrw` would merge
+    /// into, and so wait for, whatever its register last held).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn scale_pair(blk: &[u8]) -> (f32, f32) {
+        let w = i32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]]);
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(w));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+    }
+
+    /// The portable loop's arithmetic: per block, 8 lanes of exact integer
+    /// sums of 4 products (`vpmaddubsw`, `vpmaddwd`) scaled by `d_w d_x` into
+    /// 8 f32 accumulators; the minimums' terms in block order.
+    ///
+    /// # Safety
+    /// AVX2/FMA available; `src` holds `a.d.len()` blocks of 20 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4_1(src: &[u8], a: &Q8Vec) -> f32 {
+        let mask = _mm_set1_epi8(15);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = _mm256_setzero_ps();
+        let mut macc = 0.0f32;
+        for b in 0..a.d.len() {
+            let blk = &src[20 * b..20 * b + 20];
+            // Weights stream from memory: ask for the bytes ~1 KiB ahead (a
+            // prefetch never faults, past the row's end included).
+            _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(PREFETCH) as *const i8);
+            // SAFETY: 16 code bytes at offset 4 of the block, 32 codes of `a.q`.
+            let (qs, xq) = unsafe {
+                (
+                    _mm_loadu_si128(blk.as_ptr().add(4) as *const __m128i),
+                    _mm256_loadu_si256(a.q.as_ptr().add(32 * b) as *const __m256i),
+                )
+            };
+            let lo = _mm_and_si128(qs, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+            let w = _mm256_set_m128i(hi, lo);
+            let isum = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);
+            let (d, m) = scale_pair(blk);
+            let dd = _mm256_set1_ps(d * a.d[b]);
+            acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc);
+            macc += m * a.s[b];
+        }
+        lanes_sum(acc) + macc
+    }
+
+    /// As [`dot_q4_1`] for `Q8_0` (signed weights: `|w| * sign(w) x`).
+    ///
+    /// # Safety
+    /// AVX2/FMA available; `src` holds `a.d.len()` blocks of 34 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q8_0(src: &[u8], a: &Q8Vec) -> f32 {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..a.d.len() {
+            let blk = &src[34 * b..34 * b + 34];
+            _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(PREFETCH) as *const i8);
+            // SAFETY: 32 code bytes at offset 2 of the block, 32 codes of `a.q`.
+            let (w, xq) = unsafe {
+                (
+                    _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i),
+                    _mm256_loadu_si256(a.q.as_ptr().add(32 * b) as *const __m256i),
+                )
+            };
+            let p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
+            let isum = _mm256_madd_epi16(p, ones);
+            let dd = _mm256_set1_ps(scale_pair(blk).0 * a.d[b]);
+            acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc);
+        }
+        lanes_sum(acc)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn f16b(x: f32) -> [u8; 2] {
+        half::f16::from_f32(x).to_le_bytes()
+    }
+
+    /// Quantization per block: max |x| maps to +-127, error <= d / 2, and
+    /// `s = d * sum(q)`; an all-zero block has scale 0 and codes 0.
+    #[test]
+    fn quantize_blocks() {
+        let mut x: Vec<f32> = (0..64).map(|i| (i as f32 - 20.0) / 7.0).collect();
+        x[32..].fill(0.0);
+        let mut a = Q8Vec::default();
+        a.quantize(&x);
+        let d = 20.0 / 7.0 / 127.0;
+        assert!((a.d[0] - d).abs() < 1e-7);
+        assert_eq!(a.q[0], -127);
+        for (q, v) in a.q[..32].iter().zip(&x[..32]) {
+            assert!((*q as f32 * a.d[0] - v).abs() <= a.d[0] / 2.0 + 1e-6);
+        }
+        let sum: i32 = a.q[..32].iter().map(|&q| q as i32).sum();
+        assert_eq!(a.s[0], a.d[0] * sum as f32);
+        assert_eq!((a.d[1], a.s[1]), (0.0, 0.0));
+        assert!(a.q[32..].iter().all(|&q| q == 0));
+    }
+
+    /// The integer dots equal the same sums written out in f64 from the
+    /// blocks' definitions (the only f32 rounding is in the per-block
+    /// scale products), on SmolLM2-sized rows.
+    #[test]
+    fn integer_dots_match_their_definition() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for _ in 0..100 {
+            let nb = 18;
+            let x: Vec<f32> = (0..32 * nb).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let mut a = Q8Vec::default();
+            a.quantize(&x);
+            let (mut q41, mut q80) = (Vec::new(), Vec::new());
+            let (mut want41, mut want80) = (0.0f64, 0.0f64);
+            for b in 0..nb {
+                let (d, m) = (rng.random_range(0.001..0.05), rng.random_range(-0.5..0.5));
+                let (d, m) = (
+                    half::f16::from_f32(d).to_f32(),
+                    half::f16::from_f32(m).to_f32(),
+                );
+                q41.extend(f16b(d));
+                q41.extend(f16b(m));
+                let codes: Vec<u8> = (0..16).map(|_| rng.random()).collect();
+                q41.extend(&codes);
+                let d8 = half::f16::from_f32(rng.random_range(0.001..0.05)).to_f32();
+                q80.extend(f16b(d8));
+                let c8: Vec<u8> = (0..32).map(|_| rng.random()).collect();
+                q80.extend(&c8);
+                let xq = &a.q[32 * b..32 * b + 32];
+                let mut i41 = 0i64;
+                for j in 0..16 {
+                    i41 += (codes[j] & 15) as i64 * xq[j] as i64
+                        + (codes[j] >> 4) as i64 * xq[j + 16] as i64;
+                }
+                want41 += d as f64 * a.d[b] as f64 * i41 as f64 + m as f64 * a.s[b] as f64;
+                let i80: i64 = c8
+                    .iter()
+                    .zip(xq)
+                    .map(|(&w, &x)| w as i8 as i64 * x as i64)
+                    .sum();
+                want80 += d8 as f64 * a.d[b] as f64 * i80 as f64;
+            }
+            let (g41, g80) = (dot_q4_1(&q41, &a), dot_q8_0(&q80, &a));
+            assert!(
+                (g41 as f64 - want41).abs() <= 1e-4 * (1.0 + want41.abs()),
+                "{g41} vs {want41}"
+            );
+            assert!(
+                (g80 as f64 - want80).abs() <= 1e-4 * (1.0 + want80.abs()),
+                "{g80} vs {want80}"
+            );
+        }
+    }
+
+    /// The AVX2 kernels are bitwise equal to the portable loops.
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    #[test]
+    fn x86_equals_portable_bitwise() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for nb in [1usize, 3, 18, 48] {
+            for _ in 0..100 {
+                let x: Vec<f32> = (0..32 * nb).map(|_| rng.random_range(-4.0..4.0)).collect();
+                let mut a = Q8Vec::default();
+                a.quantize(&x);
+                let mut q41 = Vec::new();
+                let mut q80 = Vec::new();
+                for _ in 0..nb {
+                    q41.extend(f16b(rng.random_range(-0.1..0.1)));
+                    q41.extend(f16b(rng.random_range(-1.0..1.0)));
+                    q41.extend((0..16).map(|_| rng.random::<u8>()));
+                    q80.extend(f16b(rng.random_range(-0.1..0.1)));
+                    q80.extend((0..32).map(|_| rng.random::<u8>()));
+                }
+                // SAFETY: AVX2/FMA enabled (cfg); nb blocks each.
+                let (g41, g80) = unsafe { (x86::dot_q4_1(&q41, &a), x86::dot_q8_0(&q80, &a)) };
+                assert_eq!(g41.to_bits(), dot_q4_1_portable(&q41, &a).to_bits());
+                assert_eq!(g80.to_bits(), dot_q8_0_portable(&q80, &a).to_bits());
+            }
+        }
+    }
+}
