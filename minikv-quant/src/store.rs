@@ -376,6 +376,9 @@ impl MinMaxStore {
     ) {
         let (d, grp, b) = (self.d, self.q.group, self.q.bits as usize);
         let n = self.len;
+        if n == 0 {
+            return; // nothing quantized yet (all tokens still in the residual)
+        }
         let mask = self.mask();
         let wpt = d / P;
         let shifts: [u32; P] = std::array::from_fn(|j| (b * j) as u32);
@@ -406,7 +409,7 @@ impl MinMaxStore {
                         target_feature = "avx2",
                         target_feature = "fma"
                     ))]
-                    if (P == 8 || P == 16) && n > 0 {
+                    if P == 8 || P == 16 {
                         // SAFETY: AVX2 and FMA are enabled (cfg); the words of
                         // tokens 0..n at stride `wpt` from `k`, `a` holds
                         // `NG * n` values and `out` `NG` rows of `d` from
