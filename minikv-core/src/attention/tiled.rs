@@ -124,6 +124,9 @@ struct Prefill<'a> {
 /// Row segments per head when `A_cumul` is requested.
 const CUMUL_SEGMENTS: usize = 8;
 
+/// Floats of kept exponentials per task when `A_cumul` is requested.
+const CUMUL_SCRATCH: usize = 1 << 18;
+
 impl Prefill<'_> {
     /// First key position visible to the query at position `pos`.
     fn lo_of(&self, pos: usize) -> usize {
@@ -265,12 +268,19 @@ impl AttentionBackend for TiledBackend {
         if n == 0 {
             return Ok(());
         }
+        // With `A_cumul` a task keeps `rows x keys` exponentials: fewer rows
+        // per task at long contexts bound that to ~1 MiB per thread (8 rows
+        // at least). Rows are independent, so outputs do not change.
+        let br = match a.cumulative {
+            Some(_) => self.block_q.min((CUMUL_SCRATCH / t).max(8)),
+            None => self.block_q,
+        };
         let p = Prefill {
             d,
             n,
             t,
             g,
-            br: self.block_q,
+            br,
             bk: self.block_k,
             scale: 1.0 / (d as f32).sqrt(),
             off: t - n,
