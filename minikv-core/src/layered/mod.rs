@@ -1,12 +1,12 @@
 //! The cache every config builds, assembled from parts with one job each:
 //!
-//! * [`staging`]: the prompt's K/V in full precision and the signals the
+//! * `staging`: the prompt's K/V in full precision and the signals the
 //!   components asked for, until the end of prefill;
 //! * `compress`: the end of prefill (budgets, scores, selection,
 //!   compensation) wiring the components of the config;
-//! * [`store`]: per storage head, the quantized part, the fp16 residual with
+//! * `store`: per storage head, the quantized part, the fp16 residual with
 //!   its streaming rule, and extra entries;
-//! * [`evict`]: decode-time eviction over any scorer.
+//! * `evict`: decode-time eviction over any scorer.
 //!
 //! Heads hold ragged lengths: per-head budgets really free memory.
 //! [`KvCache::memory`] is the sum of each part's own accounting.
