@@ -109,7 +109,7 @@ impl GgmlType {
 }
 
 #[inline]
-fn h(b: &[u8], i: usize) -> f32 {
+pub(crate) fn h(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 

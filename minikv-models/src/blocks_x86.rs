@@ -14,12 +14,12 @@
 use std::arch::x86_64::*;
 
 /// Software prefetch distance in bytes.
-const PREFETCH: usize = 1024;
+pub(crate) const PREFETCH: usize = 1024;
 
 /// The block's leading fp16 pair (`d`, and `m` for `Q4_1`) as `[d, m, 0, 0]`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scale_pair(b: *const u8) -> __m128 {
+pub(crate) unsafe fn scale_pair(b: *const u8) -> __m128 {
     // SAFETY: the caller guarantees 4 readable bytes at `b`.
     unsafe { _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned())) }
 }
@@ -27,7 +27,7 @@ unsafe fn scale_pair(b: *const u8) -> __m128 {
 /// Sum of the lanes in index order: the portable `acc.iter().sum::<f32>()`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn lanes_sum(acc: &[__m256]) -> f32 {
+pub(crate) unsafe fn lanes_sum(acc: &[__m256]) -> f32 {
     let mut lanes = [0.0f32; 32];
     for (k, a) in acc.iter().enumerate() {
         // SAFETY: at most 4 vectors, 32 lanes.

@@ -14,6 +14,7 @@
 //! The rounding costs accuracy: `minikv perplexity --activations q8` reports
 //! it (docs/performance.md has the numbers).
 
+use crate::blocks::h;
 use serde::{Deserialize, Serialize};
 
 /// How decode matvecs treat activations.
@@ -85,18 +86,14 @@ impl Q8Vec {
     }
 }
 
-#[inline]
-fn h(b: &[u8], i: usize) -> f32 {
-    half::f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
-
 /// `Q4_1` row dot a quantized input: per block `d_w d_x sum(w_q x_q) + m_w s_x`,
 /// the blocks' terms added in order.
 pub fn dot_q4_1(src: &[u8], a: &Q8Vec) -> f32 {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
-        target_feature = "fma"
+        target_feature = "fma",
+        target_feature = "f16c"
     ))]
     if src.len() >= a.d.len() * 20 {
         // SAFETY: AVX2/FMA are enabled (cfg); `src` holds `a.d.len()` blocks.
@@ -129,7 +126,8 @@ pub fn dot_q8_0(src: &[u8], a: &Q8Vec) -> f32 {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
-        target_feature = "fma"
+        target_feature = "fma",
+        target_feature = "f16c"
     ))]
     if src.len() >= a.d.len() * 34 {
         // SAFETY: AVX2/FMA are enabled (cfg); `src` holds `a.d.len()` blocks.
@@ -156,33 +154,21 @@ fn dot_q8_0_portable(src: &[u8], a: &Q8Vec) -> f32 {
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
-    target_feature = "fma"
+    target_feature = "fma",
+    target_feature = "f16c"
 ))]
 mod x86 {
     use super::Q8Vec;
+    use crate::blocks_x86::{PREFETCH, lanes_sum, scale_pair};
     use std::arch::x86_64::*;
 
-    /// Software prefetch distance in bytes.
-    const PREFETCH: usize = 1024;
-
-    /// The lanes summed in index order (the portable `acc.iter().sum()`).
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn lanes_sum(v: __m256) -> f32 {
-        let mut l = [0.0f32; 8];
-        // SAFETY: 8 lanes into 8 floats.
-        unsafe { _mm256_storeu_ps(l.as_mut_ptr(), v) };
-        l.iter().sum::<f32>()
-    }
-
-    /// The block's first two fp16 values (`d`, and `m` for `Q4_1`), read as
-    /// one word into a fresh register (`vmovd`; a scalar `vpinsrw` would merge
-    /// into, and so wait for, whatever its register last held).
+    /// The block's `[d, m]` (its first two fp16 values).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn scale_pair(blk: &[u8]) -> (f32, f32) {
-        let w = i32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]]);
-        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(w));
+    fn dm(blk: &[u8]) -> (f32, f32) {
+        debug_assert!(blk.len() >= 4);
+        // SAFETY: every block holds at least 4 bytes.
+        let v = unsafe { scale_pair(blk.as_ptr()) };
         (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
     }
 
@@ -214,12 +200,13 @@ mod x86 {
             let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
             let w = _mm256_set_m128i(hi, lo);
             let isum = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);
-            let (d, m) = scale_pair(blk);
+            let (d, m) = dm(blk);
             let dd = _mm256_set1_ps(d * a.d[b]);
             acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc);
             macc += m * a.s[b];
         }
-        lanes_sum(acc) + macc
+        // SAFETY: AVX2 is available (this function's contract).
+        unsafe { lanes_sum(&[acc]) + macc }
     }
 
     /// As [`dot_q4_1`] for `Q8_0` (signed weights: `|w| * sign(w) x`).
@@ -242,10 +229,11 @@ mod x86 {
             };
             let p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
             let isum = _mm256_madd_epi16(p, ones);
-            let dd = _mm256_set1_ps(scale_pair(blk).0 * a.d[b]);
+            let dd = _mm256_set1_ps(dm(blk).0 * a.d[b]);
             acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc);
         }
-        lanes_sum(acc)
+        // SAFETY: AVX2 is available (this function's contract).
+        unsafe { lanes_sum(&[acc]) }
     }
 }
 
@@ -335,7 +323,8 @@ mod tests {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
-        target_feature = "fma"
+        target_feature = "fma",
+        target_feature = "f16c"
     ))]
     #[test]
     fn x86_equals_portable_bitwise() {
