@@ -67,7 +67,10 @@ fn tiled_prefill_extra_memory_is_linear_in_t() {
         large < bound,
         "extra memory at T = 8192 is {large} bytes (bound {bound})"
     );
-    // 8x the tokens: at most ~8x the extra bytes (LSE rows), not 64x.
-    assert!(large <= 8 * small + 4096, "small {small}, large {large}");
+    // 8x the tokens: at most ~8x the extra bytes, not 64x. A thread's scratch
+    // can still grow in the measured run (a task with a longer key span than
+    // any it ran while warming up), by at most the per-thread cap.
+    let slack = threads * ((1 << 20) + (64 << 10));
+    assert!(large <= 8 * small + slack, "small {small}, large {large}");
     eprintln!("extra bytes: T=1024 -> {small}, T=8192 -> {large}");
 }
