@@ -110,3 +110,99 @@ pub(crate) unsafe fn dot_q8_0(src: &[u8], x: &[f32]) -> f32 {
         lanes_sum(&acc)
     }
 }
+
+/// [`dot_q4_1`] of one row against `N` inputs at once: each block's codes are
+/// unpacked once and multiplied with every input. Per input the operations
+/// are those of [`dot_q4_1`], in the same order, so each result is bitwise
+/// equal to a separate call (`tests` below).
+///
+/// # Safety
+/// As [`dot_q4_1`], for every input: AVX2, FMA and F16C available; `src`
+/// holds `nb` blocks; each `xs[j]` holds `32 nb` values and `sums[j]` `nb`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_1_n<const N: usize>(
+    src: &[u8],
+    nb: usize,
+    xs: [*const f32; N],
+    sums: [*const f32; N],
+    out: &mut [f32; N],
+) {
+    // SAFETY: every pointer stays within block `i < nb` of `src` and of
+    // each input, as the caller guarantees.
+    unsafe {
+        let mask = _mm_set1_epi8(15);
+        let mut acc0 = [_mm256_setzero_ps(); N];
+        let mut acc1 = [_mm256_setzero_ps(); N];
+        let mut macc = [0.0f32; N];
+        for i in 0..nb {
+            let b = src.as_ptr().add(20 * i);
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
+            let dm = scale_pair(b);
+            let d = _mm256_broadcastss_ps(dm);
+            let m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+            let qs = _mm_loadu_si128(b.add(4) as *const __m128i);
+            let lo = _mm_and_si128(qs, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+            let (wl0, wh0) = (f(lo), f(hi));
+            let (wl1, wh1) = (f(_mm_srli_si128(lo, 8)), f(_mm_srli_si128(hi, 8)));
+            for j in 0..N {
+                macc[j] += m * *sums[j].add(i);
+                let xp = xs[j].add(32 * i);
+                let in0 = _mm256_fmadd_ps(
+                    wl0,
+                    _mm256_loadu_ps(xp),
+                    _mm256_mul_ps(wh0, _mm256_loadu_ps(xp.add(16))),
+                );
+                let in1 = _mm256_fmadd_ps(
+                    wl1,
+                    _mm256_loadu_ps(xp.add(8)),
+                    _mm256_mul_ps(wh1, _mm256_loadu_ps(xp.add(24))),
+                );
+                acc0[j] = _mm256_fmadd_ps(d, in0, acc0[j]);
+                acc1[j] = _mm256_fmadd_ps(d, in1, acc1[j]);
+            }
+        }
+        for j in 0..N {
+            out[j] = lanes_sum(&[acc0[j], acc1[j]]) + macc[j];
+        }
+    }
+}
+
+/// [`dot_q8_0`] of one row against `N` inputs at once (codes widened once per
+/// block); bitwise equal to separate calls.
+///
+/// # Safety
+/// As [`dot_q8_0`], for every input: `src` holds `nb` blocks and each
+/// `xs[j]` `32 nb` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q8_0_n<const N: usize>(
+    src: &[u8],
+    nb: usize,
+    xs: [*const f32; N],
+    out: &mut [f32; N],
+) {
+    // SAFETY: as in `dot_q8_0`, for every input.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); 4]; N];
+        for i in 0..nb {
+            let b = src.as_ptr().add(34 * i);
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
+            let d = _mm256_broadcastss_ps(scale_pair(b));
+            let q: [__m256; 4] = std::array::from_fn(|k| {
+                let q8 = _mm_loadl_epi64(b.add(2 + 8 * k) as *const __m128i);
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8))
+            });
+            for j in 0..N {
+                let xp = xs[j].add(32 * i);
+                for k in 0..4 {
+                    let qx = _mm256_mul_ps(q[k], _mm256_loadu_ps(xp.add(8 * k)));
+                    acc[j][k] = _mm256_fmadd_ps(d, qx, acc[j][k]);
+                }
+            }
+        }
+        for j in 0..N {
+            out[j] = lanes_sum(&acc[j]);
+        }
+    }
+}

@@ -11,6 +11,7 @@
 //! the others see the last `sliding_window` positions, themselves included.
 //! GGUF norm weights already hold Gemma's `1 + w`.
 
+use crate::batch::{BatchPass, Part, SeqStep};
 use crate::gguf::Gguf;
 use crate::llama::{RopeLayout, apply_rope, hand_over, rms_norm, rope_tables};
 use crate::matrix::QMatrix;
@@ -313,17 +314,16 @@ impl Gemma3 {
             .join(", ")
     }
 
-    fn chunk(
+    /// One pass over the rows of every part (see [`crate::batch`]).
+    fn pass_rows(
         &self,
-        tokens: &[u32],
-        pos0: usize,
-        cache: &mut dyn KvCache,
+        parts: &mut [Part<'_>],
         ws: &mut Workspace,
-        want: Logits,
-        out: &mut Vec<f32>,
+        outs: &mut [Vec<f32>],
     ) -> Result<()> {
         let c = &self.cfg;
-        let n = tokens.len();
+        let off = crate::batch::offsets(parts);
+        let n = off[parts.len()];
         let (h, hd) = (c.hidden, c.head_dim);
         let (qd, kd) = (c.n_heads * hd, c.n_kv_heads * hd);
         for buf in [&mut ws.x, &mut ws.h, &mut ws.o] {
@@ -335,7 +335,9 @@ impl Gemma3 {
         ws.v.resize(n * kd, 0.0);
         ws.g.resize(n * c.ffn, 0.0);
         let scale = (h as f32).sqrt();
-        for (i, &t) in tokens.iter().enumerate() {
+        ws.segs.set(parts.iter().map(|p| p.tokens.len()));
+        let tokens = parts.iter().flat_map(|p| p.tokens);
+        for (i, &t) in tokens.enumerate() {
             let x = &mut ws.x[i * h..(i + 1) * h];
             self.embed.dequantize_row(t as usize, x);
             x.iter_mut().for_each(|v| *v *= scale);
@@ -345,8 +347,12 @@ impl Gemma3 {
         let half = hd / 2;
         cos.clear();
         sin.clear();
-        rope_tables(&self.rope_local.inv_freq, pos0, n, &mut cos, &mut sin);
-        rope_tables(&self.rope_global.inv_freq, pos0, n, &mut cos, &mut sin);
+        for rope in [&self.rope_local, &self.rope_global] {
+            for p in parts.iter() {
+                rope_tables(&rope.inv_freq, p.pos0, p.tokens.len(), &mut cos, &mut sin);
+            }
+        }
+        let segs = std::mem::take(&mut ws.segs);
         // Queries are pre-scaled so that the backend's 1/sqrt(d) gives the
         // model's attention scale.
         let q_scale = c.attention_scale * (hd as f32).sqrt();
@@ -356,7 +362,7 @@ impl Gemma3 {
                 Qkv::Fused(w) => {
                     let r = qd + 2 * kd;
                     ws.f.resize(n * r, 0.0);
-                    w.matmul(&ws.h, n, &mut ws.f);
+                    w.matmul_segments(&ws.h, &segs, &mut ws.f);
                     for i in 0..n {
                         let row = &ws.f[i * r..(i + 1) * r];
                         ws.q[i * qd..(i + 1) * qd].copy_from_slice(&row[..qd]);
@@ -365,9 +371,9 @@ impl Gemma3 {
                     }
                 }
                 Qkv::Split(wq, wk, wv) => {
-                    wq.matmul(&ws.h, n, &mut ws.q);
-                    wk.matmul(&ws.h, n, &mut ws.k);
-                    wv.matmul(&ws.h, n, &mut ws.v);
+                    wq.matmul_segments(&ws.h, &segs, &mut ws.q);
+                    wk.matmul_segments(&ws.h, &segs, &mut ws.k);
+                    wv.matmul_segments(&ws.h, &segs, &mut ws.v);
                 }
             }
             head_norm(&mut ws.q, &b.q_norm, c.rms_eps);
@@ -377,9 +383,13 @@ impl Gemma3 {
                 true => (&self.rope_global, n * half..2 * n * half),
                 false => (&self.rope_local, 0..n * half),
             };
-            let wants = cache.wants(l);
-            if !wants.is_empty() {
-                hand_over(l, &b.wo, rope, wants, &ws.q, n, cache)?;
+            for (p, &a) in parts.iter_mut().zip(&off) {
+                let wants = p.cache.wants(l);
+                if !wants.is_empty() {
+                    let m = p.tokens.len();
+                    let q = &ws.q[a * qd..(a + m) * qd];
+                    hand_over(l, &b.wo, rope, wants, q, m, &mut *p.cache)?;
+                }
             }
             let (cs, sn) = (&cos[tab.clone()], &sin[tab]);
             apply_rope(&mut ws.q, c.n_heads, hd, RopeLayout::Halves, cs, sn);
@@ -387,9 +397,8 @@ impl Gemma3 {
             if q_scale != 1.0 {
                 ws.q.iter_mut().for_each(|v| *v *= q_scale);
             }
-            cache.append(l, &ws.k, &ws.v, n)?;
-            cache.attend(l, &ws.q, n, &mut ws.att)?;
-            b.wo.matmul(&ws.att, n, &mut ws.o);
+            crate::batch::attend_parts(l, parts, &off, &ws.q, &ws.k, &ws.v, &mut ws.att, (qd, kd))?;
+            b.wo.matmul_segments(&ws.att, &segs, &mut ws.o);
             rms_norm(&ws.o, &b.post_attn_norm, c.rms_eps, &mut ws.h);
             ws.x.iter_mut().zip(&ws.h).for_each(|(x, o)| *x += o);
             rms_norm(&ws.x, &b.ffn_norm, c.rms_eps, &mut ws.h);
@@ -397,7 +406,7 @@ impl Gemma3 {
                 GateUp::Fused(w) => {
                     let r = 2 * c.ffn;
                     ws.f.resize(n * r, 0.0);
-                    w.matmul(&ws.h, n, &mut ws.f);
+                    w.matmul_segments(&ws.h, &segs, &mut ws.f);
                     for i in 0..n {
                         let row = &ws.f[i * r..(i + 1) * r];
                         let g = &mut ws.g[i * c.ffn..(i + 1) * c.ffn];
@@ -408,42 +417,41 @@ impl Gemma3 {
                 }
                 GateUp::Split(gate, up) => {
                     ws.u.resize(n * c.ffn, 0.0);
-                    gate.matmul(&ws.h, n, &mut ws.g);
-                    up.matmul(&ws.h, n, &mut ws.u);
+                    gate.matmul_segments(&ws.h, &segs, &mut ws.g);
+                    up.matmul_segments(&ws.h, &segs, &mut ws.u);
                     for (g, u) in ws.g.iter_mut().zip(&ws.u) {
                         *g = gelu_tanh(*g) * u;
                     }
                 }
             }
-            b.w_down.matmul(&ws.g, n, &mut ws.o);
+            b.w_down.matmul_segments(&ws.g, &segs, &mut ws.o);
             rms_norm(&ws.o, &b.post_ffn_norm, c.rms_eps, &mut ws.h);
             ws.x.iter_mut().zip(&ws.h).for_each(|(x, o)| *x += o);
         }
+        ws.segs = segs;
         ws.cos = cos;
         ws.sin = sin;
-        let rows = match want {
-            Logits::None => return Ok(()),
-            Logits::Last => n - 1..n,
-            Logits::All => 0..n,
-        };
-        let m = rows.len();
-        rms_norm(
-            &ws.x[rows.start * h..rows.end * h],
-            &self.norm,
-            c.rms_eps,
-            &mut ws.h[..m * h],
-        );
-        let start = out.len();
-        out.resize(start + m * c.vocab, 0.0);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        head.matmul(&ws.h[..m * h], m, &mut out[start..]);
-        if c.final_softcap > 0.0 {
-            let cap = c.final_softcap;
-            out[start..]
-                .iter_mut()
-                .for_each(|v| *v = (*v / cap).tanh() * cap);
-        }
+        let norm = |x: &[f32], out: &mut [f32]| rms_norm(x, &self.norm, c.rms_eps, out);
+        let cap = c.final_softcap;
+        let post = |v: &mut [f32]| {
+            if cap > 0.0 {
+                v.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
+            }
+        };
+        crate::batch::logits(parts, &off, ws, head, &norm, &post, outs);
         Ok(())
+    }
+}
+
+impl BatchPass for Gemma3 {
+    fn pass(
+        &self,
+        parts: &mut [Part<'_>],
+        ws: &mut Workspace,
+        outs: &mut [Vec<f32>],
+    ) -> Result<()> {
+        self.pass_rows(parts, ws, outs)
     }
 }
 
@@ -524,19 +532,20 @@ impl LanguageModel for Gemma3 {
         ws: &mut Workspace,
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        crate::check_forward(self, tokens, cache)?;
-        let mut out = Vec::new();
-        let mut pos = cache.seq_len(0);
-        let chunks: Vec<&[u32]> = tokens.chunks(crate::llama::PREFILL_CHUNK).collect();
-        let last = chunks.len() - 1;
-        for (i, ch) in chunks.into_iter().enumerate() {
-            let want = match logits {
-                Logits::Last if i != last => Logits::None,
-                w => w,
-            };
-            self.chunk(ch, pos, cache, ws, want, &mut out)?;
-            pos += ch.len();
-        }
-        Ok(out)
+        let mut step = [SeqStep {
+            tokens,
+            cache,
+            logits,
+        }];
+        let mut outs = crate::batch::forward_batch(self, &mut step, ws)?;
+        Ok(outs.pop().unwrap_or_default())
+    }
+
+    fn forward_batch(
+        &self,
+        steps: &mut [SeqStep<'_>],
+        ws: &mut Workspace,
+    ) -> Result<Vec<Vec<f32>>> {
+        crate::batch::forward_batch(self, steps, ws)
     }
 }

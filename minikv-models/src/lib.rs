@@ -23,6 +23,7 @@
 
 #![warn(missing_docs)]
 
+pub mod batch;
 pub mod blocks;
 #[cfg(all(
     target_arch = "x86_64",
@@ -42,6 +43,7 @@ mod safetensors;
 mod sampling;
 mod tokenizer;
 
+pub use batch::SeqStep;
 pub use gemma3::{Gemma3, Gemma3Config};
 pub use generate::{
     ChunkedPerplexity, Generation, Perplexity, StopReason, generate, nll_of, perplexity,
@@ -81,6 +83,12 @@ pub struct Workspace {
     f: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// How the rows of a pass split into sequences.
+    segs: matrix::Segments,
+    /// The same for the rows whose logits were asked for.
+    head_segs: matrix::Segments,
+    /// Logits of a pass's wanted rows.
+    logits: Vec<f32>,
 }
 
 /// A causal language model that attends only through a [`KvCache`].
@@ -110,6 +118,14 @@ pub trait LanguageModel: Send + Sync + std::fmt::Debug {
         ws: &mut Workspace,
         logits: Logits,
     ) -> Result<Vec<f32>>;
+    /// Runs several sequences in one step, each with its own cache (its own
+    /// length and compression state): weight products once over all their
+    /// rows, attention per sequence in parallel. Returns each sequence's
+    /// requested logits, in order. Each result is bitwise equal to
+    /// [`forward`](LanguageModel::forward) of that sequence alone (see
+    /// [`batch`]). Every sequence is checked before any cache changes.
+    fn forward_batch(&self, steps: &mut [SeqStep<'_>], ws: &mut Workspace)
+    -> Result<Vec<Vec<f32>>>;
 }
 
 /// The checks every forward pass starts with: tokens present and inside the

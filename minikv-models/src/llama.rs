@@ -1,6 +1,7 @@
 //! Llama-family decoder (SmolLM2): RMSNorm, RoPE, grouped-query attention through
 //! the [`KvCache`] trait only, SwiGLU, tied or separate output head.
 
+use crate::batch::{BatchPass, Part, SeqStep};
 use crate::gguf::Gguf;
 use crate::matrix::QMatrix;
 use crate::{LanguageModel, Logits, Workspace};
@@ -268,28 +269,20 @@ impl Llama {
             .join(", ")
     }
 
-    /// cos/sin of the RoPE angles for positions `pos0 .. pos0 + n` (once per chunk).
-    fn rope_tables(&self, pos0: usize, n: usize, cos: &mut Vec<f32>, sin: &mut Vec<f32>) {
-        cos.clear();
-        sin.clear();
-        rope_tables(&self.rope_info.inv_freq, pos0, n, cos, sin);
-    }
-
     fn rope(&self, x: &mut [f32], n_heads: usize, cos: &[f32], sin: &[f32]) {
         apply_rope(x, n_heads, self.cfg.head_dim, self.cfg.rope, cos, sin);
     }
 
-    fn chunk(
+    /// One pass over the rows of every part (see [`crate::batch`]).
+    fn pass_rows(
         &self,
-        tokens: &[u32],
-        pos0: usize,
-        cache: &mut dyn KvCache,
+        parts: &mut [Part<'_>],
         ws: &mut Workspace,
-        want: Logits,
-        out: &mut Vec<f32>,
+        outs: &mut [Vec<f32>],
     ) -> Result<()> {
         let c = &self.cfg;
-        let n = tokens.len();
+        let off = crate::batch::offsets(parts);
+        let n = off[parts.len()];
         let (h, hd) = (c.hidden, c.head_dim);
         let (qd, kd) = (c.n_heads * hd, c.n_kv_heads * hd);
         ws.x.resize(n * h, 0.0);
@@ -301,12 +294,25 @@ impl Llama {
         ws.o.resize(n * h, 0.0);
         ws.g.resize(n * c.ffn, 0.0);
         ws.u.resize(n * c.ffn, 0.0);
-        for (i, &t) in tokens.iter().enumerate() {
+        ws.segs.set(parts.iter().map(|p| p.tokens.len()));
+        let tokens = parts.iter().flat_map(|p| p.tokens);
+        for (i, &t) in tokens.enumerate() {
             self.embed
                 .dequantize_row(t as usize, &mut ws.x[i * h..(i + 1) * h]);
         }
         let (mut cos, mut sin) = (std::mem::take(&mut ws.cos), std::mem::take(&mut ws.sin));
-        self.rope_tables(pos0, n, &mut cos, &mut sin);
+        cos.clear();
+        sin.clear();
+        for p in parts.iter() {
+            rope_tables(
+                &self.rope_info.inv_freq,
+                p.pos0,
+                p.tokens.len(),
+                &mut cos,
+                &mut sin,
+            );
+        }
+        let segs = std::mem::take(&mut ws.segs);
         for (l, b) in self.blocks.iter().enumerate() {
             rms_norm(&ws.x, &b.attn_norm, c.rms_eps, &mut ws.h);
             let f = &self.fused[l];
@@ -314,7 +320,7 @@ impl Llama {
                 Some(w) => {
                     let r = qd + 2 * kd;
                     ws.f.resize(n * r, 0.0);
-                    w.matmul(&ws.h, n, &mut ws.f);
+                    w.matmul_segments(&ws.h, &segs, &mut ws.f);
                     for i in 0..n {
                         let row = &ws.f[i * r..(i + 1) * r];
                         ws.q[i * qd..(i + 1) * qd].copy_from_slice(&row[..qd]);
@@ -323,27 +329,30 @@ impl Llama {
                     }
                 }
                 None => {
-                    b.wq.matmul(&ws.h, n, &mut ws.q);
-                    b.wk.matmul(&ws.h, n, &mut ws.k);
-                    b.wv.matmul(&ws.h, n, &mut ws.v);
+                    b.wq.matmul_segments(&ws.h, &segs, &mut ws.q);
+                    b.wk.matmul_segments(&ws.h, &segs, &mut ws.k);
+                    b.wv.matmul_segments(&ws.h, &segs, &mut ws.v);
                 }
             }
-            let wants = cache.wants(l);
-            if !wants.is_empty() {
-                hand_over(l, &b.wo, &self.rope_info, wants, &ws.q, n, cache)?;
+            for (p, &a) in parts.iter_mut().zip(&off) {
+                let wants = p.cache.wants(l);
+                if !wants.is_empty() {
+                    let m = p.tokens.len();
+                    let q = &ws.q[a * qd..(a + m) * qd];
+                    hand_over(l, &b.wo, &self.rope_info, wants, q, m, &mut *p.cache)?;
+                }
             }
             self.rope(&mut ws.q, c.n_heads, &cos, &sin);
             self.rope(&mut ws.k, c.n_kv_heads, &cos, &sin);
-            cache.append(l, &ws.k, &ws.v, n)?;
-            cache.attend(l, &ws.q, n, &mut ws.att)?;
-            b.wo.matmul(&ws.att, n, &mut ws.o);
+            crate::batch::attend_parts(l, parts, &off, &ws.q, &ws.k, &ws.v, &mut ws.att, (qd, kd))?;
+            b.wo.matmul_segments(&ws.att, &segs, &mut ws.o);
             ws.x.iter_mut().zip(&ws.o).for_each(|(x, o)| *x += o);
             rms_norm(&ws.x, &b.ffn_norm, c.rms_eps, &mut ws.h);
             match &f.gate_up {
                 Some(w) => {
                     let r = 2 * c.ffn;
                     ws.f.resize(n * r, 0.0);
-                    w.matmul(&ws.h, n, &mut ws.f);
+                    w.matmul_segments(&ws.h, &segs, &mut ws.f);
                     for i in 0..n {
                         let row = &ws.f[i * r..(i + 1) * r];
                         ws.g[i * c.ffn..(i + 1) * c.ffn].copy_from_slice(&row[..c.ffn]);
@@ -351,35 +360,34 @@ impl Llama {
                     }
                 }
                 None => {
-                    b.w_gate.matmul(&ws.h, n, &mut ws.g);
-                    b.w_up.matmul(&ws.h, n, &mut ws.u);
+                    b.w_gate.matmul_segments(&ws.h, &segs, &mut ws.g);
+                    b.w_up.matmul_segments(&ws.h, &segs, &mut ws.u);
                 }
             }
             for (g, u) in ws.g.iter_mut().zip(&ws.u) {
                 *g = *g / (1.0 + (-*g).exp()) * u;
             }
-            b.w_down.matmul(&ws.g, n, &mut ws.o);
+            b.w_down.matmul_segments(&ws.g, &segs, &mut ws.o);
             ws.x.iter_mut().zip(&ws.o).for_each(|(x, o)| *x += o);
         }
+        ws.segs = segs;
         ws.cos = cos;
         ws.sin = sin;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let rows = match want {
-            Logits::None => return Ok(()),
-            Logits::Last => n - 1..n,
-            Logits::All => 0..n,
-        };
-        let m = rows.len();
-        rms_norm(
-            &ws.x[rows.start * h..rows.end * h],
-            &self.norm,
-            c.rms_eps,
-            &mut ws.h[..m * h],
-        );
-        let start = out.len();
-        out.resize(start + m * c.vocab, 0.0);
-        head.matmul(&ws.h[..m * h], m, &mut out[start..]);
+        let norm = |x: &[f32], out: &mut [f32]| rms_norm(x, &self.norm, c.rms_eps, out);
+        crate::batch::logits(parts, &off, ws, head, &norm, &|_| {}, outs);
         Ok(())
+    }
+}
+
+impl BatchPass for Llama {
+    fn pass(
+        &self,
+        parts: &mut [Part<'_>],
+        ws: &mut Workspace,
+        outs: &mut [Vec<f32>],
+    ) -> Result<()> {
+        self.pass_rows(parts, ws, outs)
     }
 }
 
@@ -552,20 +560,20 @@ impl LanguageModel for Llama {
         ws: &mut Workspace,
         logits: Logits,
     ) -> Result<Vec<f32>> {
-        crate::check_forward(self, tokens, cache)?;
-        let pos0 = cache.seq_len(0);
-        let mut out = Vec::new();
-        let chunks: Vec<&[u32]> = tokens.chunks(PREFILL_CHUNK).collect();
-        let last = chunks.len() - 1;
-        let mut pos = pos0;
-        for (i, ch) in chunks.into_iter().enumerate() {
-            let want = match logits {
-                Logits::Last if i != last => Logits::None,
-                w => w,
-            };
-            self.chunk(ch, pos, cache, ws, want, &mut out)?;
-            pos += ch.len();
-        }
-        Ok(out)
+        let mut step = [SeqStep {
+            tokens,
+            cache,
+            logits,
+        }];
+        let mut outs = crate::batch::forward_batch(self, &mut step, ws)?;
+        Ok(outs.pop().unwrap_or_default())
+    }
+
+    fn forward_batch(
+        &self,
+        steps: &mut [SeqStep<'_>],
+        ws: &mut Workspace,
+    ) -> Result<Vec<Vec<f32>>> {
+        crate::batch::forward_batch(self, steps, ws)
     }
 }

@@ -192,6 +192,101 @@ impl QMatrix {
         });
     }
 
+    /// `y[i] = W x[i]` for the rows `sel` of `x` (`[.][cols]`) into the same
+    /// rows of `y` (`[.][rows]`): several decode inputs (one per sequence of a
+    /// batch) against one read of the weights. Each output is bitwise equal
+    /// to [`Self::matvec`] of that input alone: the arithmetic per input is
+    /// the same, only the weight blocks are unpacked once for a group of
+    /// inputs (`Q4_1`, `Q8_0` with AVX2) or re-read from L1 (other types).
+    pub fn matvec_rows(&self, x: &[f32], y: &mut [f32], sel: &[usize]) {
+        let (rows, cols) = (self.rows, self.cols);
+        debug_assert!(sel.iter().all(|&i| (i + 1) * cols <= x.len()));
+        debug_assert!(sel.iter().all(|&i| (i + 1) * rows <= y.len()));
+        match sel {
+            [] => return,
+            &[i] => {
+                return self.matvec(
+                    &x[i * cols..(i + 1) * cols],
+                    &mut y[i * rows..(i + 1) * rows],
+                );
+            }
+            _ => {}
+        }
+        if self.act == Activations::Q8 && matches!(self.dtype, GgmlType::Q4_1 | GgmlType::Q8_0) {
+            return self.matvec_rows_q8(x, y, sel);
+        }
+        let nb = cols / 32;
+        let mut sums = Vec::new();
+        if crate::blocks::needs_block_sums(self.dtype) {
+            let mut s = Vec::new();
+            for &i in sel {
+                block_sums(&x[i * cols..(i + 1) * cols], &mut s);
+                sums.extend_from_slice(&s);
+            }
+        }
+        let per = sums.len() / sel.len();
+        let c = self.chunk_rows();
+        let yp = SendPtr(y.as_mut_ptr());
+        let yp = &yp;
+        (0..rows.div_ceil(c)).into_par_iter().for_each(|t| {
+            for r in t * c..((t + 1) * c).min(rows) {
+                let w = self.row(r);
+                let out = |j: usize, v: f32| {
+                    // SAFETY: output (sel[j], r) is written by this task only
+                    // (rows are split between tasks); in bounds (checked above).
+                    unsafe { *yp.0.add(sel[j] * rows + r) = v }
+                };
+                dots(self.dtype, w, nb, cols, x, sel, &sums, per, out);
+            }
+        });
+    }
+
+    /// [`Self::matvec_rows`] with each input rounded to 8 bits per block of 32
+    /// (as [`Self::matvec`] does under [`Activations::Q8`]).
+    fn matvec_rows_q8(&self, x: &[f32], y: &mut [f32], sel: &[usize]) {
+        let (rows, cols) = (self.rows, self.cols);
+        let qs: Vec<Q8Vec> = sel
+            .iter()
+            .map(|&i| {
+                let mut a = Q8Vec::default();
+                a.quantize(&x[i * cols..(i + 1) * cols]);
+                a
+            })
+            .collect();
+        let dot = match self.dtype {
+            GgmlType::Q4_1 => crate::q8::dot_q4_1,
+            _ => crate::q8::dot_q8_0,
+        };
+        let c = self.chunk_rows();
+        let yp = SendPtr(y.as_mut_ptr());
+        let yp = &yp;
+        (0..rows.div_ceil(c)).into_par_iter().for_each(|t| {
+            for r in t * c..((t + 1) * c).min(rows) {
+                let w = self.row(r);
+                for (j, a) in qs.iter().enumerate() {
+                    // SAFETY: as in `matvec_rows`.
+                    unsafe { *yp.0.add(sel[j] * rows + r) = dot(w, a) };
+                }
+            }
+        });
+    }
+
+    /// `Y = X W^T` for consecutive segments of rows of `X` (one per sequence
+    /// of a batch, lengths `segs`): each segment is computed the way
+    /// [`Self::matmul`] computes it alone (bitwise equal), segments of at most
+    /// two rows together through [`Self::matvec_rows`].
+    pub fn matmul_segments(&self, x: &[f32], segs: &Segments, y: &mut [f32]) {
+        let (rows, cols) = (self.rows, self.cols);
+        self.matvec_rows(x, y, &segs.small);
+        for &(a, n) in &segs.big {
+            self.matmul(
+                &x[a * cols..(a + n) * cols],
+                n,
+                &mut y[a * rows..(a + n) * rows],
+            );
+        }
+    }
+
     /// `Y = X W^T` for `n` rows of `X` (`[n][cols]` -> `[n][rows]`).
     pub fn matmul(&self, x: &[f32], n: usize, y: &mut [f32]) {
         debug_assert_eq!(x.len(), n * self.cols);
@@ -240,5 +335,211 @@ impl QMatrix {
                     }
                 });
             });
+    }
+}
+
+/// How a batch's rows split into sequences, for [`QMatrix::matmul_segments`]:
+/// the rows of short segments (at most two rows: decode steps) are computed
+/// together, longer ones (prefill chunks) one matrix product each.
+#[derive(Debug, Default, Clone)]
+pub struct Segments {
+    /// Rows of the segments of at most two rows.
+    small: Vec<usize>,
+    /// `(first row, rows)` of the longer segments.
+    big: Vec<(usize, usize)>,
+    /// Total rows.
+    rows: usize,
+}
+
+impl Segments {
+    /// Segments of the given lengths, consecutive from row 0 (reuses the buffers).
+    pub fn set(&mut self, lens: impl IntoIterator<Item = usize>) {
+        self.small.clear();
+        self.big.clear();
+        let mut a = 0;
+        for n in lens {
+            match n {
+                0 => {}
+                1 | 2 => self.small.extend(a..a + n),
+                _ => self.big.push((a, n)),
+            }
+            a += n;
+        }
+        self.rows = a;
+    }
+
+    /// Total rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// Dot products of one weight row `w` with the inputs `sel` of `x`, each
+/// result handed to `out(j, value)`; bitwise equal to [`dot_row`] per input.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn dots(
+    ty: GgmlType,
+    w: &[u8],
+    nb: usize,
+    cols: usize,
+    x: &[f32],
+    sel: &[usize],
+    sums: &[f32],
+    per: usize,
+    out: impl Fn(usize, f32),
+) {
+    let xrow = |j: usize| &x[sel[j] * cols..(sel[j] + 1) * cols];
+    let srow = |j: usize| &sums[j * per..(j + 1) * per];
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    {
+        use crate::blocks_x86::{dot_q4_1_n, dot_q8_0_n};
+        match ty {
+            GgmlType::Q4_1 if w.len() >= nb * 20 && per >= nb && cols == 32 * nb => {
+                let mut j = 0;
+                while j < sel.len() {
+                    let left = sel.len() - j;
+                    // SAFETY: features enabled (cfg); `w` holds nb blocks, each
+                    // input `32 nb` values and `nb` sums (checked above).
+                    unsafe {
+                        if left >= 4 {
+                            let mut o = [0.0; 4];
+                            let xs = std::array::from_fn(|k| xrow(j + k).as_ptr());
+                            let ss = std::array::from_fn(|k| srow(j + k).as_ptr());
+                            dot_q4_1_n::<4>(w, nb, xs, ss, &mut o);
+                            o.iter().enumerate().for_each(|(k, &v)| out(j + k, v));
+                            j += 4;
+                        } else {
+                            let mut o = [0.0; 1];
+                            dot_q4_1_n::<1>(w, nb, [xrow(j).as_ptr()], [srow(j).as_ptr()], &mut o);
+                            out(j, o[0]);
+                            j += 1;
+                        }
+                    }
+                }
+                return;
+            }
+            GgmlType::Q8_0 if w.len() >= nb * 34 && cols == 32 * nb => {
+                let mut j = 0;
+                while j < sel.len() {
+                    // SAFETY: as above, blocks of 34 bytes.
+                    unsafe {
+                        if sel.len() - j >= 2 {
+                            let mut o = [0.0; 2];
+                            let xs = [xrow(j).as_ptr(), xrow(j + 1).as_ptr()];
+                            dot_q8_0_n::<2>(w, nb, xs, &mut o);
+                            out(j, o[0]);
+                            out(j + 1, o[1]);
+                            j += 2;
+                        } else {
+                            let mut o = [0.0; 1];
+                            dot_q8_0_n::<1>(w, nb, [xrow(j).as_ptr()], &mut o);
+                            out(j, o[0]);
+                            j += 1;
+                        }
+                    }
+                }
+                return;
+            }
+            _ => {}
+        }
+    }
+    let _ = nb;
+    for j in 0..sel.len() {
+        let s: &[f32] = if per == 0 { &[] } else { srow(j) };
+        out(j, dot_row(ty, w, xrow(j), s));
+    }
+}
+
+#[cfg(test)]
+mod batch_tests {
+    use super::*;
+
+    fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u32) -> QMatrix {
+        // Any bytes with finite fp16 scales: write small random codes and
+        // scales through the dequantized-f32 round trip of each type's layout.
+        let mut s = seed;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            s
+        };
+        let bs = ty.block_bytes();
+        let mut bytes = vec![0u8; rows * ty.row_bytes(cols)];
+        for blk in bytes.chunks_exact_mut(bs) {
+            for b in blk.iter_mut() {
+                *b = next() as u8;
+            }
+            // fp16 scales/minimums at the front (Q4_1: d, m; Q8_0: d): small
+            // finite values (exponent bits cleared of the top).
+            let n16 = match ty {
+                GgmlType::Q4_1 => 2,
+                _ => 1,
+            };
+            for k in 0..n16 {
+                let v = half::f16::from_f32(((next() % 2000) as f32 - 1000.0) * 1e-5);
+                blk[2 * k..2 * k + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        QMatrix::new("t", ty, rows, cols, crate::gguf::Blob::owned(bytes)).unwrap()
+    }
+
+    #[test]
+    fn batched_rows_are_bitwise_equal_to_single_matvecs() {
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+            for act in [Activations::F32, Activations::Q8] {
+                let (rows, cols) = (37, 96);
+                let mut m = random_matrix(ty, rows, cols, 7);
+                m.set_activations(act);
+                for n in [2usize, 3, 4, 5, 9] {
+                    let x: Vec<f32> = (0..n * cols)
+                        .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + i as f32 * 1e-3))
+                        .collect();
+                    let sel: Vec<usize> = (0..n).rev().collect();
+                    let mut y = vec![f32::NAN; n * rows];
+                    m.matvec_rows(&x, &mut y, &sel);
+                    for i in 0..n {
+                        let mut one = vec![0.0; rows];
+                        m.matvec(&x[i * cols..(i + 1) * cols], &mut one);
+                        let got = &y[i * rows..(i + 1) * rows];
+                        assert!(
+                            one.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{ty:?} {act:?} n={n} input {i}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn segments_match_separate_products() {
+        let (rows, cols) = (40, 64);
+        let m = random_matrix(GgmlType::Q4_1, rows, cols, 3);
+        let lens = [1usize, 5, 2, 1, 3];
+        let total: usize = lens.iter().sum();
+        let x: Vec<f32> = (0..total * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut segs = Segments::default();
+        segs.set(lens);
+        assert_eq!(segs.rows(), total);
+        let mut y = vec![f32::NAN; total * rows];
+        m.matmul_segments(&x, &segs, &mut y);
+        let mut a = 0;
+        for n in lens {
+            let mut one = vec![0.0; n * rows];
+            m.matmul(&x[a * cols..(a + n) * cols], n, &mut one);
+            assert!(
+                one.iter()
+                    .zip(&y[a * rows..(a + n) * rows])
+                    .all(|(p, q)| p.to_bits() == q.to_bits())
+            );
+            a += n;
+        }
     }
 }
