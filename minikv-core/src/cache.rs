@@ -42,6 +42,18 @@ pub trait KvCache: Send + Debug {
     fn budgets(&self) -> Vec<crate::LayerBudget>;
     /// Empties the cache for a new sequence.
     fn reset(&mut self);
+    /// An upper bound on the [`MemoryReport::kv_bytes`] this cache will
+    /// report from the end of prefill of a `prompt`-token prompt through
+    /// `max_new` decoded tokens (stored K/V with their scales, residuals,
+    /// indices and extra entries; staging and work buffers excluded). Asked
+    /// before the sequence starts: a serving engine admits sequences by it.
+    /// Computed from the cache's own parts; the default says the cache cannot.
+    fn projected_kv_bytes(&self, prompt: usize, max_new: usize) -> Result<usize> {
+        let _ = (prompt, max_new);
+        Err(crate::Error::Unsupported(
+            "this cache does not project its bytes (projected_kv_bytes), so it cannot be admitted by KV bytes".into(),
+        ))
+    }
     /// Method-specific measurements taken at compression (e.g. ResKV's
     /// cluster statistics), as JSON; `null` when there are none.
     fn diagnostics(&self) -> serde_json::Value {

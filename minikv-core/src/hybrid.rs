@@ -400,6 +400,25 @@ impl KvCache for HybridCache {
 
     /// Per model layer: the global layers' budgets, and for a windowed layer
     /// its window as a recent-only budget (empty before compression).
+    /// The global layers' projection plus the rings: each holds its last
+    /// `window` tokens (fewer for a shorter sequence) in fp16 pages.
+    fn projected_kv_bytes(&self, prompt: usize, max_new: usize) -> Result<usize> {
+        let global = match &self.global {
+            Some(g) => g.projected_kv_bytes(prompt, max_new)?,
+            None => 0,
+        };
+        let (hkv, d) = (self.spec.n_kv_heads, self.spec.head_dim);
+        let rings: usize = self
+            .rings
+            .iter()
+            .map(|r| {
+                let rows = (prompt + max_new).min(r.window).div_ceil(RING_PAGE) * RING_PAGE;
+                hkv * 2 * 2 * rows * d
+            })
+            .sum();
+        Ok(global + rings)
+    }
+
     fn budgets(&self) -> Vec<LayerBudget> {
         let Some(g) = &self.global else {
             return Vec::new();

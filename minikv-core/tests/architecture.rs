@@ -80,6 +80,9 @@ fn every_crate_depends_only_toward_core() {
         // device and checks itself against it (bit-exact codes).
         ("minikv-kernels", &["minikv-core", "minikv-quant"]),
         ("minikv-eval", &["minikv-core", "minikv-models"]),
+        // The engine batches models over caches it builds from a config;
+        // it names no component, policy or quantizer crate.
+        ("minikv-engine", &["minikv-core", "minikv-models"]),
     ] {
         for d in deps(krate).iter().filter(|d| d.starts_with("minikv")) {
             assert!(allowed.contains(&d.as_str()), "{krate} depends on {d}");
@@ -98,6 +101,7 @@ fn backend_names_only_at_their_registration() {
             "minikv-quant",
             "minikv-models",
             "minikv-eval",
+            "minikv-engine",
             "minikv-cli",
         ] {
             for (file, line) in code_lines(&root().join(krate).join("src")) {

@@ -6,6 +6,84 @@ use super::evict::Evictor;
 use crate::cache::{LayerMemory, MemoryReport};
 
 impl LayeredCache {
+    /// [`crate::KvCache::projected_kv_bytes`]: per storage head, a twin store
+    /// built from the same config and storage is loaded with the head's mean
+    /// kept count and decodes `max_new` tokens (so quantization groups,
+    /// residual flushes and page growth are the real store's); its peak
+    /// bytes times the heads, plus what eviction and Quest index. Per-layer
+    /// and per-head budgets redistribute a conserved total, and loaded stores
+    /// are trimmed to fit, so the mean head stands for the ragged ones.
+    pub(super) fn projected_bytes(&self, prompt: usize, max_new: usize) -> crate::Result<usize> {
+        use super::store::HeadStore;
+        let (d, heads) = (self.spec.head_dim, self.spec.n_layers * self.n_store);
+        let cfg = &self.cfg;
+        let (heavy, recent) = (
+            cfg.heavy_tokens
+                .unwrap_or_else(|| (prompt as f64 * cfg.heavy.unwrap_or(0.0)).floor() as usize),
+            cfg.recent_tokens
+                .unwrap_or_else(|| (prompt as f64 * cfg.recent.unwrap_or(0.0)).floor() as usize),
+        );
+        let budget = cfg.sinks + heavy + recent;
+        let kept = match &cfg.scorer {
+            None => prompt,
+            Some(_) => prompt.min(budget),
+        };
+        let evicting = cfg.scorer.is_some() && cfg.decode == crate::config::DecodeMode::Evict;
+        // Decode-time eviction: a head whose selection kept the whole prompt
+        // may grow to the budget, any other holds its kept rows; both plus
+        // the rows that arrive between evictions (the evictor's own rule).
+        let (steps, cap) = match evicting {
+            true => {
+                // The policy clamps the heavy budget to the prompt, not the
+                // recent window.
+                let clamped =
+                    cfg.sinks + recent + heavy.min(prompt.saturating_sub(cfg.sinks + recent));
+                let cap = if kept < prompt {
+                    kept
+                } else {
+                    clamped.max(kept)
+                };
+                (
+                    max_new.min(cap - kept + cfg.evict_every),
+                    cap + cfg.evict_every,
+                )
+            }
+            false => (max_new, kept + max_new),
+        };
+        let st = self.backend.storage();
+        let mut twin = HeadStore::new(cfg, st, d)?;
+        let zeros = vec![0.0f32; kept * d];
+        twin.load(st, &zeros, &zeros, d, &self.residual, Default::default())?;
+        if evicting {
+            // As compression does: room for the evictor's most rows at once.
+            twin.reserve_fp(cap - kept);
+        }
+        let mut peak = twin.memory().total();
+        let (row, mut scratch) = (vec![0.0f32; d], Vec::new());
+        for _ in 0..steps {
+            twin.push(&row, &row, &self.residual, &mut scratch)?;
+            twin.after_attend(&self.residual, &mut scratch)?;
+            peak = peak.max(twin.memory().total());
+        }
+        let mut per_head = peak;
+        if evicting {
+            // Positions and scores (u32 + f32) per held token; the vectors
+            // come from selection over the prompt and may grow to twice
+            // their length.
+            per_head += 2 * 8 * cap.max(prompt);
+        }
+        if cfg.compensator.is_some() {
+            // Extra entries take part of the budget: at most one per kept
+            // token, fp16 key and value and an f32 bias each.
+            per_head += kept * (4 * d + 4);
+        }
+        if let Some(q) = &cfg.quest {
+            // Per page, f32 minimums and maximums of the keys (grown by doubling).
+            per_head += 2 * (cap.div_ceil(q.page_size.max(1)) + 1) * 8 * d;
+        }
+        Ok(heads * per_head)
+    }
+
     /// The sum of each part's own accounting.
     pub(super) fn memory_report(&self) -> MemoryReport {
         let layers = self

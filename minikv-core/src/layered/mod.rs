@@ -413,6 +413,10 @@ impl KvCache for LayeredCache {
         self.memory_report()
     }
 
+    fn projected_kv_bytes(&self, prompt: usize, max_new: usize) -> Result<usize> {
+        self.projected_bytes(prompt, max_new)
+    }
+
     fn budgets(&self) -> Vec<LayerBudget> {
         self.budgets.clone()
     }
