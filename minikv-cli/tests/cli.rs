@@ -1171,3 +1171,80 @@ fn q8_activations_on_the_real_model() {
     let (ok, _, err) = minikv(&["perplexity", "--activations", "q4"]);
     assert!(!ok && err.contains("expected f32 or q8"), "{err}");
 }
+
+/// `bench throughput` on the real model: at one KV budget, MiniKV (2-bit,
+/// half the prompt kept) admits more sequences than the full cache, every
+/// request finishes, nothing exceeds the budget or its projection, and the
+/// result carries its provenance.
+#[test]
+fn bench_throughput_admits_by_kv_bytes() {
+    let v = ok_json(&[
+        "bench",
+        "throughput",
+        "--prompt",
+        "600",
+        "--gen",
+        "4",
+        "--requests",
+        "6",
+        "--kv-budget",
+        "2xfull",
+        "--config",
+        "configs/full.toml",
+        "--config",
+        "configs/minikv.toml",
+        "--max-batch",
+        "6",
+        "--json",
+    ]);
+    assert_eq!(v["bench"], "throughput");
+    assert!(v["model_sha256"].as_str().is_some_and(|s| s.len() == 64));
+    assert!(v["git_rev"].is_string());
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    let get = |i: usize, k: &str| rows[i][k].as_f64().unwrap();
+    for i in 0..2 {
+        assert!(get(i, "peak_kv_bytes") <= get(i, "kv_budget"));
+        assert_eq!(get(i, "over_projection"), 0.0);
+        assert!(get(i, "generated_tok_per_s") > 0.0);
+        assert!(rows[i]["ttft_p50_s"].as_f64().is_some());
+    }
+    assert_eq!(rows[0]["config"], "full");
+    assert_eq!(get(0, "admissible"), 2.0);
+    assert_eq!(get(0, "peak_running"), 2.0, "the full cache: two at a time");
+    assert!(
+        get(1, "admissible") >= 4.0,
+        "MiniKV admits at least twice as many"
+    );
+    assert!(get(1, "peak_running") > get(0, "peak_running"));
+}
+
+#[test]
+fn bench_throughput_rejects_bad_budgets() {
+    for (bad, msg) in [
+        ("12XB", "unknown unit"),
+        ("0", "between 1 byte"),
+        ("3..5MiB", "expected a size"),
+        ("0xfull", "must be in (0, 1e6]"),
+        ("nanxfull", "must be in (0, 1e6]"),
+    ] {
+        let (ok, _, err) = minikv(&["bench", "throughput", "--kv-budget", bad]);
+        assert!(!ok, "{bad} accepted");
+        assert!(err.contains(msg), "{bad}: {err}");
+    }
+    // A request that can never fit is refused up front, naming the budget.
+    let (ok, _, err) = minikv(&[
+        "bench",
+        "throughput",
+        "--kv-budget",
+        "100KB",
+        "--prompt",
+        "64",
+        "--gen",
+        "4",
+        "--requests",
+        "1",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("whole KV budget"), "{err}");
+}
