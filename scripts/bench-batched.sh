@@ -6,7 +6,11 @@
 # admitted and prefilled at once (its decode tokens/s is measured over the
 # steps where all admitted sequences only decode, as llama-batched-bench's
 # S_TG is). Prints one markdown table with ratios. llama.cpp is built once by
-# scripts/build-llamacpp.sh. Knobs (env): MODEL (the fetched SmolLM2 GGUF),
+# scripts/build-llamacpp.sh. On a CPU that advertises AMX inside a VM that
+# does not grant AMX state, llama.cpp's repacked (AMX) weight buffers die with
+# SIGILL in batched prompt processing; REPACK=0 (the default when the CPU
+# lists amx_int8) passes -nr, which keeps llama.cpp's plain CPU kernels.
+# Knobs (env): MODEL (the fetched SmolLM2 GGUF),
 # THREADS (nproc), NPP (1024), NTG (64), NPL (1,4,16), OUT
 # (results/bench-batched), CONFIGS (configs/full.toml configs/minikv.toml),
 # Q8 (1: also minikv with `--activations q8`).
@@ -20,6 +24,9 @@ NPL=${NPL:-1,4,16}
 OUT=${OUT:-results/bench-batched}
 CONFIGS=${CONFIGS:-configs/full.toml configs/minikv.toml}
 Q8=${Q8:-1}
+if grep -q amx_int8 /proc/cpuinfo 2>/dev/null; then REPACK=${REPACK:-0}; else REPACK=${REPACK:-1}; fi
+NR=()
+[ "$REPACK" = 0 ] && NR=(-nr)
 mkdir -p "$OUT"
 [ -f "$MODEL" ] || ./scripts/fetch-assets.sh >&2
 BIN=$(./scripts/build-llamacpp.sh)
@@ -34,7 +41,7 @@ for fa in 0 1; do
   echo "bench-batched: llama-batched-bench -fa $fa" >&2
   "$BIN/llama-batched-bench" -m "$MODEL" -t "$THREADS" -c "$CTX" -b 2048 -ub 512 \
     -npp "$NPP" -ntg "$NTG" -npl "$NPL" -fa "$([ $fa = 1 ] && echo on || echo off)" \
-    --output-format jsonl > "$f.part" 2> "$OUT/llamacpp-fa$fa.log"
+    "${NR[@]}" --output-format jsonl > "$f.part" 2> "$OUT/llamacpp-fa$fa.log"
   mv "$f.part" "$f"
 done
 CFG_ARGS=()

@@ -4,7 +4,7 @@
 //! parallel.
 //!
 //! A sequence's result is bitwise equal to running it alone through
-//! [`LanguageModel::forward`](crate::LanguageModel::forward) with the same
+//! [`LanguageModel::forward`] with the same
 //! chunks: its rows see the same arithmetic (decode rows through the
 //! multi-input dot products, which equal the single-input ones bit for bit;
 //! prefill chunks through the same matrix product), and its cache sees the

@@ -465,6 +465,12 @@ fn head_norm(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
+crate::register_architecture!("gemma3", |g, prompts| {
+    let mut m = Gemma3::from_gguf(g)?;
+    m.reconstruction = prompts;
+    Ok(Box::new(m))
+});
+
 impl LanguageModel for Gemma3 {
     fn spec(&self) -> ModelSpec {
         let c = &self.cfg;

@@ -189,24 +189,53 @@ pub fn load(path: &Path) -> Result<(Box<dyn LanguageModel>, Tokenizer)> {
     let t = Tokenizer::from_gguf(&g).map_err(named)?;
     let prompts = Some(ReconstructionPrompts::new(&t)?);
     let arch = g.get_str("general.architecture").map_err(named)?;
-    let m: Box<dyn LanguageModel> = match arch {
-        "llama" => {
-            let mut m = Llama::from_gguf(&g).map_err(named)?;
-            m.reconstruction = prompts;
-            Box::new(m)
-        }
-        "gemma3" => {
-            let mut m = Gemma3::from_gguf(&g).map_err(named)?;
-            m.reconstruction = prompts;
-            Box::new(m)
-        }
-        other => {
-            return Err(named(Error::Format(format!(
-                "unsupported architecture `{other}` (supported: llama, gemma3)"
-            ))));
+    let all = architectures();
+    let entry = all.iter().find(|a| a.name == arch).ok_or_else(|| {
+        let names: Vec<_> = all.iter().map(|a| a.name).collect();
+        named(Error::Format(format!(
+            "unsupported architecture `{arch}` (supported: {})",
+            names.join(", ")
+        )))
+    })?;
+    let m = (entry.from_gguf)(&g, prompts).map_err(named)?;
+    Ok((m, t))
+}
+
+/// A model architecture [`load`] reads from a GGUF file, found by the file's
+/// `general.architecture`. Each registers itself next to its definition with
+/// [`register_architecture!`]; nothing matches on architecture names
+/// elsewhere, so a new architecture is one file plus its registration line.
+pub struct Architecture {
+    /// The GGUF `general.architecture` value.
+    pub name: &'static str,
+    /// Builds the model from the file; the reconstruction prompts (KVzip)
+    /// come from the file's tokenizer.
+    pub from_gguf: FromGguf,
+}
+
+/// How a registered architecture builds its model from a GGUF file.
+pub type FromGguf =
+    fn(&gguf::Gguf, Option<ReconstructionPrompts>) -> Result<Box<dyn LanguageModel>>;
+
+minikv_core::__inventory::collect!(Architecture);
+
+/// Registers an [`Architecture`] (see `llama.rs` and `gemma3.rs`).
+#[macro_export]
+macro_rules! register_architecture {
+    ($name:literal, $from_gguf:expr) => {
+        minikv_core::__inventory::submit! {
+            $crate::Architecture { name: $name, from_gguf: $from_gguf }
         }
     };
-    Ok((m, t))
+}
+
+/// Every registered architecture, sorted by name.
+pub fn architectures() -> Vec<&'static Architecture> {
+    let mut v: Vec<_> = minikv_core::__inventory::iter::<Architecture>
+        .into_iter()
+        .collect();
+    v.sort_by_key(|a| a.name);
+    v
 }
 
 /// KVzip's context-reconstruction instructions, tokenized (kvpress's

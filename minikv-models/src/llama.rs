@@ -494,6 +494,12 @@ pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+crate::register_architecture!("llama", |g, prompts| {
+    let mut m = Llama::from_gguf(g)?;
+    m.reconstruction = prompts;
+    Ok(Box::new(m))
+});
+
 impl LanguageModel for Llama {
     fn spec(&self) -> ModelSpec {
         ModelSpec {

@@ -329,7 +329,7 @@ fn truncated_or_corrupt_gguf_is_a_clear_error() {
         .chain([
             (
                 arch,
-                "unsupported architecture `gemma` (supported: llama, gemma3)",
+                "unsupported architecture `gemma` (supported: gemma3, llama)",
             ),
             (q2k, "unsupported tensor type id 10"),
         ])
