@@ -253,19 +253,18 @@ impl QMatrix {
                 a
             })
             .collect();
-        let dot = match self.dtype {
-            GgmlType::Q4_1 => crate::q8::dot_q4_1,
-            _ => crate::q8::dot_q8_0,
-        };
+        let q4 = self.dtype == GgmlType::Q4_1;
+        let refs: Vec<&Q8Vec> = qs.iter().collect();
         let c = self.chunk_rows();
         let yp = SendPtr(y.as_mut_ptr());
         let yp = &yp;
         (0..rows.div_ceil(c)).into_par_iter().for_each(|t| {
+            let mut o = vec![0.0f32; refs.len()];
             for r in t * c..((t + 1) * c).min(rows) {
-                let w = self.row(r);
-                for (j, a) in qs.iter().enumerate() {
+                crate::q8::dot_many(self.row(r), q4, &refs, &mut o);
+                for (j, &v) in o.iter().enumerate() {
                     // SAFETY: as in `matvec_rows`.
-                    unsafe { *yp.0.add(sel[j] * rows + r) = dot(w, a) };
+                    unsafe { *yp.0.add(sel[j] * rows + r) = v };
                 }
             }
         });

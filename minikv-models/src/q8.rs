@@ -235,6 +235,130 @@ mod x86 {
         // SAFETY: AVX2 is available (this function's contract).
         unsafe { lanes_sum(&[acc]) }
     }
+
+    /// [`dot_q4_1`] of one row against `N` inputs: each block's codes are
+    /// widened once; per input the operations are [`dot_q4_1`]'s, in order
+    /// (bitwise equal to separate calls).
+    ///
+    /// # Safety
+    /// As [`dot_q4_1`], for every input (all of `a[0].d.len()` blocks).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q4_1_n<const N: usize>(
+        src: &[u8],
+        a: [&Q8Vec; N],
+        out: &mut [f32; N],
+    ) {
+        let mask = _mm_set1_epi8(15);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut macc = [0.0f32; N];
+        for b in 0..a[0].d.len() {
+            let blk = &src[20 * b..20 * b + 20];
+            _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(PREFETCH) as *const i8);
+            // SAFETY: 16 code bytes at offset 4 of the block.
+            let qs = unsafe { _mm_loadu_si128(blk.as_ptr().add(4) as *const __m128i) };
+            let lo = _mm_and_si128(qs, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+            let w = _mm256_set_m128i(hi, lo);
+            let (d, m) = dm(blk);
+            for j in 0..N {
+                // SAFETY: 32 codes of block `b` of input `j`.
+                let xq =
+                    unsafe { _mm256_loadu_si256(a[j].q.as_ptr().add(32 * b) as *const __m256i) };
+                let isum = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);
+                let dd = _mm256_set1_ps(d * a[j].d[b]);
+                acc[j] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc[j]);
+                macc[j] += m * a[j].s[b];
+            }
+        }
+        for j in 0..N {
+            // SAFETY: AVX2 is available (this function's contract).
+            out[j] = unsafe { lanes_sum(&[acc[j]]) } + macc[j];
+        }
+    }
+
+    /// [`dot_q8_0`] of one row against `N` inputs (bitwise equal to separate calls).
+    ///
+    /// # Safety
+    /// As [`dot_q8_0`], for every input.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_q8_0_n<const N: usize>(
+        src: &[u8],
+        a: [&Q8Vec; N],
+        out: &mut [f32; N],
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..a[0].d.len() {
+            let blk = &src[34 * b..34 * b + 34];
+            _mm_prefetch::<_MM_HINT_T0>(blk.as_ptr().wrapping_add(PREFETCH) as *const i8);
+            // SAFETY: 32 code bytes at offset 2 of the block.
+            let w = unsafe { _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i) };
+            let aw = _mm256_sign_epi8(w, w);
+            let d = dm(blk).0;
+            for j in 0..N {
+                // SAFETY: 32 codes of block `b` of input `j`.
+                let xq =
+                    unsafe { _mm256_loadu_si256(a[j].q.as_ptr().add(32 * b) as *const __m256i) };
+                let p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xq, w));
+                let isum = _mm256_madd_epi16(p, ones);
+                let dd = _mm256_set1_ps(d * a[j].d[b]);
+                acc[j] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc[j]);
+            }
+        }
+        for j in 0..N {
+            // SAFETY: AVX2 is available (this function's contract).
+            out[j] = unsafe { lanes_sum(&[acc[j]]) };
+        }
+    }
+}
+
+/// `Q4_1` (`q4 = true`) or `Q8_0` row dot every input of `a`, into `out`:
+/// bitwise equal to [`dot_q4_1`] / [`dot_q8_0`] per input, with each weight
+/// block widened once per group of four inputs on AVX2.
+pub fn dot_many(src: &[u8], q4: bool, a: &[&Q8Vec], out: &mut [f32]) {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    {
+        let bb = if q4 { 20 } else { 34 };
+        let nb = a.first().map_or(0, |v| v.d.len());
+        if a.iter().all(|v| v.d.len() == nb) && src.len() >= nb * bb {
+            let mut j = 0;
+            while j < a.len() {
+                // SAFETY: AVX2/FMA enabled (cfg); `src` holds `nb` blocks and
+                // every input `nb` blocks (checked above).
+                unsafe {
+                    if a.len() - j >= 4 {
+                        let mut o = [0.0; 4];
+                        let g = [a[j], a[j + 1], a[j + 2], a[j + 3]];
+                        match q4 {
+                            true => x86::dot_q4_1_n::<4>(src, g, &mut o),
+                            false => x86::dot_q8_0_n::<4>(src, g, &mut o),
+                        }
+                        out[j..j + 4].copy_from_slice(&o);
+                        j += 4;
+                    } else {
+                        out[j] = match q4 {
+                            true => x86::dot_q4_1(src, a[j]),
+                            false => x86::dot_q8_0(src, a[j]),
+                        };
+                        j += 1;
+                    }
+                }
+            }
+            return;
+        }
+    }
+    for (o, v) in out.iter_mut().zip(a) {
+        *o = match q4 {
+            true => dot_q4_1(src, v),
+            false => dot_q8_0(src, v),
+        };
+    }
 }
 
 #[cfg(test)]
