@@ -400,8 +400,8 @@ impl KvCache for HybridCache {
 
     /// Per model layer: the global layers' budgets, and for a windowed layer
     /// its window as a recent-only budget (empty before compression).
-    /// The global layers' projection plus the rings: each holds its last
-    /// `window` tokens (fewer for a shorter sequence) in fp16 pages.
+    /// The global layers' projection plus the rings: each reserves its
+    /// whole window of fp16 rows when prefill ends.
     fn projected_kv_bytes(&self, prompt: usize, max_new: usize) -> Result<usize> {
         let global = match &self.global {
             Some(g) => g.projected_kv_bytes(prompt, max_new)?,
@@ -412,7 +412,11 @@ impl KvCache for HybridCache {
             .rings
             .iter()
             .map(|r| {
-                let rows = (prompt + max_new).min(r.window).div_ceil(RING_PAGE) * RING_PAGE;
+                // `seal_rings` reserves `window` rows; a longer sequence
+                // overwrites them in place.
+                let rows = r
+                    .window
+                    .max((prompt + max_new).min(r.window).div_ceil(RING_PAGE) * RING_PAGE);
                 hkv * 2 * 2 * rows * d
             })
             .sum();

@@ -221,6 +221,69 @@ fn every_preset_projection_bounds_its_bytes() {
     }
 }
 
+/// Gemma 3: the sliding-window rings count against the budget; the
+/// projection bounds what the hybrid cache holds, and at a budget of two full
+/// caches two run at a time.
+#[test]
+fn gemma3_rings_count_against_the_budget() {
+    static G: OnceLock<(Box<dyn LanguageModel>, Tokenizer)> = OnceLock::new();
+    let (m, tok) = G.get_or_init(|| {
+        let p = root().join("assets/gemma-3-270m-q4_k_m.gguf");
+        assert!(
+            p.is_file(),
+            "{} missing: run scripts/fetch-assets.sh",
+            p.display()
+        );
+        minikv_models::load(&p).expect("gemma loads")
+    });
+    let m: &'static dyn LanguageModel = m.as_ref();
+    let text = std::fs::read_to_string(root().join("assets/paul_graham/addiction.txt")).unwrap();
+    let ids = tok.encode(&text).unwrap();
+    for name in ["full.toml", "minikv.toml"] {
+        let probe = Engine::new(
+            m,
+            CacheBuilder::new(m.spec()),
+            config(name),
+            EngineConfig::default(),
+        )
+        .unwrap();
+        let one = probe.projection(140, 6).unwrap();
+        let ecfg = EngineConfig {
+            kv_budget: 2 * one + one / 2,
+            ..EngineConfig::default()
+        };
+        let mut e = Engine::new(m, CacheBuilder::new(m.spec()), config(name), ecfg).unwrap();
+        for i in 0..3u64 {
+            let p = ids[50 * i as usize..50 * i as usize + 140].to_vec();
+            e.submit(Request {
+                id: i,
+                prompt: p,
+                max_new: 6,
+                sampling: SamplingConfig::default(),
+                stop: Vec::new(),
+            })
+            .unwrap();
+        }
+        let done = run_all(&mut e);
+        assert_eq!(done.len(), 3);
+        assert_eq!(
+            e.stats().over_projection,
+            0,
+            "{name}: a cache held more than its projection"
+        );
+        assert_eq!(e.stats().peak_running, 2, "{name}");
+        for f in &done {
+            assert!(f.peak_kv_bytes <= f.reserved);
+            assert!(
+                f.reserved as f64 <= 1.6 * f.peak_kv_bytes as f64 + 400_000.0,
+                "{name}: {} vs {}",
+                f.reserved,
+                f.peak_kv_bytes
+            );
+        }
+    }
+}
+
 #[test]
 fn cancellation_frees_bytes_and_bad_requests_are_refused() {
     let ps = prompts(2, 60);
