@@ -242,6 +242,18 @@ fn check_ratio(field: &str, v: Option<f64>, tokens: Option<usize>) -> Result<()>
 }
 
 impl CacheConfig {
+    /// The heavy and recent budgets in tokens for a `prompt`-token prompt:
+    /// `heavy_tokens` / `recent_tokens` when given, else `floor(prompt x ratio)`.
+    pub fn token_budgets(&self, prompt: usize) -> (usize, usize) {
+        let of = |tokens: Option<usize>, ratio: Option<f64>| {
+            tokens.unwrap_or_else(|| (prompt as f64 * ratio.unwrap_or(0.0)).floor() as usize)
+        };
+        (
+            of(self.heavy_tokens, self.heavy),
+            of(self.recent_tokens, self.recent),
+        )
+    }
+
     /// True when the cache neither evicts nor quantizes.
     pub fn is_full(&self) -> bool {
         self.scorer.is_none() && self.quant.is_none()

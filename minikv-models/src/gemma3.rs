@@ -15,8 +15,8 @@ use crate::batch::{BatchPass, Part, SeqStep};
 use crate::gguf::Gguf;
 use crate::llama::{RopeLayout, apply_rope, hand_over, rms_norm, rope_tables};
 use crate::matrix::QMatrix;
-use crate::{LanguageModel, Logits, Workspace};
-use minikv_core::{Error, KvCache, ModelSpec, Result};
+use crate::{LanguageModel, Workspace};
+use minikv_core::{Error, ModelSpec, Result};
 use serde::Serialize;
 
 /// Hyper-parameters.
@@ -529,22 +529,6 @@ impl LanguageModel for Gemma3 {
         if let Some(h) = self.lm_head.as_mut() {
             h.set_activations(act);
         }
-    }
-
-    fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut dyn KvCache,
-        ws: &mut Workspace,
-        logits: Logits,
-    ) -> Result<Vec<f32>> {
-        let mut step = [SeqStep {
-            tokens,
-            cache,
-            logits,
-        }];
-        let mut outs = crate::batch::forward_batch(self, &mut step, ws)?;
-        Ok(outs.pop().unwrap_or_default())
     }
 
     fn forward_batch(

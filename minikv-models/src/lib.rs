@@ -110,14 +110,22 @@ pub trait LanguageModel: Send + Sync + std::fmt::Debug {
     /// Sets how every weight matrix's decode matvec treats its input (see
     /// [`q8`]); [`Activations::F32`], the default, is exact.
     fn set_activations(&mut self, act: Activations);
-    /// Runs `tokens` at the cache's next positions; returns the requested logits.
+    /// Runs `tokens` at the cache's next positions; returns the requested
+    /// logits (a batch of one: [`forward_batch`](LanguageModel::forward_batch)).
     fn forward(
         &self,
         tokens: &[u32],
         cache: &mut dyn KvCache,
         ws: &mut Workspace,
         logits: Logits,
-    ) -> Result<Vec<f32>>;
+    ) -> Result<Vec<f32>> {
+        let mut step = [SeqStep {
+            tokens,
+            cache,
+            logits,
+        }];
+        Ok(self.forward_batch(&mut step, ws)?.pop().unwrap_or_default())
+    }
     /// Runs several sequences in one step, each with its own cache (its own
     /// length and compression state): weight products once over all their
     /// rows, attention per sequence in parallel. Returns each sequence's

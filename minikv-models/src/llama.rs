@@ -4,7 +4,7 @@
 use crate::batch::{BatchPass, Part, SeqStep};
 use crate::gguf::Gguf;
 use crate::matrix::QMatrix;
-use crate::{LanguageModel, Logits, Workspace};
+use crate::{LanguageModel, Workspace};
 use minikv_core::{Error, KvCache, ModelSpec, Result};
 use serde::Serialize;
 
@@ -557,22 +557,6 @@ impl LanguageModel for Llama {
         {
             m.set_activations(act);
         }
-    }
-
-    fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut dyn KvCache,
-        ws: &mut Workspace,
-        logits: Logits,
-    ) -> Result<Vec<f32>> {
-        let mut step = [SeqStep {
-            tokens,
-            cache,
-            logits,
-        }];
-        let mut outs = crate::batch::forward_batch(self, &mut step, ws)?;
-        Ok(outs.pop().unwrap_or_default())
     }
 
     fn forward_batch(

@@ -17,12 +17,7 @@ impl LayeredCache {
         use super::store::HeadStore;
         let (d, heads) = (self.spec.head_dim, self.spec.n_layers * self.n_store);
         let cfg = &self.cfg;
-        let (heavy, recent) = (
-            cfg.heavy_tokens
-                .unwrap_or_else(|| (prompt as f64 * cfg.heavy.unwrap_or(0.0)).floor() as usize),
-            cfg.recent_tokens
-                .unwrap_or_else(|| (prompt as f64 * cfg.recent.unwrap_or(0.0)).floor() as usize),
-        );
+        let (heavy, recent) = cfg.token_budgets(prompt);
         let budget = cfg.sinks + heavy + recent;
         let kept = match &cfg.scorer {
             None => prompt,

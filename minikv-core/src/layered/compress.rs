@@ -64,14 +64,7 @@ impl LayeredCache {
     /// The policy's per-layer budgets, from the layer signals it asked for.
     fn layer_budgets(&self, t: usize) -> Result<Vec<LayerBudget>> {
         let spec = &self.spec;
-        let heavy = self
-            .cfg
-            .heavy_tokens
-            .unwrap_or_else(|| (t as f64 * self.cfg.heavy.unwrap_or(0.0)).floor() as usize);
-        let recent = self
-            .cfg
-            .recent_tokens
-            .unwrap_or_else(|| (t as f64 * self.cfg.recent.unwrap_or(0.0)).floor() as usize);
+        let (heavy, recent) = self.cfg.token_budgets(t);
         let policy = self.cfg.policy.as_ref().expect("resolved");
         let pw = policy.needs().query_window;
         let views: Vec<_> = self
