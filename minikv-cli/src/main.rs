@@ -26,6 +26,7 @@ mod commands;
 mod provenance;
 mod report;
 mod results;
+mod serve;
 mod sweep;
 mod throughput;
 
@@ -79,6 +80,10 @@ enum Cmd {
         #[command(subcommand)]
         cmd: BenchCmd,
     },
+    /// An OpenAI-compatible HTTP server (completions, chat, streaming,
+    /// metrics) on the batched engine: every request gets its own cache
+    /// from the config, admission by KV bytes.
+    Serve(serve::ServeArgs),
     /// Per-model calibration files for methods that need one.
     Calibrate {
         #[command(subcommand)]
@@ -151,6 +156,11 @@ enum BenchCmd {
     /// concurrency, peak KV bytes, time to first token and inter-token
     /// latency, per config and batch limit.
     Throughput(throughput::ThroughputArgs),
+    /// Load test of an OpenAI-compatible server on loopback (`minikv serve`
+    /// or llama-server): concurrent streaming clients with token-id prompts;
+    /// requests/s, generated tokens/s, time to first token, inter-token
+    /// latency.
+    Serve(serve::LoadArgs),
 }
 
 /// The model to load.
@@ -389,6 +399,10 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench {
             cmd: BenchCmd::Throughput(a),
         } => throughput::run(&a),
+        Cmd::Bench {
+            cmd: BenchCmd::Serve(a),
+        } => serve::load(&a),
+        Cmd::Serve(a) => serve::serve(&a),
         Cmd::Calibrate {
             cmd: CalibrateCmd::Duo(a),
         } => commands::calibrate_duo(&a),

@@ -188,6 +188,7 @@ pub fn run(a: &ThroughputArgs) -> Result<()> {
                     max_new: a.r#gen,
                     sampling: SamplingConfig::default(),
                     stop: Vec::new(),
+                    logprobs: None,
                 })?;
             }
             let t0 = Instant::now();

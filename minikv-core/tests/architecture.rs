@@ -83,6 +83,12 @@ fn every_crate_depends_only_toward_core() {
         // The engine batches models over caches it builds from a config;
         // it names no component, policy or quantizer crate.
         ("minikv-engine", &["minikv-core", "minikv-models"]),
+        // The server speaks HTTP over the engine; the cache config it gets
+        // is data, so it names no component crate either.
+        (
+            "minikv-server",
+            &["minikv-core", "minikv-models", "minikv-engine"],
+        ),
     ] {
         for d in deps(krate).iter().filter(|d| d.starts_with("minikv")) {
             assert!(allowed.contains(&d.as_str()), "{krate} depends on {d}");
@@ -102,6 +108,7 @@ fn backend_names_only_at_their_registration() {
             "minikv-models",
             "minikv-eval",
             "minikv-engine",
+            "minikv-server",
             "minikv-cli",
         ] {
             for (file, line) in code_lines(&root().join(krate).join("src")) {

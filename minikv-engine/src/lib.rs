@@ -48,6 +48,7 @@
 //!         max_new: 16,
 //!         sampling: SamplingConfig::default(),
 //!         stop: tok.stop.clone(),
+//!         logprobs: None,
 //!     })?;
 //! }
 //! while !engine.is_idle() {
@@ -68,7 +69,7 @@ use minikv_core::{CacheBuilder, CacheConfig, Error, KvCache, Result};
 use minikv_models::{LanguageModel, Logits, Sampler, SeqStep, Workspace};
 use std::collections::VecDeque;
 use std::time::Instant;
-pub use types::{EngineConfig, EngineStats, Event, Finish, Finished, Request};
+pub use types::{EngineConfig, EngineStats, Event, Finish, Finished, Request, TokenLogprob};
 
 struct Waiting {
     req: Request,
@@ -160,6 +161,12 @@ impl<'m> Engine<'m> {
         let spec = self.model.spec();
         if req.prompt.is_empty() {
             return Err(Error::Input(format!("request {}: empty prompt", req.id)));
+        }
+        if req.logprobs.is_some_and(|k| k > 20) {
+            return Err(Error::config(
+                "logprobs",
+                format!("at most 20 alternatives, got {}", req.logprobs.unwrap_or(0)),
+            ));
         }
         if req.max_new == 0 {
             return Err(Error::Input(format!(
@@ -254,6 +261,11 @@ impl<'m> Engine<'m> {
     fn finish(&mut self, r: Running, finish: Finish) -> Finished {
         self.stats.reserved -= r.reserved;
         let mem = r.cache.memory();
+        // Its bytes are free now: the accounting says so before the next step.
+        let s = &mut self.stats;
+        s.kv_bytes = s.kv_bytes.saturating_sub(mem.kv_bytes());
+        s.total_bytes = s.total_bytes.saturating_sub(mem.total_bytes());
+        s.running = self.running.len();
         Finished {
             id: r.req.id,
             finish,
@@ -384,9 +396,14 @@ impl<'m> Engine<'m> {
                 }
                 r.out.push(t);
                 self.stats.generated += 1;
+                let logprob = r
+                    .req
+                    .logprobs
+                    .map(|k| TokenLogprob::from_logits(&logits, t, k));
                 events.push(Event::Token {
                     id: r.req.id,
                     token: t,
+                    logprob,
                 });
                 match r.last {
                     None => r.first = Some(now),

@@ -69,6 +69,53 @@ pub struct Request {
     pub sampling: SamplingConfig,
     /// Token ids that end the sequence (not included in the output).
     pub stop: Vec<u32>,
+    /// Report each generated token's log-probability and this many most
+    /// likely alternatives (`Some(0)`: the token's own only). Taken from the
+    /// model's distribution (log-softmax of the logits, before temperature
+    /// and nucleus truncation), as the OpenAI API reports them.
+    pub logprobs: Option<usize>,
+}
+
+/// A generated token's log-probability under the model, with the most likely
+/// alternatives (highest first, ties to the lower id).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenLogprob {
+    /// The token's log-probability.
+    pub logprob: f32,
+    /// The `k` most likely tokens and their log-probabilities.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprob {
+    /// Log-softmax of `logits` at `token`, and the `k` most likely tokens.
+    /// Computed in f64 (a sum over the vocabulary).
+    pub fn from_logits(logits: &[f32], token: u32, k: usize) -> Self {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+        let lse = max as f64 + sum.ln();
+        let lp = |i: usize| (logits[i] as f64 - lse) as f32;
+        let k = k.min(logits.len());
+        let mut top: Vec<(u32, f32)> = Vec::with_capacity(k);
+        if k > 0 {
+            // One pass keeping the k best (k is small: the API allows <= 20).
+            let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+            let better =
+                |a: usize, b: usize| logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+            for i in 0..logits.len() {
+                if best.len() == k && !better(i, best[k - 1]) {
+                    continue;
+                }
+                let pos = best.partition_point(|&b| better(b, i));
+                best.insert(pos, i);
+                best.truncate(k);
+            }
+            top.extend(best.into_iter().map(|i| (i as u32, lp(i))));
+        }
+        Self {
+            logprob: lp(token as usize),
+            top,
+        }
+    }
 }
 
 /// Why a sequence ended.
@@ -123,6 +170,8 @@ pub enum Event {
         id: u64,
         /// The token.
         token: u32,
+        /// Its log-probability, when the request asked for it.
+        logprob: Option<TokenLogprob>,
     },
     /// A sequence ended (its bytes are free again).
     Finished(Finished),

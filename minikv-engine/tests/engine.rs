@@ -111,6 +111,7 @@ fn outputs_equal_generate_alone() {
                 max_new: 6 + i,
                 sampling: s,
                 stop: tok.stop.clone(),
+                logprobs: None,
             })
             .unwrap();
         }
@@ -149,6 +150,7 @@ fn a_tight_budget_makes_requests_wait_and_none_is_lost() {
             max_new: 8,
             sampling: SamplingConfig::default(),
             stop: Vec::new(),
+            logprobs: None,
         })
         .unwrap();
     }
@@ -188,6 +190,7 @@ fn every_preset_projection_bounds_its_bytes() {
                 max_new: 20,
                 sampling: SamplingConfig::default(),
                 stop: Vec::new(),
+                logprobs: None,
             })
             .unwrap();
         }
@@ -261,6 +264,7 @@ fn gemma3_rings_count_against_the_budget() {
                 max_new: 6,
                 sampling: SamplingConfig::default(),
                 stop: Vec::new(),
+                logprobs: None,
             })
             .unwrap();
         }
@@ -294,6 +298,7 @@ fn cancellation_frees_bytes_and_bad_requests_are_refused() {
         max_new,
         sampling: SamplingConfig::default(),
         stop: Vec::new(),
+        logprobs: None,
     };
     e.submit(req(1, ps[0].clone(), 50)).unwrap();
     e.submit(req(2, ps[1].clone(), 50)).unwrap();

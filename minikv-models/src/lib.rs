@@ -32,6 +32,7 @@ pub mod blocks;
     target_feature = "f16c"
 ))]
 mod blocks_x86;
+pub mod chat;
 pub mod gemma3;
 mod generate;
 pub mod gguf;
@@ -44,6 +45,7 @@ mod sampling;
 mod tokenizer;
 
 pub use batch::SeqStep;
+pub use chat::{ChatMessage, ChatTemplate};
 pub use gemma3::{Gemma3, Gemma3Config};
 pub use generate::{
     ChunkedPerplexity, Generation, Perplexity, StopReason, generate, nll_of, perplexity,

@@ -12,6 +12,7 @@
 //!   (newline and space runs, HTML tags) are matched in the raw text first,
 //!   as llama.cpp does.
 
+use crate::chat::{ChatMessage, ChatTemplate};
 use crate::gguf::{Gguf, Value};
 use minikv_core::{Error, Result};
 use std::path::Path;
@@ -34,8 +35,8 @@ pub struct Tokenizer {
     pub bos: Option<u32>,
     /// End-of-sequence / end-of-turn ids (generation stops on them).
     pub stop: Vec<u32>,
-    /// Chat template (ChatML) system prompt, if the template has a default one.
-    chat: Option<ChatFormat>,
+    /// The chat template (`Err`: the model's template does not compile, why).
+    chat: Option<std::result::Result<ChatTemplate, String>>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -45,29 +46,6 @@ impl std::fmt::Debug for Tokenizer {
             .field("add_bos", &self.add_bos)
             .finish()
     }
-}
-
-#[derive(Debug, Clone)]
-struct ChatFormat {
-    default_system: Option<String>,
-}
-
-fn parse_chat_template(t: &str) -> Result<ChatFormat> {
-    if !t.contains("<|im_start|>") {
-        return Err(Error::Format(
-            "chat template is not ChatML (<|im_start|>); only ChatML is supported".into(),
-        ));
-    }
-    // The newline after the role is a real newline or an escaped `\n` in the Jinja source.
-    let default_system = ["<|im_start|>system\n", "<|im_start|>system\\n"]
-        .iter()
-        .find_map(|marker| {
-            let i = t.find(marker)?;
-            let rest = &t[i + marker.len()..];
-            rest.find("<|im_end|>")
-                .map(|j| rest[..j].replace("\\n", "\n"))
-        });
-    Ok(ChatFormat { default_system })
 }
 
 fn tok_err(e: impl std::fmt::Display) -> Error {
@@ -131,14 +109,21 @@ impl Tokenizer {
             g.metadata.get("tokenizer.ggml.add_bos_token"),
             Some(Value::Bool(true))
         );
-        let chat = match g
+        let text_of = |id: Option<u32>| {
+            id.and_then(|i| tokens.get(i as usize))
+                .cloned()
+                .unwrap_or_default()
+        };
+        let eos = g
+            .metadata
+            .get("tokenizer.ggml.eos_token_id")
+            .and_then(|v| v.as_u64())
+            .map(|v| v as u32);
+        let chat = g
             .metadata
             .get("tokenizer.chat_template")
             .and_then(|v| v.as_str())
-        {
-            Some(t) => Some(parse_chat_template(t)?),
-            None => None,
-        };
+            .map(|t| ChatTemplate::new(t, &text_of(bos), &text_of(eos)).map_err(|e| e.to_string()));
         Ok(Self {
             inner,
             add_bos,
@@ -163,8 +148,20 @@ impl Tokenizer {
         if let Ok(text) = std::fs::read_to_string(&cfg) {
             let v: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| Error::Format(format!("{}: {e}", cfg.display())))?;
+            let special = |k: &str| match v.get(k) {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(o) => o
+                    .get("content")
+                    .and_then(|c| c.as_str())
+                    .unwrap_or_default()
+                    .to_owned(),
+                None => String::new(),
+            };
             if let Some(t) = v.get("chat_template").and_then(|t| t.as_str()) {
-                chat = Some(parse_chat_template(&t.replace('\n', "\\n"))?);
+                chat = Some(
+                    ChatTemplate::new(t, &special("bos_token"), &special("eos_token"))
+                        .map_err(|e| e.to_string()),
+                );
             }
             add_bos = v
                 .get("add_bos_token")
@@ -206,21 +203,44 @@ impl Tokenizer {
         self.inner.decode(ids, false).map_err(tok_err)
     }
 
-    /// The instruct prompt for one user message (ChatML, with the template's
-    /// default system prompt), ending with the assistant turn's header.
+    /// The instruct prompt for one user message (the model's chat template
+    /// with its default system prompt, if any), ending with the assistant
+    /// turn's header.
     pub fn chat_prompt(&self, user: &str) -> Result<String> {
-        let chat = self
-            .chat
-            .as_ref()
-            .ok_or_else(|| Error::Format("the model has no chat template".into()))?;
-        let mut s = String::new();
-        if let Some(sys) = &chat.default_system {
-            s.push_str(&format!("<|im_start|>system\n{sys}<|im_end|>\n"));
+        self.render_chat(&[ChatMessage::new("user", user)])
+    }
+
+    /// The prompt for a conversation through the model's chat template,
+    /// ending with the assistant turn's header.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String> {
+        match &self.chat {
+            Some(Ok(t)) => t.render(messages, true),
+            Some(Err(e)) => Err(Error::Format(format!("the model's {e}"))),
+            None => Err(Error::Input(
+                "the model has no chat template (give one, e.g. `--chat-template FILE`)".into(),
+            )),
         }
-        s.push_str(&format!(
-            "<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-        ));
-        Ok(s)
+    }
+
+    /// Replaces the chat template (Jinja source, as Hugging Face writes them).
+    pub fn set_chat_template(&mut self, source: &str) -> Result<()> {
+        let text = |id: Option<u32>| {
+            id.and_then(|i| self.inner.id_to_token(i))
+                .unwrap_or_default()
+        };
+        let t = ChatTemplate::new(source, &text(self.bos), &text(self.stop.first().copied()))?;
+        self.chat = Some(Ok(t));
+        Ok(())
+    }
+
+    /// Whether a chat template is there (and compiles).
+    pub fn has_chat_template(&self) -> bool {
+        matches!(self.chat, Some(Ok(_)))
+    }
+
+    /// The text of one token (special tokens included), for logprob reports.
+    pub fn token_text(&self, id: u32) -> String {
+        self.inner.decode(&[id], false).unwrap_or_default()
     }
 }
 
