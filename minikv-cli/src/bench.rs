@@ -256,7 +256,8 @@ fn emit(
         println!(
             "{:<28} {:>7} {:>10.1} {:>8.1} - {:>8.1}",
             r["config"].as_str().unwrap_or(""),
-            r[key].to_string(),
+            // The depth that ran (lowered to fit the context), not the one asked.
+            r.get(format!("{key}_used")).unwrap_or(&r[key]).to_string(),
             r["tokens_per_s"].as_f64().unwrap_or(0.0),
             r["min"].as_f64().unwrap_or(0.0),
             r["max"].as_f64().unwrap_or(0.0)

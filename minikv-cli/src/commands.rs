@@ -509,15 +509,13 @@ pub fn budgets(a: &BudgetsArgs) -> Result<()> {
             if policy.needs() != minikv_core::Needs::default() {
                 return Err(Error::Input("this policy sets budgets from attention statistics of a model run: pass --model and --text".into()));
             }
+            // The same ratio-to-tokens conversion the cache uses.
+            let (heavy, recent) = c.token_budgets(t);
             let req = BudgetRequest {
                 n_layers,
                 prompt_len: t,
-                heavy: c
-                    .heavy_tokens
-                    .unwrap_or_else(|| (t as f64 * c.heavy.unwrap_or(0.0)).floor() as usize),
-                recent: c
-                    .recent_tokens
-                    .unwrap_or_else(|| (t as f64 * c.recent.unwrap_or(0.0)).floor() as usize),
+                heavy,
+                recent,
                 sinks: c.sinks,
                 layers: &[],
             };
@@ -1112,6 +1110,12 @@ pub fn calibrate_duo(a: &crate::DuoArgs) -> Result<()> {
             len: a.context,
             max: m.spec().max_seq_len,
         });
+    }
+    if a.sinks + a.recent >= a.context {
+        return Err(Error::Input(format!(
+            "calibrate duo: --sinks {} + --recent {} leave no token of the {}-token context outside them: nothing to measure (make --context larger)",
+            a.sinks, a.recent, a.context
+        )));
     }
     let text_path = a.text.clone().unwrap_or_else(default_text);
     let haystack = l.tok.encode(&read_text(&text_path)?)?;

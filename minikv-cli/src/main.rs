@@ -412,6 +412,24 @@ fn run(cli: Cli) -> Result<()> {
 fn main() -> ExitCode {
     minikv_kernels::ensure_registered();
     let cli = Cli::parse();
+    // A closed pipe (`minikv components | head -1`) ends the process quietly,
+    // as for any Unix filter, instead of a panic in `println!`. The server
+    // and the load generator keep Rust's default (writes to a closed socket
+    // are errors they handle).
+    #[cfg(unix)]
+    if !matches!(
+        cli.cmd,
+        Cmd::Serve(_)
+            | Cmd::Bench {
+                cmd: BenchCmd::Serve(_)
+            }
+    ) {
+        // SAFETY: setting a signal disposition to its default before any
+        // thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     // Run on a pool worker: the model's many short parallel loops then start
     // on the worker's own deque instead of being handed over from `main`.
     let res = match rayon::ThreadPoolBuilder::new().build() {

@@ -37,26 +37,11 @@ pub fn set_activations(a: minikv_models::Activations) {
     let _ = ACTIVATIONS.set(a);
 }
 
+/// The source revision, recorded when the binary was built (`build.rs`):
+/// running `git` at run time would touch the source tree wherever the
+/// binary runs.
 pub fn git_rev() -> String {
-    let dir = env!("CARGO_MANIFEST_DIR");
-    let run = |args: &[&str]| {
-        std::process::Command::new("git")
-            .arg("-C")
-            .arg(dir)
-            .args(args)
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-    };
-    match run(&["rev-parse", "--short=12", "HEAD"]) {
-        Some(r) => {
-            let dirty = run(&["status", "--porcelain", "--untracked-files=no"])
-                .is_some_and(|s| !s.is_empty());
-            if dirty { format!("{r}-dirty") } else { r }
-        }
-        None => "unknown".into(),
-    }
+    env!("MINIKV_GIT_REV").to_string()
 }
 
 pub fn sha256_file(path: &Path) -> Result<String> {

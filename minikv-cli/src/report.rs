@@ -55,14 +55,52 @@ pub fn t975(df: usize) -> f64 {
 }
 
 /// Mean and 95% half-width (Student t) of `xs`; the half-width is 0 for one value.
+/// Computed on the values divided by their largest magnitude, so values near
+/// f64's range do not overflow the sums (a half-width that itself exceeds
+/// f64's range is infinite: no interval).
 pub fn mean_ci(xs: &[f64]) -> (f64, f64) {
     let n = xs.len() as f64;
     let mean = xs.iter().sum::<f64>() / n;
     if xs.len() < 2 {
-        return (mean, 0.0);
+        if mean.is_finite() || xs.is_empty() {
+            return (mean, 0.0);
+        }
+    } else {
+        let sd = (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
+        if mean.is_finite() && sd.is_finite() {
+            return (mean, t975(xs.len() - 1) * sd / n.sqrt());
+        }
     }
-    let sd = (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
-    (mean, t975(xs.len() - 1) * sd / n.sqrt())
+    // The sums overflowed: the same on the values over their largest magnitude.
+    let scale = xs.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    if !scale.is_finite() {
+        return (f64::NAN, f64::NAN);
+    }
+    let mean_s = xs.iter().map(|x| x / scale).sum::<f64>() / n;
+    if xs.len() < 2 {
+        return (mean_s * scale, 0.0);
+    }
+    let sd_s = (xs.iter().map(|x| (x / scale - mean_s).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
+    (mean_s * scale, t975(xs.len() - 1) * sd_s / n.sqrt() * scale)
+}
+
+/// A CSV field: quoted (inner quotes doubled) when it holds a comma, a
+/// quote or a line break.
+pub fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+/// A CSV number: empty when not finite (no interval, no value).
+pub fn csv_num(x: f64) -> String {
+    if x.is_finite() {
+        x.to_string()
+    } else {
+        String::new()
+    }
 }
 
 /// A short method name from a resolved config.
@@ -267,7 +305,7 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
             (k as f64 / xs.len() as f64, lo, hi, "Wilson")
         } else {
             let (m, h) = mean_ci(&xs);
-            if xs.len() > 1 {
+            if xs.len() > 1 && (m - h).is_finite() && (m + h).is_finite() {
                 (m, m - h, m + h, "t")
             } else {
                 (m, f64::NAN, f64::NAN, "n/a")
@@ -522,8 +560,11 @@ fn plot(
     y_label: &str,
 ) -> Result<()> {
     let err = |e: String| Error::Input(format!("plot {}: {e}", path.display()));
-    let root = SVGBackend::new(path, (720, 480)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    // Only points a chart can place; ranges padded without overflowing.
+    let pts: Vec<&(f64, f64, String)> = pts
+        .iter()
+        .filter(|p| p.0.is_finite() && p.1.is_finite())
+        .collect();
     let (x0, x1) = pts
         .iter()
         .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
@@ -531,10 +572,23 @@ fn plot(
         .iter()
         .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
     let pad = |a: f64, b: f64| {
-        let d = ((b - a) * 0.1).max(1e-6);
+        let d = ((b / 2.0 - a / 2.0) * 0.2).max(1e-6);
         (a - d, b + d)
     };
     let ((x0, x1), (y0, y1)) = (pad(x0, x1), pad(y0, y1));
+    if pts.is_empty()
+        || ![x0, x1, y0, y1]
+            .iter()
+            .all(|v| v.is_finite() && v.abs() < 1e300)
+    {
+        eprintln!(
+            "report: {} not drawn: its values are beyond what a chart can scale",
+            path.display()
+        );
+        return Ok(());
+    }
+    let root = SVGBackend::new(path, (720, 480)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))
         .margin(12)
@@ -584,6 +638,13 @@ fn line_plot(path: &Path, title: &str, y_label: &str, series: &[(String, Vec<f64
         .fold(0.0f64, f64::max)
         .max(1e-6)
         * 1.08;
+    if !(y1.is_finite() && y1 < 1e300) {
+        eprintln!(
+            "report: {} not drawn: its values are beyond what a chart can scale",
+            path.display()
+        );
+        return Ok(());
+    }
     let root = SVGBackend::new(path, (820, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let mut chart = ChartBuilder::on(&root)
@@ -702,30 +763,29 @@ pub fn report(a: &ReportArgs) -> Result<()> {
     for g in &aggs {
         let _ = writeln!(
             csv,
-            "{},\"{}\",{},{},{},{},{},{},{},{},{},{}",
-            g.task,
-            g.method,
-            g.metric,
-            g.mean,
-            g.lo,
-            g.hi,
-            g.interval,
+            "{},{},{},{},{},{},{},{},{},{},{},{}",
+            csv_field(&g.task),
+            csv_field(&g.method),
+            csv_field(g.metric),
+            csv_num(g.mean),
+            csv_num(g.lo),
+            csv_num(g.hi),
+            csv_field(g.interval),
             g.n,
             g.seeds,
-            g.ratio,
-            g.kv_bytes,
-            g.config_hash
+            csv_num(g.ratio),
+            csv_num(g.kv_bytes),
+            csv_field(&g.config_hash)
         );
         // kvpress columns: compression_ratio = fraction of the KV cache removed.
         let _ = writeln!(
             lb,
-            "{}/{},{},\"{}\",{},{}",
-            a.dataset,
-            g.task,
-            model_name(&rows, &g.model),
-            g.method,
-            1.0 - g.ratio,
-            g.mean
+            "{},{},{},{},{}",
+            csv_field(&format!("{}/{}", a.dataset, g.task)),
+            csv_field(&model_name(&rows, &g.model)),
+            csv_field(&g.method),
+            csv_num(1.0 - g.ratio),
+            csv_num(g.mean)
         );
     }
     write("results.csv", csv)?;

@@ -73,6 +73,15 @@ impl ResultsLog {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         }
+        // A symlinked results file is the file it points to: rows go there,
+        // and a repair rewrites the target, not the link.
+        let path = match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_symlink() => {
+                std::fs::canonicalize(path).map_err(|e| Error::io(path, e))?
+            }
+            _ => path.to_owned(),
+        };
+        let path = path.as_path();
         let mut log = Self {
             path: path.to_owned(),
             lock_path: sidecar(path, ".lock"),
@@ -135,13 +144,42 @@ impl ResultsLog {
             }
         }
         if !rejected.is_empty() {
-            self.move_aside(&rejected)?;
+            let meta = std::fs::metadata(&self.path).map_err(|e| Error::io(&self.path, e))?;
+            if meta.permissions().readonly() {
+                return Err(Error::Input(format!(
+                    "{}: {} line(s) are not result rows, and the file is read-only, so they cannot be moved aside (make it writable, or remove the lines; first: line {}: {})",
+                    self.path.display(),
+                    rejected.len(),
+                    rejected[0].line,
+                    rejected[0].reason
+                )));
+            }
             let tmp = sidecar(&self.path, ".tmp");
-            let mut f = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-            f.write_all(&good)
-                .and_then(|_| f.sync_all())
-                .map_err(|e| Error::io(&tmp, e))?;
-            std::fs::rename(&tmp, &self.path).map_err(|e| Error::io(&self.path, e))?;
+            let write = || -> std::io::Result<()> {
+                let mut f = File::create(&tmp)?;
+                f.write_all(&good)?;
+                f.sync_all()?;
+                // The rewrite keeps the file's mode, owner and group.
+                std::fs::set_permissions(&tmp, meta.permissions())?;
+                #[cfg(unix)]
+                {
+                    use std::os::unix::fs::MetadataExt;
+                    let _ = std::os::unix::fs::chown(&tmp, Some(meta.uid()), Some(meta.gid()));
+                }
+                Ok(())
+            };
+            if let Err(e) = write() {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(Error::io(&tmp, e));
+            }
+            if let Err(e) = self.move_aside(&rejected) {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(e);
+            }
+            if let Err(e) = std::fs::rename(&tmp, &self.path) {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(Error::io(&self.path, e));
+            }
         }
         self.scanned = good.len() as u64;
         Ok(rejected)
@@ -154,11 +192,19 @@ impl ResultsLog {
             .append(true)
             .open(&p)
             .map_err(|e| Error::io(&p, e))?;
+        // An entry already there (a repair that failed after writing it) is
+        // not written twice.
+        let before = std::fs::read_to_string(&p).unwrap_or_default();
+        let known: HashSet<&str> = before.lines().collect();
         let mut text = String::new();
         for r in rejected {
-            text += &json!({"file": self.path, "line": r.line, "reason": r.reason, "text": r.text})
-                .to_string();
-            text.push('\n');
+            let entry =
+                json!({"file": self.path, "line": r.line, "reason": r.reason, "text": r.text})
+                    .to_string();
+            if !known.contains(entry.as_str()) {
+                text += &entry;
+                text.push('\n');
+            }
         }
         f.write_all(text.as_bytes())
             .and_then(|_| f.sync_all())

@@ -174,6 +174,16 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
         .iter()
         .map(|s| parse_set(s))
         .collect::<Result<Vec<_>>>()?;
+    // One path, one `--set`: a second would silently override the first
+    // while both named the row.
+    for (i, (p, _)) in sets.iter().enumerate() {
+        if sets[..i].iter().any(|(q, _)| q == p) {
+            let path = p.join(".");
+            return Err(Error::Input(format!(
+                "--set {path} is given twice; give all its values once: --set {path}=V1,V2"
+            )));
+        }
+    }
     // Resolve and validate every grid point before running anything.
     let mut points = Vec::new();
     let mut labels = Vec::new();

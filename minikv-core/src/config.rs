@@ -243,10 +243,16 @@ fn check_ratio(field: &str, v: Option<f64>, tokens: Option<usize>) -> Result<()>
 
 impl CacheConfig {
     /// The heavy and recent budgets in tokens for a `prompt`-token prompt:
-    /// `heavy_tokens` / `recent_tokens` when given, else `floor(prompt x ratio)`.
+    /// `heavy_tokens` / `recent_tokens` when given, else `floor(prompt x ratio)`
+    /// with a floor of one token for a non-zero ratio (a short prompt never
+    /// rounds a budget the config asked for down to an empty cache).
     pub fn token_budgets(&self, prompt: usize) -> (usize, usize) {
         let of = |tokens: Option<usize>, ratio: Option<f64>| {
-            tokens.unwrap_or_else(|| (prompt as f64 * ratio.unwrap_or(0.0)).floor() as usize)
+            tokens.unwrap_or_else(|| {
+                let r = ratio.unwrap_or(0.0);
+                let t = (prompt as f64 * r).floor() as usize;
+                if r > 0.0 && prompt > 0 { t.max(1) } else { t }
+            })
         };
         (
             of(self.heavy_tokens, self.heavy),
@@ -460,21 +466,75 @@ where
     })
 }
 
+/// Deepest nesting of objects and arrays a JSON config may have.
+pub const MAX_CONFIG_DEPTH: usize = 32;
+
+/// The deepest nesting of `{`/`[` in JSON text (strings skipped).
+fn json_depth(text: &str) -> usize {
+    let (mut depth, mut max, mut in_str, mut esc) = (0usize, 0usize, false, false);
+    for b in text.bytes() {
+        if in_str {
+            match (esc, b) {
+                (true, _) => esc = false,
+                (false, b'\\') => esc = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'{' | b'[' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
+}
+
 impl RunConfig {
     /// Parses TOML (`.toml`) or JSON (anything else) text. Error messages
-    /// quote at most 1000 characters of the input.
+    /// longer than 1000 characters keep their start and their end (where a
+    /// parser puts the reason), with the middle cut. JSON nested deeper than
+    /// [`MAX_CONFIG_DEPTH`] is refused before it is deserialized (a chain of
+    /// wrapper components would otherwise exhaust the stack).
     pub fn parse(text: &str, json: bool) -> Result<Self> {
         let short = |m: String| {
             let m = m.trim_end();
-            if m.chars().count() > 1000 {
-                let cut: String = m.chars().take(1000).collect();
-                format!("{cut} [...]")
+            let n = m.chars().count();
+            if n > 1000 {
+                let head: String = m.chars().take(500).collect();
+                let tail: String = m.chars().skip(n - 400).collect();
+                format!("{head} [... {} characters cut ...] {tail}", n - 900)
             } else {
                 m.to_string()
             }
         };
         if json {
-            serde_json::from_str(text).map_err(|e| Error::Parse(short(e.to_string())))
+            let depth = json_depth(text);
+            if depth > MAX_CONFIG_DEPTH {
+                return Err(Error::Parse(format!(
+                    "the config nests {depth} levels deep; at most {MAX_CONFIG_DEPTH} are allowed"
+                )));
+            }
+        }
+        if json {
+            // Errors name the field's path (`cache.heavy_tokens: ...`).
+            let mut de = serde_json::Deserializer::from_str(text);
+            let cfg: Self = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+                let path = e.path().to_string();
+                let inner = e.into_inner().to_string();
+                Error::Parse(short(if path.is_empty() || path == "." {
+                    inner
+                } else {
+                    format!("{path}: {inner}")
+                }))
+            })?;
+            de.end().map_err(|e| Error::Parse(short(e.to_string())))?;
+            Ok(cfg)
         } else {
             toml::from_str(text).map_err(|e| Error::Parse(short(e.to_string())))
         }
@@ -482,17 +542,22 @@ impl RunConfig {
 
     /// Reads, parses, resolves defaults and validates a config file.
     pub fn load(path: &Path) -> Result<Self> {
+        use std::io::Read;
         const MAX: u64 = 1 << 20;
-        let len = std::fs::metadata(path)
-            .map_err(|e| Error::io(path, e))?
-            .len();
-        if len > MAX {
+        // Read at most MAX + 1 bytes: a device or a pipe reports no length.
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let mut bytes = Vec::new();
+        file.take(MAX + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| Error::io(path, e))?;
+        if bytes.len() as u64 > MAX {
             return Err(Error::Parse(format!(
-                "{}: {len} bytes; a config is a small text file (at most 1 MiB)",
+                "{}: more than {MAX} bytes; a config is a small text file (at most 1 MiB)",
                 path.display()
             )));
         }
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = String::from_utf8(bytes)
+            .map_err(|e| Error::Parse(format!("{}: not UTF-8 text ({e})", path.display())))?;
         let json = path.extension().is_some_and(|e| e == "json");
         let mut cfg = Self::parse(&text, json).map_err(|e| match e {
             Error::Parse(m) => Error::Parse(format!("{}: {m}", path.display())),

@@ -302,10 +302,15 @@ pub fn evaluate(
         sum += o.score;
         let m = c.memory();
         (kv, full) = (m.used_bytes(), m.full_fp16_bytes);
-        per_trial.push(serde_json::json!({
+        let mut t = serde_json::json!({
             "score": o.score, "prediction": o.prediction, "depth": r.depth,
             "context_tokens": o.context_tokens, "question_tokens": o.question_tokens,
-        }));
+        });
+        // The row's own task name, as docs/tasks.md promises.
+        if let Some(name) = &r.task {
+            t["task"] = serde_json::json!(name);
+        }
+        per_trial.push(t);
     }
     Ok(QaResult {
         score: sum / rows.len().max(1) as f64,

@@ -294,6 +294,11 @@ impl Gguf {
             let key = c.string(&|| format!("metadata key #{i}"))?;
             let ty = c.u32(&|| format!("metadata `{key}` type"))?;
             let v = c.value(ty, &key, 0)?;
+            if metadata.contains_key(&key) {
+                return Err(Error::Format(format!(
+                    "metadata key `{key}` appears twice (entry #{i}); a GGUF holds each key once"
+                )));
+            }
             metadata.insert(key, v);
         }
         let align = match metadata.get("general.alignment") {

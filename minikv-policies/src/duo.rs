@@ -61,6 +61,19 @@ impl DuoPattern {
                 format!("{path}: scores must be a non-empty rectangular table of finite numbers"),
             ));
         }
+        // A score is an attention mass: a share of one.
+        if let Some((l, h, x)) = p
+            .scores
+            .iter()
+            .enumerate()
+            .flat_map(|(l, hs)| hs.iter().enumerate().map(move |(h, &x)| (l, h, x)))
+            .find(|&(_, _, x)| !(0.0..=1.0).contains(&x))
+        {
+            return Err(Error::config(
+                "cache.selector.pattern",
+                format!("{path}: scores[{l}][{h}] = {x}: a score is an attention mass in [0, 1]"),
+            ));
+        }
         Ok(p)
     }
 
