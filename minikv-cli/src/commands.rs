@@ -15,13 +15,58 @@ fn print_json(v: &serde_json::Value) {
     println!("{}", serde_json::to_string_pretty(v).expect("json"));
 }
 
+/// Whether `v` parses as a component of `point` (through its typetag registry).
+fn parses(point: minikv_core::components::ExtensionPoint, v: serde_json::Value) -> bool {
+    use minikv_core::components::ExtensionPoint as P;
+    match point {
+        P::Scorer => serde_json::from_value::<Box<dyn minikv_core::TokenScorer>>(v).is_ok(),
+        P::Policy => serde_json::from_value::<Box<dyn minikv_core::SelectionPolicy>>(v).is_ok(),
+        P::Selector => serde_json::from_value::<Box<dyn minikv_core::Selector>>(v).is_ok(),
+        P::Quantizer => serde_json::from_value::<Box<dyn minikv_core::Quantizer>>(v).is_ok(),
+        P::Compensator => serde_json::from_value::<Box<dyn minikv_core::Compensator>>(v).is_ok(),
+        P::Channels => serde_json::from_value::<Box<dyn minikv_core::ChannelPruner>>(v).is_ok(),
+    }
+}
+
+/// Parameter names with their (default or example) values.
+type Params = Vec<(String, serde_json::Value)>;
+
+/// A component's parameters split into the ones a config must give (the
+/// parser refuses the component without them; shown with an example value)
+/// and the ones with defaults.
+fn params_of(c: &components::ComponentInfo) -> (Params, Params) {
+    let d = (c.default)();
+    let (mut required, mut defaults) = (Vec::new(), Vec::new());
+    for (k, v) in d
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| *k != "type")
+    {
+        let mut without = d.clone();
+        if let Some(o) = without.as_object_mut() {
+            o.remove(k);
+        }
+        if parses(c.point, without) {
+            defaults.push((k.clone(), v.clone()));
+        } else {
+            required.push((k.clone(), v.clone()));
+        }
+    }
+    (required, defaults)
+}
+
 pub fn components(json_out: bool) -> Result<()> {
     let all = components::all();
     let backends = minikv_core::attention::backends();
     if json_out {
         let mut v: Vec<_> = all
             .iter()
-            .map(|c| json!({"point": c.point, "name": c.name, "config_key": c.point.config_key(), "summary": c.summary, "default": (c.default)()}))
+            .map(|c| {
+                let (required, _) = params_of(c);
+                let required: Vec<&String> = required.iter().map(|r| &r.0).collect();
+                json!({"point": c.point, "name": c.name, "config_key": c.point.config_key(), "summary": c.summary, "default": (c.default)(), "required": required})
+            })
             .collect();
         v.extend(backends.iter().map(|b| {
             json!({"point": "backend", "name": b.name, "config_key": "backend", "summary": b.summary, "default": b.name})
@@ -39,17 +84,19 @@ pub fn components(json_out: bool) -> Result<()> {
             println!("\n{} ({}):", c.point, c.point.config_key());
             last = Some(c.point);
         }
-        let d = (c.default)();
-        let params: Vec<String> = d
-            .as_object()
-            .into_iter()
-            .flatten()
-            .filter(|(k, _)| *k != "type")
-            .map(|(k, v)| format!("{k} = {v}"))
-            .collect();
+        let (required, defaults) = params_of(c);
+        let show = |ps: &[(String, serde_json::Value)]| {
+            ps.iter()
+                .map(|(k, v)| format!("{k} = {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         println!("  {:<22} {}", c.name, c.summary);
-        if !params.is_empty() {
-            println!("  {:<22} defaults: {}", "", params.join(", "));
+        if !required.is_empty() {
+            println!("  {:<22} required (e.g.): {}", "", show(&required));
+        }
+        if !defaults.is_empty() {
+            println!("  {:<22} defaults: {}", "", show(&defaults));
         }
     }
     Ok(())

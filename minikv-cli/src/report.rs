@@ -94,6 +94,11 @@ pub fn csv_field(s: &str) -> String {
     }
 }
 
+/// A CSV field always quoted (inner quotes doubled): method names.
+pub fn csv_quoted(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
 /// A CSV number: empty when not finite (no interval, no value).
 pub fn csv_num(x: f64) -> String {
     if x.is_finite() {
@@ -448,6 +453,24 @@ pub fn paired(rows: &[Value], a: &str, b: &str) -> Result<Vec<Paired>> {
     let mut tasks: Vec<&str> = rows.iter().filter_map(|r| r["task"].as_str()).collect();
     tasks.sort_unstable();
     tasks.dedup();
+    // Units are keyed by (seed, window): rows of one task at several
+    // contexts would collide and one would win silently.
+    for &t in &tasks {
+        let mut ctx: Vec<String> = rows
+            .iter()
+            .filter(|r| r["task"] == t && (matches(r, a) || matches(r, b)))
+            .map(|r| r["context"].to_string())
+            .collect();
+        ctx.sort();
+        ctx.dedup();
+        if ctx.len() > 1 {
+            return Err(Error::Input(format!(
+                "--pair `{a} vs {b}`: task {t} ran at {} contexts ({}); pair rows of one context (report a file per context)",
+                ctx.len(),
+                ctx.join(", ")
+            )));
+        }
+    }
     let mut out = Vec::new();
     for t in tasks {
         let side = |sel: &str| -> BTreeMap<(u64, usize), f64> {
@@ -765,7 +788,7 @@ pub fn report(a: &ReportArgs) -> Result<()> {
             csv,
             "{},{},{},{},{},{},{},{},{},{},{},{}",
             csv_field(&g.task),
-            csv_field(&g.method),
+            csv_quoted(&g.method),
             csv_field(g.metric),
             csv_num(g.mean),
             csv_num(g.lo),
@@ -783,7 +806,7 @@ pub fn report(a: &ReportArgs) -> Result<()> {
             "{},{},{},{},{}",
             csv_field(&format!("{}/{}", a.dataset, g.task)),
             csv_field(&model_name(&rows, &g.model)),
-            csv_field(&g.method),
+            csv_quoted(&g.method),
             csv_num(1.0 - g.ratio),
             csv_num(g.mean)
         );

@@ -447,3 +447,44 @@ fn duplicate_first_key(b: &[u8]) -> (Vec<u8>, String) {
     out.extend_from_slice(&b[24..]);
     (out, key)
 }
+
+#[test]
+fn components_say_which_parameters_are_required_and_pairs_refuse_mixed_contexts() {
+    let out = expect(&["components"], 0, &[]);
+    let i = out.find("  minmax").unwrap();
+    let block: String = out[i..].lines().take(3).collect::<Vec<_>>().join("\n");
+    assert!(
+        block.contains("required (e.g.): axis") && block.contains("defaults: scale_dtype"),
+        "{block}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&expect(&["components", "--json"], 0, &[])).unwrap();
+    let mm = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "minmax")
+        .unwrap();
+    assert_eq!(mm["required"], serde_json::json!(["axis", "bits", "group"]));
+    // Every parameter shown as a default really is one: the component parses without it.
+    // (and the required ones are refused without them: the test above shows the split)
+    let d = tmp("pair");
+    let f = d.join("r.jsonl");
+    let mut text = rows("a", &[1.0, 2.0]) + &rows("b", &[1.5, 2.5]);
+    text += &rows("b-long", &[1.0, 1.0])
+        .replace("\"context\":64", "\"context\":128")
+        .replace("\"label\":\"b-long\"", "\"label\":\"b\"");
+    std::fs::write(&f, text).unwrap();
+    expect(
+        &[
+            "report",
+            f.to_str().unwrap(),
+            "--out",
+            d.join("o").to_str().unwrap(),
+            "--pair",
+            "a vs b",
+        ],
+        2,
+        &["2 contexts"],
+    );
+}
