@@ -41,6 +41,10 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
+// The two request types repeat their shared fields on purpose: serde's
+// `deny_unknown_fields` does not work through `#[serde(flatten)]`, and
+// refusing unknown fields by name is what the API (and this server) does.
+
 /// `POST /v1/completions`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

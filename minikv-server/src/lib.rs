@@ -35,6 +35,7 @@
 
 pub mod api;
 pub mod error;
+mod job;
 pub mod metrics;
 mod routes;
 pub mod text;

@@ -2,8 +2,9 @@
 //! and answer with one JSON body or a stream of server-sent events.
 
 use crate::App;
-use crate::api::{self, ChatRequest, CompletionRequest, PromptInput};
+use crate::api;
 use crate::error::ApiError;
+use crate::job::{Job, Kind, chat_job, completion_job};
 use crate::text::{Detokenizer, StopText};
 use crate::worker::{Cmd, Out};
 use axum::body::Body;
@@ -13,7 +14,6 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream;
 use minikv_engine::{Finish, Finished, Request, TokenLogprob};
-use minikv_models::SamplingConfig;
 use serde_json::{Value, json};
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -22,25 +22,6 @@ use std::sync::atomic::Ordering;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 type Shared = State<Arc<App>>;
-
-/// Which endpoint, with its logprob settings.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Kind {
-    /// `/v1/completions` (`logprobs`: alternatives per token).
-    Completion { logprobs: Option<usize> },
-    /// `/v1/chat/completions`.
-    Chat { logprobs: bool, top: usize },
-}
-
-/// A checked request, ready for the engine.
-struct Job {
-    kind: Kind,
-    req: Request,
-    stops: Vec<String>,
-    stream: bool,
-    include_usage: bool,
-    echo: Option<String>,
-}
 
 /// Cancels its request when dropped (the client left) unless the request
 /// ended.
@@ -222,249 +203,25 @@ async fn read_body(app: &App, body: Body) -> Result<axum::body::Bytes, ApiError>
     })
 }
 
-impl App {
-    fn sampling(&self, k: &api::Knobs, id: u64) -> SamplingConfig {
-        SamplingConfig {
-            temperature: k.temperature,
-            top_p: k.top_p,
-            seed: k.seed.unwrap_or(self.cfg.seed.wrapping_add(id)),
-        }
-    }
-
-    /// Checks the prompt against the context and picks `max_new`.
-    fn max_new(&self, name: &str, prompt: usize, asked: Option<usize>) -> Result<usize, ApiError> {
-        let ctx = self.ctx;
-        let over = |want: usize| {
-            ApiError::param(
-                name,
-                format!(
-                    "This model's maximum context length is {ctx} tokens. However, you requested {} tokens ({prompt} in the prompt, {want} for the completion). Please reduce the prompt or the completion length.",
-                    prompt + want
-                ),
-            )
-            .with_code("context_length_exceeded")
-        };
-        if prompt >= ctx {
-            return Err(ApiError::param(
-                "prompt",
-                format!("This model's maximum context length is {ctx} tokens, but the prompt has {prompt} tokens (at least one must be left to generate)."),
-            )
-            .with_code("context_length_exceeded"));
-        }
-        match asked {
-            Some(m) if prompt.saturating_add(m) > ctx => Err(over(m)),
-            Some(m) => Ok(m),
-            None => Ok(self.cfg.default_max_tokens.min(ctx - prompt)),
-        }
-    }
-
-    fn stop_ids(&self, ignore_eos: bool) -> Vec<u32> {
-        if ignore_eos {
-            Vec::new()
-        } else {
-            self.tok.stop.clone()
-        }
-    }
-}
-
-fn encode(app: &App, text: &str) -> Result<Vec<u32>, ApiError> {
-    let ids = app
-        .tok
-        .encode(text)
-        .map_err(|e| ApiError::param("prompt", e.to_string()))?;
-    if ids.is_empty() {
-        return Err(ApiError::param("prompt", "the prompt encodes to no tokens"));
-    }
-    Ok(ids)
-}
-
-fn completion_job(app: &App, r: CompletionRequest) -> Result<Job, ApiError> {
-    let k = api::knobs(
-        r.temperature,
-        r.top_p,
-        r.seed,
-        r.stop,
-        ("max_tokens", r.max_tokens),
-        r.n,
-        [
-            ("presence_penalty", r.presence_penalty),
-            ("frequency_penalty", r.frequency_penalty),
-        ],
-        &r.logit_bias,
-    )?;
-    if let Some(b) = r.best_of
-        && b != 1
-    {
-        return Err(ApiError::param(
-            "best_of",
-            format!("best_of must be 1, got {b}"),
-        ));
-    }
-    if r.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::param(
-            "suffix",
-            "suffix (insertion) is not supported",
-        ));
-    }
-    let logprobs = match r.logprobs {
-        None => None,
-        Some(n @ 0..=5) => Some(n as usize),
-        Some(n) => {
-            return Err(ApiError::param(
-                "logprobs",
-                format!("logprobs must be in 0..=5, got {n}"),
-            ));
-        }
-    };
-    if r.echo && logprobs.is_some() {
-        return Err(ApiError::param(
-            "echo",
-            "echo with logprobs (prompt log-probabilities) is not supported",
-        ));
-    }
-    let (ids, text) = match api::prompt(r.prompt, app.vocab)? {
-        PromptInput::Text(t) => (encode(app, &t)?, Some(t)),
-        PromptInput::Ids(ids) => (ids, None),
-    };
-    let max_new = app.max_new("max_tokens", ids.len(), k.max_tokens)?;
-    let echo = if r.echo {
-        Some(match text {
-            Some(t) => t,
-            None => app
-                .tok
-                .decode(&ids)
-                .map_err(|e| ApiError::param("prompt", e.to_string()))?,
-        })
-    } else {
-        None
-    };
-    let id = app.next_id.fetch_add(1, Ordering::Relaxed);
-    Ok(Job {
-        kind: Kind::Completion { logprobs },
-        req: Request {
-            id,
-            prompt: ids,
-            max_new,
-            sampling: app.sampling(&k, id),
-            stop: app.stop_ids(r.ignore_eos),
-            logprobs,
-        },
-        stops: k.stop,
-        stream: r.stream,
-        include_usage: r.stream_options.is_some_and(|o| o.include_usage),
-        echo,
-    })
-}
-
-fn chat_job(app: &App, r: ChatRequest) -> Result<Job, ApiError> {
-    let (mt_name, mt) = match (r.max_completion_tokens, r.max_tokens) {
-        (Some(m), _) => ("max_completion_tokens", Some(m)),
-        (None, m) => ("max_tokens", m),
-    };
-    let k = api::knobs(
-        r.temperature,
-        r.top_p,
-        r.seed,
-        r.stop,
-        (mt_name, mt),
-        r.n,
-        [
-            ("presence_penalty", r.presence_penalty),
-            ("frequency_penalty", r.frequency_penalty),
-        ],
-        &r.logit_bias,
-    )?;
-    if r.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::param("tools", "tool calling is not supported"));
-    }
-    if let Some(tc) = &r.tool_choice
-        && tc != "none"
-    {
-        return Err(ApiError::param(
-            "tool_choice",
-            "tool calling is not supported",
-        ));
-    }
-    if let Some(f) = &r.response_format
-        && f.get("type").and_then(|t| t.as_str()) != Some("text")
-    {
-        return Err(ApiError::param(
-            "response_format",
-            "only {\"type\": \"text\"} is supported (no JSON mode or schemas)",
-        ));
-    }
-    let top = match r.top_logprobs {
-        None => 0,
-        Some(n @ 0..=20) => n as usize,
-        Some(n) => {
-            return Err(ApiError::param(
-                "top_logprobs",
-                format!("top_logprobs must be in 0..=20, got {n}"),
-            ));
-        }
-    };
-    if r.top_logprobs.is_some() && !r.logprobs {
-        return Err(ApiError::param(
-            "top_logprobs",
-            "top_logprobs needs logprobs: true",
-        ));
-    }
-    let messages = api::messages(r.messages)?;
-    let mut text = app
-        .tok
-        .render_chat(&messages)
-        .map_err(|e| ApiError::param("messages", e.to_string()))?;
-    // The template may write BOS itself; the tokenizer adds one too.
-    if app.tok.add_bos
-        && let Some(b) = app.tok.bos
-    {
-        let bos = app.tok.token_text(b);
-        if !bos.is_empty()
-            && let Some(rest) = text.strip_prefix(bos.as_str())
-        {
-            text = rest.to_owned();
-        }
-    }
-    let ids = encode(app, &text)?;
-    let max_new = app.max_new(mt_name, ids.len(), k.max_tokens)?;
-    let id = app.next_id.fetch_add(1, Ordering::Relaxed);
-    Ok(Job {
-        kind: Kind::Chat {
-            logprobs: r.logprobs,
-            top,
-        },
-        req: Request {
-            id,
-            prompt: ids,
-            max_new,
-            sampling: app.sampling(&k, id),
-            stop: app.stop_ids(r.ignore_eos),
-            logprobs: r.logprobs.then_some(top),
-        },
-        stops: k.stop,
-        stream: r.stream,
-        include_usage: r.stream_options.is_some_and(|o| o.include_usage),
-        echo: None,
-    })
-}
-
 /// `POST /v1/completions`.
 pub async fn completions(State(app): Shared, body: Body) -> Response {
-    let job = async {
-        let b = read_body(&app, body).await?;
-        completion_job(&app, api::parse(&b)?)
-    };
-    match job.await {
-        Ok(j) => run(app, j).await,
-        Err(e) => e.into_response(),
-    }
+    handle(app, body, completion_job).await
 }
 
 /// `POST /v1/chat/completions`.
 pub async fn chat(State(app): Shared, body: Body) -> Response {
+    handle(app, body, chat_job).await
+}
+
+/// Reads and parses the body, checks it into a job, and runs it.
+async fn handle<T: serde::de::DeserializeOwned>(
+    app: Arc<App>,
+    body: Body,
+    to_job: fn(&App, T) -> Result<Job, ApiError>,
+) -> Response {
     let job = async {
         let b = read_body(&app, body).await?;
-        chat_job(&app, api::parse(&b)?)
+        to_job(&app, api::parse(&b)?)
     };
     match job.await {
         Ok(j) => run(app, j).await,
