@@ -466,8 +466,6 @@ fn components_say_which_parameters_are_required_and_pairs_refuse_mixed_contexts(
         .find(|c| c["name"] == "minmax")
         .unwrap();
     assert_eq!(mm["required"], serde_json::json!(["axis", "bits", "group"]));
-    // Every parameter shown as a default really is one: the component parses without it.
-    // (and the required ones are refused without them: the test above shows the split)
     let d = tmp("pair");
     let f = d.join("r.jsonl");
     let mut text = rows("a", &[1.0, 2.0]) + &rows("b", &[1.5, 2.5]);
