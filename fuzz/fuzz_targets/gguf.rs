@@ -7,7 +7,9 @@ use libfuzzer_sys::fuzz_target;
 use minikv_models::gguf::{Bytes, Gguf};
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(g) = Gguf::parse(Bytes::Owned(data.to_vec())) else { return };
+    let Ok(g) = Gguf::parse(Bytes::Owned(data.to_vec())) else {
+        return;
+    };
     for t in g.tensors.values() {
         let n = t.dims[0].min(1 << 16);
         let n = n - n % t.dtype.block_size();

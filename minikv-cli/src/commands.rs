@@ -3,6 +3,7 @@
 use crate::provenance::{assets_dir, default_model, provenance};
 use crate::{BudgetsArgs, EvalArgs, GenerateArgs, LogitsArgs, ModelArg, PplArgs, QuantizeArgs};
 use indicatif::{ProgressBar, ProgressStyle};
+use minikv_core::files::{MIB, read_text_bounded};
 use minikv_core::{
     BudgetRequest, CacheBuilder, Error, KvCache, MemoryReport, Result, RunConfig, components,
 };
@@ -331,7 +332,7 @@ pub fn read_text(p: &Path) -> Result<String> {
         files.sort();
         let mut s = String::new();
         for f in files {
-            s.push_str(&std::fs::read_to_string(&f).map_err(|e| Error::io(&f, e))?);
+            s.push_str(&read_text_bounded(&f, TEXT_MAX, "a text")?);
             s.push('\n');
         }
         if s.is_empty() {
@@ -339,8 +340,11 @@ pub fn read_text(p: &Path) -> Result<String> {
         }
         return Ok(s);
     }
-    std::fs::read_to_string(p).map_err(|e| Error::io(p, e))
+    read_text_bounded(p, TEXT_MAX, "a text")
 }
+
+/// The largest text file read (per file of a directory).
+const TEXT_MAX: u64 = 256 * MIB;
 
 /// The first `n` tokens of a text, or an error saying how many it has.
 pub fn first_tokens(tok: &Tokenizer, text: &str, n: usize, what: &Path) -> Result<Vec<u32>> {
@@ -468,7 +472,7 @@ pub fn perplexity(a: &PplArgs) -> Result<()> {
 
 pub fn quantize(a: &QuantizeArgs) -> Result<()> {
     use minikv_quant::{ScaleDtype, quantize_row};
-    let text = std::fs::read_to_string(&a.input).map_err(|e| Error::io(&a.input, e))?;
+    let text = read_text_bounded(&a.input, 64 * MIB, "a JSON array of rows")?;
     let rows: Vec<Vec<f32>> = serde_json::from_str(&text).map_err(|e| {
         Error::Input(format!(
             "{}: expected a JSON array of rows of numbers: {e}",
@@ -998,6 +1002,12 @@ pub fn run_task(
     }
     if let Some(d) = &t.dataset {
         out["dataset"] = json!(d);
+    }
+    if t.task == "dataset" {
+        // Each row brings its context and answer length: the --context and
+        // --tokens flags were not used, so they are not recorded.
+        out["context"] = serde_json::Value::Null;
+        out["tokens"] = serde_json::Value::Null;
     }
     match &mem {
         Some(m) => out["memory"] = memory_json(m),

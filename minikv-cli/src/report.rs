@@ -739,7 +739,11 @@ fn per_layer_series(rows: &[&Value], field: &str) -> Vec<(String, Vec<f64>)> {
 }
 
 pub fn report(a: &ReportArgs) -> Result<()> {
-    let bytes = std::fs::read(&a.results).map_err(|e| Error::io(&a.results, e))?;
+    let bytes = minikv_core::files::read_bounded(
+        &a.results,
+        256 * minikv_core::files::MIB,
+        "a results file",
+    )?;
     let (rows, skipped, duplicates) = read_rows(&bytes);
     if skipped > 0 {
         eprintln!(

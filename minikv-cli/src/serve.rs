@@ -59,7 +59,8 @@ pub fn serve(a: &ServeArgs) -> Result<()> {
     let l = crate::commands::load_model(&a.model)?;
     let mut tok = l.tok.clone();
     if let Some(p) = &a.chat_template {
-        let src = std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?;
+        let src =
+            minikv_core::files::read_text_bounded(p, minikv_core::files::MIB, "a chat template")?;
         tok.set_chat_template(&src)?;
     }
     let spec = l.model.spec();

@@ -156,7 +156,7 @@ fn hash(v: &Value) -> String {
 }
 
 pub fn sweep(a: &SweepArgs) -> Result<()> {
-    let text = std::fs::read_to_string(&a.base).map_err(|e| Error::io(&a.base, e))?;
+    let text = minikv_core::files::read_text_bounded(&a.base, minikv_core::files::MIB, "a config")?;
     let json_in = a.base.extension().is_some_and(|e| e == "json");
     let base: Value = if json_in {
         serde_json::from_str(&text)

@@ -309,6 +309,8 @@ fn dataset_rows_carry_their_task_and_no_git_runs_at_run_time() {
     assert!(o.status.success(), "{err}");
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["metrics"]["per_trial"][0]["task"], "my-task", "{v}");
+    // The rows bring their own contexts: no unused --context is recorded.
+    assert!(v["context"].is_null() && v["tokens"].is_null(), "{v}");
     assert!(
         v["provenance"]["git_rev"]
             .as_str()
@@ -430,6 +432,43 @@ fn minor_cases() {
         2,
         &["scores[0][0] = 1.5", "[0, 1]"],
     );
+    // Devices named as inputs are read with a bound, never until memory
+    // runs out: a text, a results file, a dataset, a quantize input.
+    expect(
+        &["perplexity", "--text", "/dev/zero", "--tokens", "8"],
+        2,
+        &["/dev/zero: more than"],
+    );
+    expect(
+        &[
+            "report",
+            "/dev/zero",
+            "--out",
+            d.join("r").to_str().unwrap(),
+        ],
+        2,
+        &["/dev/zero: more than"],
+    );
+    expect(
+        &["eval", "--dataset", "/dev/zero"],
+        2,
+        &["/dev/zero: more than"],
+    );
+    expect(
+        &[
+            "quantize",
+            "--bits",
+            "2",
+            "--group",
+            "4",
+            "--axis",
+            "token",
+            "--input",
+            "/dev/zero",
+        ],
+        2,
+        &["/dev/zero: more than"],
+    );
 }
 
 /// The GGUF with its first metadata entry written twice (the count raised).
@@ -485,4 +524,68 @@ fn components_say_which_parameters_are_required_and_pairs_refuse_mixed_contexts(
         2,
         &["2 contexts"],
     );
+}
+
+/// A pattern file named in a config resolves against the config's folder,
+/// wherever the command runs.
+#[test]
+fn duo_pattern_paths_are_relative_to_the_config_file() {
+    let d = tmp("duo-rel");
+    std::fs::create_dir_all(d.join("patterns")).unwrap();
+    std::fs::copy(
+        root().join("configs/patterns/smollm2-135m-instruct-q4_1.duo.json"),
+        d.join("patterns/p.json"),
+    )
+    .unwrap();
+    let cfg = d.join("duo.toml");
+    std::fs::write(
+        &cfg,
+        "[cache]\nsinks = 4\nheavy_tokens = 0\nrecent_tokens = 16\nscorer = { type = \"recency\" }\n\
+         selector = { type = \"duo_attention\", pattern = \"patterns/p.json\", retrieval_fraction = 0.25 }\n",
+    )
+    .unwrap();
+    let run_in = |dir: &Path| {
+        Command::new(env!("CARGO_BIN_EXE_minikv"))
+            .args([
+                "generate",
+                "--prompt",
+                "The history of the city",
+                "--max-tokens",
+                "2",
+            ])
+            .args([
+                "--model",
+                root()
+                    .join("assets/SmolLM2-135M-Instruct.Q4_1.gguf")
+                    .to_str()
+                    .unwrap(),
+            ])
+            .arg("--config")
+            .arg(&cfg)
+            .current_dir(dir)
+            .output()
+            .unwrap()
+    };
+    let o = run_in(&std::env::temp_dir());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // The shipped preset runs from outside the repository too.
+    let o = Command::new(env!("CARGO_BIN_EXE_minikv"))
+        .args(["config", "check", "--json"])
+        .arg(root().join("configs/duo-attention.toml"))
+        .current_dir(std::env::temp_dir())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let p = v["cache"]["selector"]["pattern"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(Path::new(&p).is_file(), "{p}");
+    // A missing file is an error naming the field, not a panic.
+    std::fs::remove_file(d.join("patterns/p.json")).unwrap();
+    let o = run_in(&std::env::temp_dir());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("cache.selector.pattern"), "{err}");
 }

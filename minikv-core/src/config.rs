@@ -564,6 +564,9 @@ impl RunConfig {
             e => e,
         })?;
         cfg.resolve()?;
+        if let (Some(dir), Some(sel)) = (path.parent(), cfg.cache.selector.as_mut()) {
+            sel.resolve_paths(dir);
+        }
         cfg.validate(None)?;
         Ok(cfg)
     }

@@ -58,6 +58,7 @@ mod error;
     target_feature = "f16c"
 ))]
 mod f16x86;
+pub mod files;
 pub mod hybrid;
 pub mod layered;
 pub mod probe;

@@ -33,6 +33,11 @@ pub trait Selector: Send + Sync + Debug + dyn_clone::DynClone {
     fn validate(&self) -> Result<()> {
         Ok(())
     }
+    /// Resolves relative file paths among the parameters against `dir`, the
+    /// folder of the config file they were written in (called once by
+    /// [`RunConfig::load`](crate::RunConfig::load)); selectors without files
+    /// keep the default, which does nothing.
+    fn resolve_paths(&mut self, _dir: &std::path::Path) {}
 }
 
 dyn_clone::clone_trait_object!(Selector);

@@ -153,7 +153,7 @@ impl QaRow {
 
 /// Reads a JSONL dataset; a malformed row is an error naming its line.
 pub fn read_dataset(path: &Path) -> Result<Vec<QaRow>> {
-    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bytes = minikv_core::files::read_bounded(path, 256 * minikv_core::files::MIB, "a dataset")?;
     let mut rows = Vec::new();
     for (i, line) in bytes.split(|&b| b == b'\n').enumerate() {
         if line.iter().all(u8::is_ascii_whitespace) {

@@ -105,8 +105,10 @@ impl DuoPattern {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DuoAttention {
-    /// Pattern file (from `minikv calibrate duo`), relative to the working
-    /// directory.
+    /// Pattern file (from `minikv calibrate duo`). In a config file, a
+    /// relative path is relative to the config file's folder (a path that
+    /// exists only relative to the working directory is still taken, as
+    /// before).
     #[serde(default = "d_pattern")]
     pub pattern: String,
     /// Share of the model's KV heads that keep everything (0.5).
@@ -155,6 +157,15 @@ impl Selector for DuoAttention {
             0.0,
             1.0,
         )
+    }
+    fn resolve_paths(&mut self, dir: &std::path::Path) {
+        let p = std::path::Path::new(&self.pattern);
+        if p.is_relative() {
+            let beside = dir.join(p);
+            if beside.is_file() || !p.is_file() {
+                self.pattern = beside.to_string_lossy().into_owned();
+            }
+        }
     }
     fn select(&self, input: &SelectionInput<'_>, out: &mut Vec<Vec<u32>>) -> Result<()> {
         let heads = self.heads()?;
