@@ -9,8 +9,11 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// A folder of its own per call: tests run in parallel and remove theirs.
 fn tmp() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("minikv-bad-{}", std::process::id()));
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("minikv-bad-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
 }

@@ -1,0 +1,81 @@
+//! `calibrate duo`.
+
+use super::*;
+
+use minikv_core::{Error, Result, RunConfig};
+
+/// `minikv calibrate duo`: measures the DuoAttention head pattern of a model
+/// on seeded passkey prompts and writes it (atomically) as JSON.
+pub fn calibrate_duo(a: &crate::DuoArgs) -> Result<()> {
+    let l = load_model(&a.model)?;
+    let m = l.model.as_ref();
+    if a.context > m.spec().max_seq_len {
+        return Err(Error::ContextOverflow {
+            len: a.context,
+            max: m.spec().max_seq_len,
+        });
+    }
+    if a.sinks + a.recent >= a.context {
+        return Err(Error::Input(format!(
+            "calibrate duo: --sinks {} + --recent {} leave no token of the {}-token context outside them: nothing to measure (make --context larger)",
+            a.sinks, a.recent, a.context
+        )));
+    }
+    let text_path = a.text.clone().unwrap_or_else(default_text);
+    let haystack = l.tok.encode(&read_text(&text_path)?)?;
+    let cal = minikv_eval::duo::DuoCalibration {
+        prompts: minikv_eval::PasskeySpec {
+            context: a.context,
+            depth: None,
+            trials: a.trials,
+            seed: a.seed,
+        },
+        sinks: a.sinks,
+        recent: a.recent,
+        window: a.window,
+    };
+    let t0 = std::time::Instant::now();
+    let full = RunConfig::default();
+    let scores =
+        minikv_eval::duo::calibrate_duo(m, &l.tok, &haystack, cal, || build_cache(m, &full))?;
+    let pattern = minikv_policies::DuoPattern {
+        format: minikv_policies::DuoPattern::FORMAT.into(),
+        model: l
+            .path
+            .file_name()
+            .map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
+        model_sha256: l.sha256()?,
+        calibration: serde_json::json!({
+            "task": "passkey",
+            "statistic": "mean attention mass of the last `window` prompt queries outside the first `sinks` and the last `recent` tokens, averaged over the query heads of each KV head",
+            "context": a.context,
+            "trials": a.trials,
+            "seed": a.seed,
+            "sinks": a.sinks,
+            "recent": a.recent,
+            "window": a.window,
+            "text": text_path.file_name().map(|f| f.to_string_lossy().into_owned()),
+            "git_revision": crate::provenance::git_rev(),
+        }),
+        scores,
+    };
+    let body =
+        serde_json::to_string_pretty(&pattern).map_err(|e| Error::Input(e.to_string()))? + "\n";
+    let tmp = a.out.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, body).map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, &a.out).map_err(|e| Error::io(&a.out, e))?;
+    let flat: Vec<f32> = pattern.scores.iter().flatten().copied().collect();
+    let mut sorted = flat.clone();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    eprintln!(
+        "duo pattern: {} layers x {} KV heads, long-range mass min {:.3} median {:.3} max {:.3}, {:.1}s -> {}",
+        pattern.scores.len(),
+        pattern.scores[0].len(),
+        sorted[0],
+        sorted[sorted.len() / 2],
+        sorted[sorted.len() - 1],
+        t0.elapsed().as_secs_f64(),
+        a.out.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,106 @@
+//! Intervals, quantiles, Pareto fronts and CSV escaping for reports.
+
+/// The score a task is ranked by, and whether higher is better.
+pub fn primary_metric(task: &str) -> (&'static str, bool) {
+    match task {
+        "fidelity" => ("kl", false),
+        "perplexity" => ("ppl", false),
+        "passkey" | "needle" | "kv-retrieval" => ("accuracy", true),
+        "generation" => ("token_f1", true),
+        "attention-error" => ("rel_error", false),
+        t if t == "dataset" || t.starts_with("ruler-") => ("score", true),
+        _ => ("", true),
+    }
+}
+
+/// Two-sided 97.5% Student-t quantile for `df` degrees of freedom.
+pub fn t975(df: usize) -> f64 {
+    const T: [f64; 30] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042,
+    ];
+    if df == 0 {
+        f64::NAN
+    } else {
+        T.get(df - 1).copied().unwrap_or(1.96)
+    }
+}
+
+/// Mean and 95% half-width (Student t) of `xs`; the half-width is 0 for one value.
+/// Computed on the values divided by their largest magnitude, so values near
+/// f64's range do not overflow the sums (a half-width that itself exceeds
+/// f64's range is infinite: no interval).
+pub fn mean_ci(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    if xs.len() < 2 {
+        if mean.is_finite() || xs.is_empty() {
+            return (mean, 0.0);
+        }
+    } else {
+        let sd = (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
+        if mean.is_finite() && sd.is_finite() {
+            return (mean, t975(xs.len() - 1) * sd / n.sqrt());
+        }
+    }
+    // The sums overflowed: the same on the values over their largest magnitude.
+    let scale = xs.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    if !scale.is_finite() {
+        return (f64::NAN, f64::NAN);
+    }
+    let mean_s = xs.iter().map(|x| x / scale).sum::<f64>() / n;
+    if xs.len() < 2 {
+        return (mean_s * scale, 0.0);
+    }
+    let sd_s = (xs.iter().map(|x| (x / scale - mean_s).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
+    (mean_s * scale, t975(xs.len() - 1) * sd_s / n.sqrt() * scale)
+}
+
+/// A CSV field: quoted (inner quotes doubled) when it holds a comma, a
+/// quote or a line break.
+pub fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+/// A CSV field always quoted (inner quotes doubled): method names.
+pub fn csv_quoted(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// A CSV number: empty when not finite (no interval, no value).
+pub fn csv_num(x: f64) -> String {
+    if x.is_finite() {
+        x.to_string()
+    } else {
+        String::new()
+    }
+}
+
+/// Points on the Pareto frontier (fewer bytes and a better score), by index.
+pub fn pareto(points: &[(f64, f64)], higher_better: bool) -> Vec<usize> {
+    let better = |a: f64, b: f64| if higher_better { a > b } else { a < b };
+    (0..points.len())
+        .filter(|&i| {
+            !points.iter().enumerate().any(|(j, q)| {
+                j != i
+                    && q.0 <= points[i].0
+                    && !better(points[i].1, q.1)
+                    && (q.0 < points[i].0 || better(q.1, points[i].1))
+            })
+        })
+        .collect()
+}
+
+/// `[lo, hi]` to 4 decimals, or `none` when there is no interval.
+pub(crate) fn interval(lo: f64, hi: f64, none: &str) -> String {
+    if lo.is_finite() {
+        format!("[{lo:.4}, {hi:.4}]")
+    } else {
+        none.to_string()
+    }
+}
