@@ -107,9 +107,10 @@ for d in sorted(f16):
         r = dec.get((c, d))
         cells.append("-" if r is None else f"{r['tokens_per_s']:.1f} [{r['min']:.1f}, {r['max']:.1f}] (x{r['tokens_per_s'] / f16.ts(d):.2f})")
     print(f"| {d} | {f16.cell(d)} | {q4.cell(d)} | " + " | ".join(cells) + " |")
+name_of = {"f16 KV": "llamacpp-decode-f16", "q4_0 KV": "llamacpp-decode-q4_0", "prefill": "llamacpp-prefill"}
 for name, b in (("f16 KV", f16), ("q4_0 KV", q4), ("prefill", pre)):
     for fa in b.missing:
-        print(f"\nllama.cpp {name} with -fa {fa}: no result (see {out}/*-fa{fa}.json.log; llama.cpp needs flash attention for a quantized V cache).")
+        print(f"\nllama.cpp {name} with -fa {fa}: no result: llama.cpp refused or failed (its message: {out}/{name_of[name]}-fa{fa}.json.log).")
 for d, u in lowered:
     print(f"\nminikv's depth {d} is {u}: the timed steps must fit the model's context (llama.cpp runs past it).")
 print(f"\nPrefill tokens/s:\n")
