@@ -177,9 +177,34 @@ fn files() -> &'static [String] {
     })
 }
 
+/// The files that suit a path flag, by its id (most values come from here;
+/// the rest from every file, so a model named as a config still happens).
+fn suited(id: &str) -> Vec<String> {
+    let all = files();
+    let pick = |f: &dyn Fn(&str) -> bool| all.iter().filter(|p| f(p)).cloned().collect::<Vec<_>>();
+    match id {
+        "config" | "base" | "configs" => pick(&|p| p.ends_with(".toml") || p.ends_with(".json")),
+        "model" => pick(&|p| p.ends_with(".gguf") || p.starts_with("/dev/") || p == "fuzz.toml"),
+        "text" => {
+            pick(&|p| p.contains("paul_graham") || p.starts_with("/dev/") || p.ends_with(".jsonl"))
+        }
+        "input" | "dataset" | "results" | "file" => {
+            pick(&|p| p.starts_with("fuzz.") || p.starts_with("/dev/") || p.contains("nonexistent"))
+        }
+        "out" | "export" => pick(&|p| !p.starts_with('/') && !p.starts_with("fuzz.")),
+        _ => all.to_vec(),
+    }
+}
+
 fn value(u: &mut Unstructured, f: &Flag, path_like: bool) -> Result<String> {
     if !f.possible.is_empty() && u.ratio(7, 8)? {
         return Ok(u.choose(&f.possible)?.clone());
+    }
+    if path_like && u.ratio(3, 4)? {
+        let pool = suited(&f.id);
+        if !pool.is_empty() {
+            return Ok(u.choose(&pool)?.clone());
+        }
     }
     Ok(match u.int_in_range(0..=9)? {
         0..=3 if path_like => u.choose(files())?.clone(),
@@ -222,7 +247,10 @@ fn argv(u: &mut Unstructured) -> Result<Vec<String>> {
         Ok(!u.is_empty() && u.ratio(n, d)?)
     };
     for f in &leaf.flags {
-        if !(f.required || f.pinned || some(u, 1, 3)?) {
+        // A flag with a list of values (`--task`) is often what makes a
+        // command run at all (`required_unless_present`): given more often.
+        let odds = if f.possible.is_empty() { 3 } else { 2 };
+        if !(f.required || f.pinned || some(u, 1, odds)?) {
             continue;
         }
         let v = if f.pinned && !some(u, 1, 8)? {
