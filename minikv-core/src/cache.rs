@@ -163,6 +163,18 @@ impl Rope {
             RopePairs::Halves => (i, i + d / 2),
         }
     }
+    /// Undoes the rotation of position `pos` on one head's vector `x` (`d`
+    /// channels): the pre-RoPE vector of a post-RoPE key.
+    pub fn unrotate(&self, x: &mut [f32], pos: usize) {
+        let d = x.len();
+        for (i, &f) in self.inv_freq.iter().enumerate().take(d / 2) {
+            let (a, b) = self.pair(i, d);
+            let (s, c) = (pos as f64 * f).sin_cos();
+            let (x0, x1) = (x[a] as f64, x[b] as f64);
+            x[a] = (x0 * c + x1 * s) as f32;
+            x[b] = (x1 * c - x0 * s) as f32;
+        }
+    }
     /// The rotation of positions `from .. from + n`, averaged: per pair the
     /// mean cosine and mean sine, `([d/2], [d/2])`.
     pub fn mean_rotation(&self, from: usize, n: usize) -> (Vec<f64>, Vec<f64>) {

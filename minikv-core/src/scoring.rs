@@ -22,9 +22,15 @@ pub struct Needs {
     /// reconstruction pass (KVzip); the value is the number of leading sink
     /// tokens the pass's attention also sees.
     pub reconstruction: Option<usize>,
+    /// The model's rotary embedding ([`LayerSignals::rope`]), for scorers that
+    /// read pre-RoPE keys ([`crate::Rope::unrotate`]).
+    pub rope: bool,
 }
 
 impl Needs {
+    /// A `query_window` that keeps every prompt query (non-causal scorers).
+    pub const ALL_QUERIES: usize = usize::MAX;
+
     /// Union of two needs.
     pub fn union(self, o: Needs) -> Needs {
         Needs {
@@ -39,6 +45,7 @@ impl Needs {
                 (Some(a), Some(b)) => Some(a.max(b)),
                 (a, b) => a.or(b),
             },
+            rope: self.rope || o.rope,
         }
     }
 }
@@ -119,6 +126,9 @@ pub struct LayerSignals<'a> {
     /// hitters, recent window excluded), when scores feed a selection (not
     /// when a layer-budget policy reads the signals).
     pub budget: Option<usize>,
+    /// The model's rotary embedding, if requested ([`Needs::rope`]) and the
+    /// model hands it over; prompt token `j` sits at position `j`.
+    pub rope: Option<&'a crate::Rope>,
 }
 
 /// Statistics of a layer's pre-RoPE prompt queries, per query head.

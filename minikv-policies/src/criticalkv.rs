@@ -54,7 +54,7 @@ impl Default for CriticalKv {
 /// `‖W_o^h v_j‖₁` for the rows `v` (`[n][d]`) and query head `h`, into `out[n]`.
 /// `w` is `[hidden][hq * d]`; `tmp` is scratch.
 #[allow(clippy::too_many_arguments)]
-fn projected_l1(
+pub(crate) fn projected_l1(
     w: &[f32],
     hidden: usize,
     hq: usize,

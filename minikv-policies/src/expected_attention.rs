@@ -61,7 +61,12 @@ impl Default for ExpectedAttention {
 }
 
 /// `R̄x` for one head: the averaged rotation applied pair by pair.
-fn rotate(x: &[f64], cos: &[f64], sin: &[f64], pair: impl Fn(usize) -> (usize, usize)) -> Vec<f64> {
+pub(crate) fn rotate(
+    x: &[f64],
+    cos: &[f64],
+    sin: &[f64],
+    pair: impl Fn(usize) -> (usize, usize),
+) -> Vec<f64> {
     let mut y = vec![0.0; x.len()];
     for i in 0..cos.len() {
         let (a, b) = pair(i);

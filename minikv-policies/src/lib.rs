@@ -4,7 +4,9 @@
 //! compensators: the parts of MiniKV, H2O, SnapKV, StreamingLLM, TOVA,
 //! PyramidKV, Ada-KV, ResKV and the kvpress / KVCache-Factory methods
 //! (KeyDiff, ChunkKV, Expected Attention, CriticalKV, LagKV, KVzip, ThinK,
-//! DuoAttention, CaM merge) that decide *which* tokens (and key channels) a KV
+//! DuoAttention, CaM merge, Random, CurDKV, leverage scores, non-causal
+//! attention, Compactor, FINCH, CAPKV, entropy-gated ChunkKV, CriticalAdaKV,
+//! Block, similarity merge, SimLayerKV) that decide *which* tokens (and key channels) a KV
 //! cache keeps and what stands in for the others. Each component is one
 //! struct, one `typetag` impl and one `register!` line; configs name them by
 //! `type`.
@@ -23,16 +25,28 @@
 
 #![warn(missing_docs)]
 
+pub mod block;
 pub mod budgets;
 pub mod cam;
+pub mod cap;
+pub mod compactor;
+pub mod critical_ada_kv;
 pub mod criticalkv;
+pub mod cur;
 pub mod duo;
+pub mod entropy_gated_chunk;
 pub mod expected_attention;
+pub mod finch;
 pub mod kvzip;
 pub mod lagkv;
+pub mod leverage;
+pub mod merge;
+pub mod non_causal;
+pub mod random;
 pub mod reskv;
 pub mod scorers;
 pub mod selectors;
+pub mod simlayerkv;
 pub mod think;
 
 pub use budgets::{

@@ -128,7 +128,11 @@ impl Default for SnapKv {
 
 /// Softmax rows of `q_window · K^T / sqrt(d)` for one query head, causal inside
 /// the window; calls `f(row_index, probs)` per row.
-fn window_softmax(inp: &ScoreInputs<'_>, h: usize, mut f: impl FnMut(usize, &[f32])) -> Result<()> {
+pub(crate) fn window_softmax(
+    inp: &ScoreInputs<'_>,
+    h: usize,
+    mut f: impl FnMut(usize, &[f32]),
+) -> Result<()> {
     let (t, w, d) = (inp.t, inp.window, inp.spec.head_dim);
     let wq = inp
         .window_queries

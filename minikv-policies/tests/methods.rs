@@ -72,6 +72,7 @@ fn signals<'a>(s: &'a ModelSpec, k: &'a [&'a [f32]], v: &'a [&'a [f32]]) -> Laye
         output_projection: None,
         reconstruction: None,
         budget: None,
+        rope: None,
     }
 }
 fn close(got: &[f32], want: &[f32], tol: f32) {

@@ -638,6 +638,7 @@ fn keydiff_worked_example() {
                 output_projection: None,
                 reconstruction: None,
                 budget: None,
+                rope: None,
             },
             &mut out,
         )
@@ -785,6 +786,7 @@ fn chunkkv_keeps_whole_chunks() {
         output_projection: None,
         reconstruction: None,
         budget: None,
+        rope: None,
     };
     s.score(&sig, &mut out).unwrap();
     for (i, want) in [-11.500776f32, -11.093541, -11.427111].iter().enumerate() {

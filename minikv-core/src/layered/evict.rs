@@ -35,6 +35,8 @@ pub(crate) struct Evictor {
     mean: Vec<f32>,
     /// Ring of the last decode queries, token-major `[w][Hq * d]` (rescoring).
     queries: Vec<f32>,
+    /// Rows the ring holds once full.
+    ring_rows: usize,
     n_queries: usize,
     ring_next: usize,
     /// Rescoring buffers: position order, rows, scores.
@@ -105,8 +107,9 @@ impl Evictor {
                 }
             })
             .collect();
+        // At most the model's context; the ring grows as decode queries come.
         let w = if rule.is_none() {
-            scorer.needs().query_window
+            scorer.needs().query_window.min(spec.max_seq_len)
         } else {
             0
         };
@@ -115,7 +118,8 @@ impl Evictor {
             probs: vec![Vec::new(); spec.n_q_heads],
             reduced: Vec::new(),
             mean: Vec::new(),
-            queries: vec![0.0; w * spec.n_q_heads * spec.head_dim],
+            queries: Vec::new(),
+            ring_rows: w,
             n_queries: 0,
             ring_next: 0,
             order: Vec::new(),
@@ -146,12 +150,16 @@ impl Evictor {
 
     /// Records the step's queries (`[Hq * d]`) for rescoring.
     pub fn push_query(&mut self, q: &[f32]) {
-        if self.queries.is_empty() {
+        let w = self.ring_rows;
+        if w == 0 {
             return;
         }
         let row = q.len();
-        let w = self.queries.len() / row;
-        self.queries[self.ring_next * row..(self.ring_next + 1) * row].copy_from_slice(q);
+        if self.queries.len() < w * row {
+            self.queries.extend_from_slice(q);
+        } else {
+            self.queries[self.ring_next * row..(self.ring_next + 1) * row].copy_from_slice(q);
+        }
         self.ring_next = (self.ring_next + 1) % w;
         self.n_queries = (self.n_queries + 1).min(w);
     }
@@ -304,6 +312,7 @@ impl Evictor {
             output_projection: None,
             reconstruction: None,
             budget: None,
+            rope: None,
         };
         self.sbuf.resize(g * n, 0.0);
         p.scorer.score(&inputs, &mut self.sbuf)?;

@@ -354,7 +354,9 @@ impl KvCache for LayeredCache {
             return ModelWants::default();
         }
         ModelWants {
-            pre_rope_queries: self.needs.query_stats_from.is_some() && self.pass.is_none(),
+            pre_rope_queries: (self.needs.query_stats_from.is_some()
+                || (self.needs.rope && l.staging.rope.is_none()))
+                && self.pass.is_none(),
             output_projection: self.needs.output_projection && l.staging.out_proj.is_empty(),
             reconstruction: self.needs.reconstruction.is_some(),
         }

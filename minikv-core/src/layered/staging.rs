@@ -22,6 +22,8 @@ pub(crate) struct Staging {
     pub out_proj: Vec<f32>,
     /// KVzip's reconstruction scores `[Hkv][t0]` (when a pass ran).
     pub recon: Vec<f32>,
+    /// The model's RoPE (when needed).
+    pub rope: Option<crate::Rope>,
 }
 
 /// A context-reconstruction pass in progress (see [`Staging::pass_scores`]).
@@ -189,7 +191,7 @@ impl Staging {
         if needs.query_window > 0 {
             let row = hq * d;
             self.window.extend_from_slice(&q[..n * row]);
-            let keep = needs.query_window * row;
+            let keep = needs.query_window.saturating_mul(row);
             if self.window.len() > keep {
                 self.window.drain(..self.window.len() - keep);
             }
@@ -259,6 +261,10 @@ impl Staging {
         let row = spec.n_q_heads * spec.head_dim;
         match obs {
             crate::Observation::PreRopeQueries { q, n, rope } => {
+                if needs.rope && self.rope.is_none() {
+                    crate::check_len("RoPE frequencies", spec.head_dim / 2, rope.inv_freq.len())?;
+                    self.rope = Some(rope.clone());
+                }
                 let Some(from) = needs.query_stats_from else {
                     return Ok(());
                 };
@@ -349,6 +355,7 @@ impl Staging {
             + self.out_proj.capacity()
             + self.recon.capacity())
             + self.qstats.as_ref().map_or(0, QuerySums::bytes)
+            + self.rope.as_ref().map_or(0, |r| 8 * r.inv_freq.capacity())
             + std::mem::size_of::<Vec<f32>>() * (self.k.capacity() + self.v.capacity())
     }
 }
@@ -388,6 +395,7 @@ impl<'a> Views<'a> {
                 .then_some(&self.staging.out_proj[..]),
             reconstruction: (!self.staging.recon.is_empty()).then_some(&self.staging.recon[..]),
             budget: None,
+            rope: self.staging.rope.as_ref(),
         }
     }
 }
