@@ -328,6 +328,11 @@ pub(crate) struct EvalArgs {
     /// dataset format) instead of evaluating; `--dataset FILE.jsonl` runs them.
     #[arg(long, value_name = "FILE.jsonl")]
     pub export: Option<PathBuf>,
+    /// Token ids (a JSON array of integers) instead of --text: windows are
+    /// cut from these ids, so another implementation can be given the very
+    /// same tokens (`minikv tokenize` writes such a file).
+    #[arg(long, value_name = "FILE.json", conflicts_with_all = ["text", "dataset"])]
+    pub ids: Option<PathBuf>,
     /// Passkey depth in [0, 1] (default: uniform per trial).
     #[arg(long, value_parser = args::unit, allow_negative_numbers = true)]
     pub depth: Option<f64>,

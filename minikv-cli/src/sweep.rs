@@ -248,6 +248,7 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
                     text: text_path.clone(),
                     query: crate::commands::query_mode(o.query_aware),
                     dataset: o.dataset.clone(),
+                    ids: None,
                 };
                 let key =
                     hash(&json!({"config": chash, "seed": seed, "task": spec, "model": model_sha}));

@@ -65,6 +65,34 @@ fn components_lists_every_extension_point() {
         .find(|c| c["name"] == "snapkv")
         .unwrap();
     assert_eq!(snap["default"]["window"], 32);
+    // Every method of kvpress 0.5.5 minikv has taken is registered (38
+    // components besides the backends when the twelve of a6fe93d landed).
+    let methods = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["point"] != "backend")
+        .count();
+    assert!(methods >= 38, "{methods} components");
+    for name in [
+        "random",
+        "cur",
+        "leverage",
+        "non_causal_attention",
+        "compactor",
+        "finch",
+        "cap",
+        "entropy_gated_chunk_kv",
+        "critical_ada_kv",
+        "block",
+        "merge_similar",
+        "simlayerkv",
+    ] {
+        assert!(
+            v.as_array().unwrap().iter().any(|c| c["name"] == name),
+            "{name} not listed"
+        );
+    }
 }
 
 #[test]
@@ -503,6 +531,100 @@ fn eval_reports_metrics_memory_and_provenance() {
     assert_eq!(v["provenance"]["seed"], 3);
     let (ok, _, err) = minikv(&["eval", "--task", "fidelity", "--context", "9000"]);
     assert!(!ok && err.contains("exceeds the maximum"), "{err}");
+}
+
+/// `eval --ids`: windows cut from a file of token ids (what the kvpress
+/// cross-check feeds both sides) give the same numbers as the same tokens
+/// from the text; fidelity reports its per-step KL curve; bad id files and
+/// tasks that cannot take ids are refused by name.
+#[test]
+fn eval_takes_token_ids_and_reports_the_kl_curve() {
+    let dir = std::env::temp_dir().join(format!("minikv-ids-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = "assets/paul_graham/copy.txt";
+    let ids: Vec<u64> = serde_json::from_value(ok_json(&["tokenize", "--text", text])).unwrap();
+    let file = dir.join("ids.json");
+    std::fs::write(&file, serde_json::to_string(&ids[..120]).unwrap()).unwrap();
+    let f = file.to_str().unwrap();
+    // The first 120 tokens of the text: `perplexity --prefill` reads the same.
+    let direct = ok_json(&[
+        "perplexity",
+        "--config",
+        "configs/snapkv.toml",
+        "--text",
+        text,
+        "--tokens",
+        "120",
+        "--prefill",
+        "96",
+        "--json",
+    ]);
+    let via_ids = ok_json(&[
+        "eval",
+        "--config",
+        "configs/snapkv.toml",
+        "--task",
+        "perplexity",
+        "--ids",
+        f,
+        "--context",
+        "96",
+        "--tokens",
+        "24",
+        "--json",
+    ]);
+    assert_eq!(via_ids["metrics"]["ppl"], direct["ppl"]);
+    let fid = ok_json(&[
+        "eval",
+        "--config",
+        "configs/kvpress/knorm.toml",
+        "--task",
+        "fidelity",
+        "--ids",
+        f,
+        "--context",
+        "96",
+        "--tokens",
+        "24",
+        "--json",
+    ]);
+    let m = &fid["metrics"];
+    let steps: Vec<f64> = serde_json::from_value(m["kl_per_step"].clone()).unwrap();
+    assert_eq!(steps.len(), 24);
+    // The first prediction comes from the prefill, before compression.
+    assert_eq!(steps[0], 0.0);
+    assert!(steps[1..].iter().any(|&k| k > 0.0));
+    let mean = steps.iter().sum::<f64>() / 24.0;
+    assert!((mean - m["kl"].as_f64().unwrap()).abs() < 1e-12);
+    // Refused by name.
+    std::fs::write(dir.join("bad.json"), "[1, 2, \"x\"]").unwrap();
+    std::fs::write(dir.join("big.json"), "[1, 2, 99999999]").unwrap();
+    let (bad, big) = (dir.join("bad.json"), dir.join("big.json"));
+    let (bad, big) = (bad.to_str().unwrap(), big.to_str().unwrap());
+    for (args, msg) in [
+        (vec!["--ids", bad], "expected a JSON array of token ids"),
+        (
+            vec!["--ids", big],
+            "token id 99999999 at index 2 is outside the vocabulary",
+        ),
+        (vec!["--ids", f, "--text", text], "cannot be used with"),
+    ] {
+        let mut a = vec![
+            "eval",
+            "--task",
+            "fidelity",
+            "--context",
+            "8",
+            "--tokens",
+            "2",
+        ];
+        a.extend(args);
+        let (ok, _, err) = minikv(&a);
+        assert!(!ok && err.contains(msg), "{a:?}: {err}");
+    }
+    let (ok, _, err) = minikv(&["eval", "--task", "passkey", "--ids", f, "--context", "64"]);
+    assert!(!ok && err.contains("not `passkey`"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// A tiny sweep end to end; a rerun adds nothing; after a simulated kill (last

@@ -41,6 +41,9 @@ pub struct Fidelity {
     pub nll_full: f64,
     /// Mean NLL of the true next tokens, compressed cache.
     pub nll_compressed: f64,
+    /// KL(full || compressed) at each prediction, in order (the curve whose
+    /// mean is `kl`).
+    pub kl_per_step: Vec<f64>,
 }
 
 fn log_softmax(x: &[f32]) -> Vec<f64> {
@@ -123,9 +126,12 @@ pub fn fidelity_against(
     let mut lc = model.forward(&ids[..context], comp, &mut wc, Logits::Last)?;
     minikv_models::finish_prefill(model, comp, &ids[..context], &mut wc)?;
     let (mut kl, mut agree, mut nf, mut nc) = (0.0, 0usize, 0.0, 0.0);
+    let mut steps = Vec::with_capacity(n);
     for (j, i) in (context..ids.len()).enumerate() {
         let lf = &reference[j];
-        kl += kl_divergence(lf, &lc);
+        let step = kl_divergence(lf, &lc);
+        steps.push(step);
+        kl += step;
         agree += usize::from(argmax(lf) == argmax(&lc));
         nf += nll_of(lf, ids[i]);
         nc += nll_of(&lc, ids[i]);
@@ -140,6 +146,7 @@ pub fn fidelity_against(
         top1: agree as f64 / k,
         nll_full: nf / k,
         nll_compressed: nc / k,
+        kl_per_step: steps,
     })
 }
 

@@ -182,7 +182,7 @@ pub fn pre_rope_keys(inp: &ScoreInputs<'_>, kv: usize, from: usize, to: usize) -
     let rope = inp.rope.ok_or_else(|| {
         Error::Unsupported(
             "this scorer reads pre-RoPE keys and needs the model's RoPE, which the model hands \
-             over during prefill only (and only models that report it: Llama-family)"
+             over during prefill only (decode-time re-scoring does not have it)"
                 .into(),
         )
     })?;

@@ -204,6 +204,9 @@ pub struct TaskSpec {
     /// `dataset`: the JSONL file.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dataset: Option<PathBuf>,
+    /// Token ids to cut windows from instead of the text (`--ids`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ids: Option<PathBuf>,
 }
 
 fn is_agnostic(q: &minikv_eval::qa::QueryMode) -> bool {
@@ -250,6 +253,24 @@ pub fn question_rows(
     )
 }
 
+/// Reads a JSON array of token ids, each checked against the vocabulary.
+fn read_ids(p: &Path, vocab: usize) -> Result<Vec<u32>> {
+    let s = minikv_core::files::read_text_bounded(p, 256 * minikv_core::files::MIB, "token ids")?;
+    let ids: Vec<u32> = serde_json::from_str(&s).map_err(|e| {
+        Error::Input(format!(
+            "{}: expected a JSON array of token ids: {e}",
+            p.display()
+        ))
+    })?;
+    if let Some((i, t)) = ids.iter().enumerate().find(|(_, t)| **t as usize >= vocab) {
+        return Err(Error::Input(format!(
+            "{}: token id {t} at index {i} is outside the vocabulary of {vocab}",
+            p.display()
+        )));
+    }
+    Ok(ids)
+}
+
 /// Runs one task for one config and seed on a loaded model; returns the result
 /// row (task, metrics, memory, wall time). Texts are tokenized once per call.
 pub fn run_task(
@@ -270,15 +291,22 @@ pub fn run_task(
     let questions = t.task == "dataset" || t.task.starts_with("ruler-");
     // The text is read once, and tokenized only for the tasks that cut windows
     // or haystacks from its tokens (a dataset brings its own contexts).
-    let text = if t.task == "dataset" {
+    let text = if t.task == "dataset" || t.ids.is_some() {
         String::new()
     } else {
         read_text(&t.text)?
     };
-    let all = if questions {
-        Vec::new()
-    } else {
-        l.tok.encode(&text)?
+    let all = match &t.ids {
+        Some(_) if questions || minikv_eval::Retrieval::from_task(&t.task).is_some() => {
+            return Err(Error::Input(format!(
+                "--ids gives windows of tokens for perplexity, fidelity, generation and \
+                 attention-error, not `{}`",
+                t.task
+            )));
+        }
+        Some(p) => read_ids(p, m.vocab_size())?,
+        None if questions => Vec::new(),
+        None => l.tok.encode(&text)?,
     };
     let max = m.spec().max_seq_len;
     // Retrieval and question prompts are `context` tokens in all; the other
@@ -447,6 +475,7 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
         text: a.opts.text.clone().unwrap_or_else(default_text),
         query: query_mode(a.opts.query_aware),
         dataset: a.opts.dataset.clone(),
+        ids: a.ids.clone(),
     };
     if let Some(path) = &a.export {
         if !spec.task.starts_with("ruler-") {

@@ -1,0 +1,173 @@
+"""Model-level cross-check of minikv against kvpress 0.5.5 on identical tokens.
+
+For each context (a file of token ids written by `minikv tokenize`), each
+method present in both and each compression ratio, both sides prefill the
+same `context` ids with the method, then are teacher-forced through the next
+`tokens` ids; each side's per-step KL(full || compressed) is taken against its
+own full cache (kvpress: transformers with the GGUF dequantized to f32; minikv:
+`minikv eval --task fidelity --ids`). Writes one JSON line per
+(context, method, ratio) to the output file (appending; a row already there is
+skipped, so a killed run resumes).
+
+Usage: kvpress_model.py OUT.jsonl IDS.json [IDS.json ...]
+Env: XCHECK_RATIOS (0.5), XCHECK_CONTEXT (2048), XCHECK_TOKENS (64),
+XCHECK_METHODS (comma-separated names; default all), MINIKV (binary).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+import kvpress as K
+from kvpress.presses.block_press import BlockPress
+from kvpress.presses.entropy_gated_chunkkv_press import EntropyGatedChunkKVPress
+from kvpress.presses.merging_press import MergingPress
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MINIKV = os.environ.get("MINIKV", os.path.join(ROOT, "target/release/minikv"))
+CONTEXT = int(os.environ.get("XCHECK_CONTEXT", "2048"))
+TOKENS = int(os.environ.get("XCHECK_TOKENS", "64"))
+RATIOS = [float(r) for r in os.environ.get("XCHECK_RATIOS", "0.5").split(",")]
+
+
+def snap():
+    return K.SnapKVPress(window_size=64, kernel_size=5)
+
+
+def finch(r):
+    p = K.FinchPress(compression_ratio=r, rerotate_keys=False)
+    p.window_size = 64
+    p.delimiter_token_id = -1  # no delimiter in the ids: the window stays 64
+    return p
+
+
+# name -> (minikv preset under configs/kvpress, kvpress press for ratio r, note)
+METHODS = {
+    "snapkv": ("snapkv", lambda r: K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5), ""),
+    "knorm": ("knorm", lambda r: K.KnormPress(compression_ratio=r), ""),
+    "keydiff": ("keydiff", lambda r: K.KeyDiffPress(compression_ratio=r), ""),
+    "streamingllm": ("streamingllm", lambda r: K.StreamingLLMPress(compression_ratio=r, n_sink=4), ""),
+    "expected-attention": ("expected-attention", lambda r: K.ExpectedAttentionPress(compression_ratio=r), ""),
+    "adakv-expected-attention": (
+        "adakv-expected-attention",
+        lambda r: K.AdaKVPress(K.ExpectedAttentionPress(compression_ratio=r)),
+        "",
+    ),
+    "criticalkv": ("criticalkv", lambda r: K.CriticalKVPress(K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5)), ""),
+    "lagkv": ("lagkv", lambda r: K.LagKVPress(compression_ratio=r), ""),
+    "chunkkv": ("chunkkv", lambda r: K.ChunkKVPress(K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5), chunk_length=20), ""),
+    "pyramidkv": ("pyramidkv", lambda r: K.PyramidKVPress(compression_ratio=r, window_size=64, kernel_size=5), ""),
+    "random": ("random", lambda r: K.RandomPress(compression_ratio=r, seed=0), "different random draws"),
+    "cur": ("cur", lambda r: K.CURPress(compression_ratio=r), ""),
+    "leverage": ("leverage", lambda r: K.LeverageScorePress(compression_ratio=r), "different sketch draws"),
+    "non-causal-attention": ("non-causal-attention", lambda r: K.NonCausalAttnPress(compression_ratio=r), ""),
+    "compactor": ("compactor", lambda r: K.CompactorPress(compression_ratio=r), "different sketch draws"),
+    "finch": ("finch", finch, "fixed 64-token window, no key re-rotation on either side"),
+    "cap": ("cap", lambda r: K.CapPress(compression_ratio=r), ""),
+    "entropy-gated-chunkkv": (
+        "entropy-gated-chunkkv",
+        lambda r: EntropyGatedChunkKVPress(press=K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5)),
+        "",
+    ),
+    "critical-adakv": ("critical-adakv", lambda r: K.CriticalAdaKVPress(press=K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5)), ""),
+    "block": ("block", lambda r: BlockPress(press=K.KeyDiffPress(compression_ratio=r), block_size=128), ""),
+    "merge-similar": ("merge-similar", lambda r: MergingPress(press=K.KnormPress(compression_ratio=r)), ""),
+}
+# Methods whose budget is not a ratio of the prompt (run once).
+FIXED = {"simlayerkv": ("simlayerkv", lambda r: K.SimLayerKVPress(lazy_threshold=0.9, n_last=1, n_recent=1024, n_initial=4), "")}
+
+
+def kl_steps(full, comp):
+    lf = torch.log_softmax(full.double(), -1)
+    lc = torch.log_softmax(comp.double(), -1)
+    return (lf.exp() * (lf - lc)).sum(-1).tolist()
+
+
+def teacher_forced(model, ids, press):
+    """Logits predicting ids[CONTEXT + j] for j < TOKENS, the prompt compressed by `press`."""
+    ctx = torch.tensor([ids[:CONTEXT]])
+    cache = DynamicCache()
+    with torch.no_grad():
+        with press(model) if press is not None else torch.no_grad():
+            out = model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+        rows = [out.logits[0, -1]]
+        for j in range(1, TOKENS):
+            pos = torch.tensor([[CONTEXT + j - 1]])
+            out = model(input_ids=torch.tensor([[ids[CONTEXT + j - 1]]]), past_key_values=cache, position_ids=pos)
+            rows.append(out.logits[0, -1])
+    return torch.stack(rows), cache.get_seq_length()
+
+
+def minikv(preset, ratio, ids_file):
+    text = open(os.path.join(ROOT, "configs/kvpress", preset + ".toml")).read()
+    if ratio is not None:
+        text = re.sub(r"(?m)^heavy = 0\.5$", f"heavy = {1 - ratio}", text)
+    # (the kvpress presets name no files, so the copy may live anywhere)
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(text)
+    try:
+        out = subprocess.run(
+            [MINIKV, "eval", "--config", f.name, "--task", "fidelity", "--ids", ids_file,
+             "--context", str(CONTEXT), "--tokens", str(TOKENS), "--json"],
+            check=True, capture_output=True, text=True,
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    r = json.loads(out)
+    return r["metrics"]["kl_per_step"], r["memory"]["kv_bytes"] if "memory" in r else None
+
+
+def main():
+    out_path, id_files = sys.argv[1], sys.argv[2:]
+    done = set()
+    if os.path.exists(out_path):
+        for line in open(out_path):
+            try:
+                r = json.loads(line)
+                done.add((r["context_file"], r["method"], r["ratio"]))
+            except (ValueError, KeyError):
+                pass
+    want = os.environ.get("XCHECK_METHODS")
+    want = set(want.split(",")) if want else None
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.join(ROOT, "assets"), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32
+    )
+    model.eval()
+    for idf in id_files:
+        ids = json.load(open(idf))[: CONTEXT + TOKENS]
+        assert len(ids) == CONTEXT + TOKENS, f"{idf}: {len(ids)} ids, need {CONTEXT + TOKENS}"
+        ids_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False).name
+        json.dump(ids, open(ids_file, "w"))
+        full, _ = teacher_forced(model, ids, None)
+        jobs = [(n, m, r) for n, m in METHODS.items() for r in RATIOS] + [(n, m, None) for n, m in FIXED.items()]
+        for name, (preset, make, note), ratio in jobs:
+            key = (os.path.basename(idf), name, ratio)
+            if (want and name not in want) or key in done:
+                continue
+            t0 = time.time()
+            comp, kept = teacher_forced(model, ids, make(ratio if ratio is not None else 0.0))
+            kv = kl_steps(full, comp)
+            mk, _ = minikv(preset, ratio, ids_file)
+            row = {
+                "context_file": key[0], "method": name, "ratio": ratio, "preset": f"configs/kvpress/{preset}.toml",
+                "context": CONTEXT, "tokens": TOKENS, "kvpress_kept_tokens": kept,
+                "kvpress_kl": sum(kv) / len(kv), "minikv_kl": sum(mk) / len(mk),
+                "kvpress_kl_steps": kv, "minikv_kl_steps": mk, "note": note,
+                "kvpress": "0.5.5", "torch": torch.__version__, "seconds": round(time.time() - t0, 1),
+            }
+            with open(out_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{key[0]} {name} r={ratio}: kvpress {row['kvpress_kl']:.4f} minikv {row['minikv_kl']:.4f}", flush=True)
+        os.unlink(ids_file)
+
+
+if __name__ == "__main__":
+    main()
