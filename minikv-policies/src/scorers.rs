@@ -424,16 +424,31 @@ register!(
 /// token's score becomes the sum of its scorer's scores over the chunk of
 /// `chunk` consecutive prompt tokens it belongs to, so top-k selection keeps
 /// whole chunks (the last chunk taken may be cut by the budget, lower
-/// positions first). kvpress's `ChunkKVPress` ranks chunks the same way.
+/// positions first). By default each head chooses its own chunks; with
+/// `shared` the scores are first summed over every head of the layer, so all
+/// heads keep the same chunks, and with `mean` a chunk scores the mean of its
+/// tokens (the last, shorter chunk is not penalized): together kvpress's
+/// `ChunkKVPress`, which also keeps whole chunks only (`⌊chunks·(1 - ratio)⌋`
+/// of them, so a few tokens fewer than the budget).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChunkKv {
     /// Tokens per chunk (ChunkKV's default: 10).
     #[serde(default = "d_chunk")]
     pub chunk: usize,
+    /// One selection for every head: scores summed over heads first.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub shared: bool,
+    /// A chunk scores the mean of its tokens instead of their sum.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub mean: bool,
     /// The scorer whose scores are summed per chunk.
     #[serde(default = "d_inner")]
     pub scorer: Box<dyn TokenScorer>,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn d_chunk() -> usize {
@@ -448,6 +463,8 @@ impl Default for ChunkKv {
     fn default() -> Self {
         Self {
             chunk: d_chunk(),
+            shared: false,
+            mean: false,
             scorer: d_inner(),
         }
     }
@@ -470,9 +487,19 @@ impl TokenScorer for ChunkKv {
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
         self.scorer.score(inp, out)?;
         let t = inp.t;
+        if self.shared {
+            let mut total = vec![0.0f32; t];
+            for row in out.chunks(t) {
+                total.iter_mut().zip(row).for_each(|(a, b)| *a += b);
+            }
+            for row in out.chunks_mut(t) {
+                row.copy_from_slice(&total);
+            }
+        }
         for row in out.chunks_mut(t) {
             for c in row.chunks_mut(self.chunk) {
                 let s: f32 = c.iter().sum();
+                let s = if self.mean { s / c.len() as f32 } else { s };
                 c.fill(s);
             }
         }

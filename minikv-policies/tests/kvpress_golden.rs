@@ -445,3 +445,29 @@ fn merge_similar_matches_kvpress_values() {
         }
     }
 }
+
+#[test]
+fn chunk_kv_shared_mean_keeps_kvpress_chunks() {
+    let g = load();
+    let c = g.case("chunk_kv_shared_mean");
+    let want = kept_want(c);
+    // kvpress keeps whole chunks, the same for every head.
+    assert_eq!(want[0], want[1]);
+    let n = want[0].len();
+    let s = minikv_policies::ChunkKv {
+        chunk: c["chunk"].as_u64().unwrap() as usize,
+        shared: true,
+        mean: true,
+        scorer: Box::new(minikv_policies::KeyNorm {}),
+    };
+    let got = g.score(&s, 1, Some(n));
+    assert_eq!(kept_of(&got, g.t(), &[n, n]), want);
+    // Per-head sums (the default) choose differently here.
+    let per_head = minikv_policies::ChunkKv {
+        shared: false,
+        mean: false,
+        ..s
+    };
+    let got = g.score(&per_head, 1, Some(n));
+    assert_ne!(kept_of(&got, g.t(), &[n, n]), want);
+}

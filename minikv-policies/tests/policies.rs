@@ -771,6 +771,7 @@ fn chunkkv_keeps_whole_chunks() {
     let s = minikv_policies::ChunkKv {
         chunk: 4,
         scorer: Box::new(minikv_policies::KeyNorm {}),
+        ..Default::default()
     };
     let mut out = vec![0.0f32; t];
     let sig = LayerSignals {

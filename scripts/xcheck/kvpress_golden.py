@@ -16,6 +16,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, rotate_half
 
 import kvpress
+import kvpress as K
 from kvpress import (
     CapPress,
     CompactorPress,
@@ -166,6 +167,9 @@ for chunk, low in [(10, 4), (6, 2)]:
             )
         ),
     }
+
+chunk = kept(K.ChunkKVPress(press=KnormPress(compression_ratio=0.5), chunk_length=6))
+cases["chunk_kv_shared_mean"] = {"chunk": 6, "kept": chunk}
 
 cases["block"] = {"block": 8, "budget": 20, "kept": kept(BlockPress(press=KnormPress(compression_ratio=0.5), block_size=8))}
 

@@ -60,7 +60,18 @@ METHODS = {
         lambda r: K.AdaKVPress(K.ExpectedAttentionPress(compression_ratio=r)),
         "",
     ),
-    "criticalkv": ("criticalkv", lambda r: K.CriticalKVPress(K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5)), ""),
+    "criticalkv": (
+        "criticalkv",
+        lambda r: K.CriticalKVPress(K.ExpectedAttentionPress(compression_ratio=r, use_vnorm=False)),
+        "",
+    ),
+    "think": (
+        "think",
+        lambda r: K.ComposedPress(
+            [K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5), K.ThinKPress(key_channel_compression_ratio=0.5, window_size=32)]
+        ),
+        "minikv also prunes the channels of keys appended after compression; kvpress keeps those whole",
+    ),
     "lagkv": ("lagkv", lambda r: K.LagKVPress(compression_ratio=r), ""),
     "chunkkv": ("chunkkv", lambda r: K.ChunkKVPress(K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5), chunk_length=20), ""),
     "pyramidkv": ("pyramidkv", lambda r: K.PyramidKVPress(compression_ratio=r, window_size=64, kernel_size=5), ""),
