@@ -573,10 +573,8 @@ fn mean_rows(rows: &[serde_json::Value]) -> serde_json::Value {
             let n = xs.len() as f64;
             let mean = xs.iter().sum::<f64>() / n;
             out.insert(k.clone(), json!(mean));
-            if xs.len() > 1 {
-                let sd = (xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
-                let h = 1.96 * sd / n.sqrt();
-                out.insert(format!("{k}_ci95"), json!([mean - h, mean + h]));
+            if let Some((lo, hi, _)) = crate::report::stats::interval_for(k, &xs) {
+                out.insert(format!("{k}_ci95"), json!([lo, hi]));
             }
         }
     }

@@ -208,11 +208,10 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
             let (lo, hi) = minikv_eval::wilson95(k, xs.len());
             (k as f64 / xs.len() as f64, lo, hi, "Wilson")
         } else {
-            let (m, h) = mean_ci(&xs);
-            if xs.len() > 1 && (m - h).is_finite() && (m + h).is_finite() {
-                (m, m - h, m + h, "t")
-            } else {
-                (m, f64::NAN, f64::NAN, "n/a")
+            let (m, _) = mean_ci(&xs);
+            match interval_for(metric, &xs) {
+                Some((lo, hi, how)) => (m, lo, hi, how),
+                None => (m, f64::NAN, f64::NAN, "n/a"),
             }
         };
         let avg = |f: &str| {

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 mod aggregate;
 mod plots;
-mod stats;
+pub(crate) mod stats;
 
 pub use aggregate::*;
 use plots::*;
@@ -191,6 +191,40 @@ mod tests {
         assert!((h - 2.484_33).abs() < 1e-4, "{h}");
         assert_eq!(mean_ci(&[5.0]), (5.0, 0.0));
         assert_eq!(t975(40), 1.96);
+    }
+
+    /// Intervals of non-negative metrics stay non-negative: the main job's
+    /// report once gave perplexity [-0.14, 60.9] and KL [-0.046, 0.213] on
+    /// three windows with Student t.
+    #[test]
+    fn intervals_fit_the_metric() {
+        let ppl = [12.0, 45.0, 16.0];
+        let (lo, hi, how) = stats::interval_for("ppl", &ppl).unwrap();
+        assert_eq!(how, "t (log)");
+        // exp(mean(ln x) -/+ t(2) sd(ln x) / sqrt(3)), computed by hand.
+        let l: Vec<f64> = ppl.iter().map(|x: &f64| x.ln()).collect();
+        let m = l.iter().sum::<f64>() / 3.0;
+        let sd = (l.iter().map(|x| (x - m).powi(2)).sum::<f64>() / 2.0).sqrt();
+        let h = 4.303 * sd / 3f64.sqrt();
+        assert!((lo - (m - h).exp()).abs() < 1e-9 && (hi - (m + h).exp()).abs() < 1e-9);
+        assert!(lo > 0.0);
+        // KL: Student t would go below zero; all positive, so the log scale.
+        let kl = [0.01, 0.02, 0.16];
+        let (m, h) = mean_ci(&kl);
+        assert!(m - h < 0.0);
+        let (lo, hi, how) = stats::interval_for("kl", &kl).unwrap();
+        assert_eq!(how, "t (log)");
+        assert!(lo > 0.0 && lo < 0.01 && hi > 0.16, "[{lo}, {hi}]");
+        // A zero among the values: the t interval floored at 0.
+        let (lo, hi, how) = stats::interval_for("kl", &[0.0, 0.02, 0.16]).unwrap();
+        assert!(how == "t, floored" && lo == 0.0 && hi > 0.16);
+        // A t interval that stays above 0 is kept as it is.
+        let (lo, _, how) = stats::interval_for("kl", &[0.10, 0.11, 0.12]).unwrap();
+        assert!(how == "t" && lo > 0.0);
+        // Signed values keep Student t.
+        let (lo, _, how) = stats::interval_for("delta", &[-1.0, 0.5, 2.0]).unwrap();
+        assert!(how == "t" && lo < -1.0);
+        assert_eq!(stats::interval_for("kl", &[0.1]), None);
     }
 
     /// One config run at several contexts gives one row per context.
