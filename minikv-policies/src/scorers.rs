@@ -108,6 +108,11 @@ pub struct SnapKv {
     /// Pooling type.
     #[serde(default)]
     pub pooling: Pooling,
+    /// Average the window rows' attention (kvpress) instead of summing them
+    /// (SnapKV's reference). The ranking is the same; a wrapper that adds a
+    /// constant to the scores (CriticalKV's `epsilon`) sees the scale.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub average: bool,
 }
 fn d_window() -> usize {
     32
@@ -122,6 +127,7 @@ impl Default for SnapKv {
             window: 32,
             kernel: 7,
             pooling: Pooling::Max,
+            average: false,
         }
     }
 }
@@ -204,6 +210,10 @@ impl TokenScorer for SnapKv {
             window_softmax(inp, h, |_, p| {
                 acc.iter_mut().zip(p).for_each(|(a, b)| *a += b);
             })?;
+            if self.average {
+                let inv = 1.0 / w as f32;
+                acc.iter_mut().for_each(|a| *a *= inv);
+            }
             let pooled = pool1d(&acc, self.kernel, self.pooling);
             let row = &mut out[h * t..(h + 1) * t];
             row[..prefix].copy_from_slice(&pooled);

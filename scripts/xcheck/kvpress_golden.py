@@ -156,6 +156,12 @@ cases["critical_ada_kv"] = {
     "budget": 20,
     "kept": kept(CriticalAdaKVPress(press=KnormPress(compression_ratio=0.5), alpha_safeguard=0.2)),
 }
+cases["critical_ada_kv_snapkv"] = {
+    "budget": 20,
+    "window": 8,
+    "kernel": 5,
+    "kept": kept(CriticalAdaKVPress(press=SnapKVPress(compression_ratio=0.5, window_size=8, kernel_size=5))),
+}
 for chunk, low in [(10, 4), (6, 2)]:
     cases[f"entropy_gated_chunk_kv_{chunk}"] = {
         "chunk": chunk,
