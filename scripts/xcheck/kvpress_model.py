@@ -48,7 +48,8 @@ def finch(r):
     return p
 
 
-# name -> (minikv preset under configs/kvpress, kvpress press for ratio r, note)
+# name -> (minikv preset under configs/kvpress, kvpress press for ratio r, note
+#          [, text edits of the preset for this row])
 METHODS = {
     "snapkv": ("snapkv", lambda r: K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5), ""),
     "knorm": ("knorm", lambda r: K.KnormPress(compression_ratio=r), ""),
@@ -64,6 +65,17 @@ METHODS = {
         "criticalkv",
         lambda r: K.CriticalKVPress(K.ExpectedAttentionPress(compression_ratio=r, use_vnorm=False)),
         "",
+    ),
+    "criticalkv-snapkv": (
+        "criticalkv-snapkv",
+        lambda r: K.CriticalKVPress(K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5)),
+        "",
+    ),
+    "criticalkv-snapkv-summed": (
+        "criticalkv-snapkv",
+        lambda r: K.CriticalKVPress(K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5)),
+        "minikv's SnapKV summing its window rows (SnapKV's scale): epsilon weighs 64x less",
+        [("average = true", "average = false")],
     ),
     "think": (
         "think",
@@ -116,8 +128,11 @@ def teacher_forced(model, ids, press):
     return torch.stack(rows), cache.get_seq_length()
 
 
-def minikv(preset, ratio, ids_file):
+def minikv(preset, ratio, ids_file, edits=()):
     text = open(os.path.join(ROOT, "configs/kvpress", preset + ".toml")).read()
+    for old, new in edits:
+        assert old in text, f"{preset}: no `{old}` to edit"
+        text = text.replace(old, new)
     if ratio is not None:
         text = re.sub(r"(?m)^heavy = 0\.5$", f"heavy = {1 - ratio}", text)
     # (the kvpress presets name no files, so the copy may live anywhere)
@@ -159,14 +174,14 @@ def main():
         json.dump(ids, open(ids_file, "w"))
         full, _ = teacher_forced(model, ids, None)
         jobs = [(n, m, r) for n, m in METHODS.items() for r in RATIOS] + [(n, m, None) for n, m in FIXED.items()]
-        for name, (preset, make, note), ratio in jobs:
+        for name, (preset, make, note, *edits), ratio in jobs:
             key = (os.path.basename(idf), name, ratio)
             if (want and name not in want) or key in done:
                 continue
             t0 = time.time()
             comp, kept = teacher_forced(model, ids, make(ratio if ratio is not None else 0.0))
             kv = kl_steps(full, comp)
-            mk, _ = minikv(preset, ratio, ids_file)
+            mk, _ = minikv(preset, ratio, ids_file, edits[0] if edits else ())
             row = {
                 "context_file": key[0], "method": name, "ratio": ratio, "preset": f"configs/kvpress/{preset}.toml",
                 "context": CONTEXT, "tokens": TOKENS, "kvpress_kept_tokens": kept,
