@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 venv=.venv-kvpress
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q "kvpress==0.5.5" gguf matplotlib
+  "$venv/bin/pip" install -q --no-cache-dir "kvpress==0.5.5" gguf matplotlib
 fi
 "$venv/bin/python" -c "import kvpress, torch, gguf" || { echo "the venv $venv is broken: remove it and rerun" >&2; exit 1; }
 ./scripts/fetch-assets.sh >/dev/null
