@@ -88,7 +88,7 @@ pub use probe::AttentionProbe;
 pub use quant::{Axis, MinMaxSpec, QuantBytes, QuantStore, Quantizer};
 pub use scoring::{
     DecodeScore, DecodeStep, GqaReduce, LayerSignals, Needs, QueryStats, ScoreInputs, TokenScorer,
-    reduce_gqa,
+    broadcast_kv, reduce_gqa,
 };
 pub use select::{SelectionInput, Selector, top_k_indices};
 pub use spec::ModelSpec;

@@ -188,6 +188,16 @@ pub enum GqaReduce {
     Sum,
 }
 
+/// The inverse direction of [`reduce_gqa`]: KV-head rows `[Hkv][T]` copied to
+/// every query head of their group, `out` `[Hq][T]` (for scorers that score
+/// per KV head).
+pub fn broadcast_kv(kv_rows: &[f32], hq: usize, hkv: usize, t: usize, out: &mut [f32]) {
+    let g = hq / hkv;
+    for (h, row) in out.chunks_exact_mut(t).take(hq).enumerate() {
+        row.copy_from_slice(&kv_rows[(h / g) * t..(h / g + 1) * t]);
+    }
+}
+
 /// Aggregates `[Hq][T]` scores into `[Hkv][T]` with `reduce`.
 pub fn reduce_gqa(scores: &[f32], hq: usize, hkv: usize, t: usize, reduce: GqaReduce) -> Vec<f32> {
     let g = hq / hkv;

@@ -12,8 +12,8 @@
 //! (decode-time re-scoring) the inner scores are returned.
 
 use minikv_core::{
-    Error, LayerSignals, ModelSpec, Needs, Result, ScoreInputs, TokenScorer, check_range, register,
-    top_k_indices,
+    Error, LayerSignals, ModelSpec, Needs, Result, ScoreInputs, TokenScorer, broadcast_kv,
+    check_range, register, top_k_indices,
 };
 use serde::{Deserialize, Serialize};
 
@@ -125,21 +125,17 @@ impl TokenScorer for Block {
         self.scorer.validate()
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
-        let (t, g) = (inp.t, inp.spec.group());
+        let t = inp.t;
         let Some(budget) = inp.budget else {
             return self.scorer.score(inp, out);
         };
-        for kv in 0..inp.spec.n_kv_heads {
-            let kept = self.head_selection(inp, kv, budget)?;
-            let row = &mut out[kv * g * t..(kv * g + 1) * t];
-            row.fill(0.0);
-            for p in kept {
+        let mut kv_rows = vec![0.0f32; inp.spec.n_kv_heads * t];
+        for (kv, row) in kv_rows.chunks_exact_mut(t).enumerate() {
+            for p in self.head_selection(inp, kv, budget)? {
                 row[p as usize] = 1.0;
             }
-            for j in 1..g {
-                out.copy_within(kv * g * t..(kv * g + 1) * t, (kv * g + j) * t);
-            }
         }
+        broadcast_kv(&kv_rows, inp.spec.n_q_heads, inp.spec.n_kv_heads, t, out);
         Ok(())
     }
 }

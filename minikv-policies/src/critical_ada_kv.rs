@@ -15,8 +15,8 @@
 //! with `top_k` every head would keep `b` tokens instead. Ties go to the lower
 //! position (the reference's `topk` leaves them unspecified).
 
-use crate::criticalkv::projected_l1;
-use minikv_core::{Error, Needs, Result, ScoreInputs, TokenScorer, check_range, register};
+use crate::criticalkv::kv_scores_and_norms;
+use minikv_core::{Needs, Result, ScoreInputs, TokenScorer, check_range, register};
 use serde::{Deserialize, Serialize};
 
 /// CriticalAdaKV wrapper (kvpress defaults: α = 0.2, ε = 1e-4, first stage 0.5).
@@ -139,38 +139,9 @@ impl TokenScorer for CriticalAdaKv {
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
         self.scorer.score(inp, out)?;
-        let (t, d) = (inp.t, inp.spec.head_dim);
-        let (hq, hkv, g) = (inp.spec.n_q_heads, inp.spec.n_kv_heads, inp.spec.group());
-        let w = inp.output_projection.ok_or_else(|| {
-            Error::Unsupported(
-                "critical_ada_kv needs the layer's output projection, which the model supplies \
-                 during prefill (decode-time re-scoring does not have it)"
-                    .into(),
-            )
-        })?;
-        if w.is_empty() || !w.len().is_multiple_of(hq * d) {
-            return Err(Error::shape(
-                "output projection",
-                format!("[hidden][{}]", hq * d),
-                w.len(),
-            ));
-        }
-        let hidden = w.len() / (hq * d);
-        let (mut s, mut norm) = (vec![0.0f32; hkv * t], vec![0.0f32; hkv * t]);
-        let (mut p, mut tmp) = (vec![0.0f32; t], Vec::new());
-        for kv in 0..hkv {
-            for h in kv * g..(kv + 1) * g {
-                s[kv * t..(kv + 1) * t]
-                    .iter_mut()
-                    .zip(&out[h * t..(h + 1) * t])
-                    .for_each(|(a, b)| *a += b / g as f32);
-                projected_l1(w, hidden, hq, h, inp.values[kv], d, &mut p, &mut tmp);
-                norm[kv * t..(kv + 1) * t]
-                    .iter_mut()
-                    .zip(&p)
-                    .for_each(|(a, b)| *a += b / g as f32);
-            }
-        }
+        let t = inp.t;
+        let (hkv, g) = (inp.spec.n_kv_heads, inp.spec.group());
+        let (mut s, norm) = kv_scores_and_norms(inp, out, "critical_ada_kv")?;
         let Some(budget) = inp.budget else {
             // No budget (decode-time re-scoring): CriticalKV's rescaled scores.
             for kv in 0..hkv {

@@ -54,7 +54,7 @@ impl Default for CriticalKv {
 /// `‖W_o^h v_j‖₁` for the rows `v` (`[n][d]`) and query head `h`, into `out[n]`.
 /// `w` is `[hidden][hq * d]`; `tmp` is scratch.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn projected_l1(
+fn projected_l1(
     w: &[f32],
     hidden: usize,
     hq: usize,
@@ -96,6 +96,48 @@ pub(crate) fn projected_l1(
     }
 }
 
+/// The inner scorer's scores (`out`, `[Hq][T]`) and `‖W_o^h v_j‖₁`, each
+/// averaged over the query heads of every KV head: `([Hkv][T], [Hkv][T])`.
+/// `who` names the component in the error when the model supplied no `W_o`.
+pub(crate) fn kv_scores_and_norms(
+    inp: &ScoreInputs<'_>,
+    out: &[f32],
+    who: &str,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (t, d) = (inp.t, inp.spec.head_dim);
+    let (hq, hkv, g) = (inp.spec.n_q_heads, inp.spec.n_kv_heads, inp.spec.group());
+    let w = inp.output_projection.ok_or_else(|| {
+        Error::Unsupported(format!(
+            "{who} needs the layer's output projection, which the model supplies during \
+             prefill (decode-time re-scoring does not have it)"
+        ))
+    })?;
+    if w.is_empty() || !w.len().is_multiple_of(hq * d) {
+        return Err(Error::shape(
+            "output projection",
+            format!("[hidden][{}]", hq * d),
+            w.len(),
+        ));
+    }
+    let hidden = w.len() / (hq * d);
+    let (mut s, mut norm) = (vec![0.0f32; hkv * t], vec![0.0f32; hkv * t]);
+    let (mut p, mut tmp) = (vec![0.0f32; t], Vec::new());
+    for kv in 0..hkv {
+        for h in kv * g..(kv + 1) * g {
+            s[kv * t..(kv + 1) * t]
+                .iter_mut()
+                .zip(&out[h * t..(h + 1) * t])
+                .for_each(|(a, b)| *a += b / g as f32);
+            projected_l1(w, hidden, hq, h, inp.values[kv], d, &mut p, &mut tmp);
+            norm[kv * t..(kv + 1) * t]
+                .iter_mut()
+                .zip(&p)
+                .for_each(|(a, b)| *a += b / g as f32);
+        }
+    }
+    Ok((s, norm))
+}
+
 #[typetag::serde(name = "criticalkv")]
 impl TokenScorer for CriticalKv {
     fn needs(&self) -> Needs {
@@ -116,48 +158,19 @@ impl TokenScorer for CriticalKv {
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
         self.scorer.score(inp, out)?;
-        let (t, d) = (inp.t, inp.spec.head_dim);
-        let (hq, g) = (inp.spec.n_q_heads, inp.spec.group());
-        let w = inp.output_projection.ok_or_else(|| {
-            Error::Unsupported(
-                "criticalkv needs the layer's output projection, which the model supplies \
-                 during prefill (decode-time re-scoring does not have it)"
-                    .into(),
-            )
-        })?;
-        if w.is_empty() || !w.len().is_multiple_of(hq * d) {
-            return Err(Error::shape(
-                "output projection",
-                format!("[hidden][{}]", hq * d),
-                w.len(),
-            ));
-        }
-        let hidden = w.len() / (hq * d);
+        let t = inp.t;
+        let g = inp.spec.group();
+        let (s_all, norm_all) = kv_scores_and_norms(inp, out, "criticalkv")?;
         let stage1 = inp
             .budget
             .map_or(0, |b| (b.min(t) as f64 * self.first_stage_ratio) as usize);
-        let (mut s, mut norm, mut p, mut tmp) = (
-            vec![0.0f32; t],
-            vec![0.0f32; t],
-            vec![0.0f32; t],
-            Vec::new(),
-        );
         let all: Vec<u32> = (0..t as u32).collect();
         for kv in 0..inp.spec.n_kv_heads {
-            s.fill(0.0);
-            norm.fill(0.0);
-            for h in kv * g..(kv + 1) * g {
-                s.iter_mut()
-                    .zip(&out[h * t..(h + 1) * t])
-                    .for_each(|(a, b)| *a += b / g as f32);
-                projected_l1(w, hidden, hq, h, inp.values[kv], d, &mut p, &mut tmp);
-                norm.iter_mut()
-                    .zip(&p)
-                    .for_each(|(a, b)| *a += b / g as f32);
-            }
+            let mut s = s_all[kv * t..(kv + 1) * t].to_vec();
+            let norm = &norm_all[kv * t..(kv + 1) * t];
             let first = top_k_indices(&s, &all, stage1);
             s.iter_mut()
-                .zip(&norm)
+                .zip(norm)
                 .for_each(|(a, n)| *a = (*a + self.epsilon) * n);
             let top = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             for &i in &first {

@@ -9,7 +9,7 @@
 //! the first `sinks` tokens score 1 (above every normalized score).
 //! RoPE preserves norms, so post-RoPE keys give the same `k2` as pre-RoPE ones.
 
-use minikv_core::{Error, Needs, Result, ScoreInputs, TokenScorer, register};
+use minikv_core::{Error, Needs, Result, ScoreInputs, TokenScorer, broadcast_kv, register};
 use rand_distr::{Distribution, StandardNormal};
 use serde::{Deserialize, Serialize};
 
@@ -124,7 +124,7 @@ impl TokenScorer for Cur {
         Ok(())
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
-        let (t, d, g) = (inp.t, inp.spec.head_dim, inp.spec.group());
+        let (t, d) = (inp.t, inp.spec.head_dim);
         let proj: Option<Vec<f32>> = self.random_projection.then(|| {
             let mut rng = crate::random::stream(self.seed, inp.layer, usize::MAX);
             let s = 1.0 / (PROJECTION as f32).sqrt();
@@ -136,14 +136,14 @@ impl TokenScorer for Cur {
                 .collect::<Vec<f32>>()
         });
         let (mut k2, mut v2) = (vec![0.0f32; t], vec![0.0f32; t]);
-        for kv in 0..inp.spec.n_kv_heads {
+        let mut kv_rows = vec![0.0f32; inp.spec.n_kv_heads * t];
+        for (kv, row) in kv_rows.chunks_exact_mut(t).enumerate() {
             sq_norms(inp.keys[kv], t, d, proj.as_deref(), &mut k2);
             sq_norms(inp.values[kv], t, d, proj.as_deref(), &mut v2);
             if self.local {
                 normalize_windows(&mut k2, self.local_window);
                 normalize_windows(&mut v2, self.local_window);
             }
-            let row = &mut out[kv * g * t..(kv * g + 1) * t];
             for ((r, &a), &b) in row.iter_mut().zip(&k2).zip(&v2) {
                 *r = match self.leverage {
                     Leverage::Key => a,
@@ -157,10 +157,8 @@ impl TokenScorer for Cur {
                 row.iter_mut().for_each(|r| *r /= s);
             }
             row[..self.sinks.min(t)].fill(1.0);
-            for j in 1..g {
-                out.copy_within(kv * g * t..(kv * g + 1) * t, (kv * g + j) * t);
-            }
         }
+        broadcast_kv(&kv_rows, inp.spec.n_q_heads, inp.spec.n_kv_heads, t, out);
         Ok(())
     }
 }

@@ -11,7 +11,9 @@
 //! layer are then z-normalized together (unbiased standard deviation, at
 //! least 1e-6). Prefill only: the model must hand over its RoPE.
 
-use minikv_core::{Error, Needs, Result, ScoreInputs, TokenScorer, check_range, register};
+use minikv_core::{
+    Error, Needs, Result, ScoreInputs, TokenScorer, broadcast_kv, check_range, register,
+};
 use rand_distr::{Distribution, StandardNormal};
 use serde::{Deserialize, Serialize};
 
@@ -228,14 +230,10 @@ impl TokenScorer for LeverageScore {
         check_range("cache.scorer.sketch", self.sketch, 1, 1024)
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
-        let (t, g) = (inp.t, inp.spec.group());
-        let d = inp.spec.head_dim;
+        let (t, d) = (inp.t, inp.spec.head_dim);
         let phi = |kv| sketch(self.seed, inp.layer, kv, d, self.sketch);
         let s = layer_leverage(inp, 0, t, self.sketch, &phi)?;
-        for h in 0..inp.spec.n_q_heads {
-            let kv = h / g;
-            out[h * t..(h + 1) * t].copy_from_slice(&s[kv * t..(kv + 1) * t]);
-        }
+        broadcast_kv(&s, inp.spec.n_q_heads, inp.spec.n_kv_heads, t, out);
         Ok(())
     }
 }

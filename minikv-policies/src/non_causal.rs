@@ -15,7 +15,9 @@
 //! it is.
 
 use crate::leverage::z_normalize;
-use minikv_core::{Error, Needs, Result, ScoreInputs, TokenScorer, check_range, register, simd};
+use minikv_core::{
+    Error, Needs, Result, ScoreInputs, TokenScorer, broadcast_kv, check_range, register, simd,
+};
 use serde::{Deserialize, Serialize};
 
 /// Non-causal chunked attention scorer (kvpress default: chunks of 256).
@@ -125,12 +127,8 @@ impl TokenScorer for NonCausalAttention {
         check_range("cache.scorer.chunk", self.chunk, 1, 65536)
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
-        let (t, g) = (inp.t, inp.spec.group());
-        let s = layer_scores(inp, 0, t, self.chunk)?;
-        for h in 0..inp.spec.n_q_heads {
-            let kv = h / g;
-            out[h * t..(h + 1) * t].copy_from_slice(&s[kv * t..(kv + 1) * t]);
-        }
+        let s = layer_scores(inp, 0, inp.t, self.chunk)?;
+        broadcast_kv(&s, inp.spec.n_q_heads, inp.spec.n_kv_heads, inp.t, out);
         Ok(())
     }
 }

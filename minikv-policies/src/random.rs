@@ -3,7 +3,7 @@
 //! `[0, 1)` from a ChaCha8 stream seeded by `(seed, layer, KV head)`, so a run
 //! is reproducible from its config and independent of the thread count.
 
-use minikv_core::{Needs, Result, ScoreInputs, TokenScorer, register};
+use minikv_core::{Needs, Result, ScoreInputs, TokenScorer, broadcast_kv, register};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -34,16 +34,13 @@ impl TokenScorer for RandomScores {
         Needs::default()
     }
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
-        let t = inp.t;
-        let g = inp.spec.group();
-        for kv in 0..inp.spec.n_kv_heads {
+        let (t, hkv) = (inp.t, inp.spec.n_kv_heads);
+        let mut kv_rows = vec![0.0f32; hkv * t];
+        for (kv, row) in kv_rows.chunks_exact_mut(t).enumerate() {
             let mut rng = stream(self.seed, inp.layer, kv);
-            let row = &mut out[kv * g * t..(kv * g + 1) * t];
             row.iter_mut().for_each(|x| *x = rng.random::<f32>());
-            for j in 1..g {
-                out.copy_within(kv * g * t..(kv * g + 1) * t, (kv * g + j) * t);
-            }
         }
+        broadcast_kv(&kv_rows, inp.spec.n_q_heads, hkv, t, out);
         Ok(())
     }
 }
