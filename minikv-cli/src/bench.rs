@@ -4,7 +4,7 @@ use clap::Args;
 use minikv_core::attention::{AttentionBackend, DecodeArgs, HeadView};
 use minikv_core::storage::FpStore;
 use minikv_core::{Axis, Error, QuantStore, Result};
-use minikv_quant::{MinMax, ScaleDtype};
+use minikv_quant::{Arithmetic, MinMax, ScaleDtype};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Instant;
@@ -84,7 +84,12 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
-fn build(a: &AttentionArgs, be: &dyn AttentionBackend, bits: Option<u32>) -> Result<Heads> {
+fn build(
+    a: &AttentionArgs,
+    be: &dyn AttentionBackend,
+    bits: Option<u32>,
+    arithmetic: Arithmetic,
+) -> Result<Heads> {
     let (t, d) = (a.tokens, a.head_dim);
     let st = be.storage();
     let mut h = Heads {
@@ -114,6 +119,7 @@ fn build(a: &AttentionArgs, be: &dyn AttentionBackend, bits: Option<u32>) -> Res
                         group: g,
                         axis: Axis::Channel,
                         scale_dtype: ScaleDtype::F16,
+                        arithmetic,
                     },
                     d,
                     256,
@@ -124,6 +130,7 @@ fn build(a: &AttentionArgs, be: &dyn AttentionBackend, bits: Option<u32>) -> Res
                         group: g,
                         axis: Axis::Token,
                         scale_dtype: ScaleDtype::F16,
+                        arithmetic,
                     },
                     d,
                     256,
@@ -197,15 +204,17 @@ pub fn attention(a: &AttentionArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(|| minikv_core::RunConfig::default().backend);
     let be: Arc<dyn AttentionBackend> = minikv_core::attention::make_backend(&name)?;
-    let full = build(a, be.as_ref(), None)?;
+    let full = build(a, be.as_ref(), None, Arithmetic::Exact)?;
     let tf = time(a, be.as_ref(), &full)?;
     let mut rows = vec![
         json!({"cache": "fp16", "seconds_per_token": tf, "bytes_read_per_token": full.bytes(), "speedup_vs_fp16": 1.0}),
     ];
     for b in [2u32, 4] {
-        let h = build(a, be.as_ref(), Some(b))?;
-        let tq = time(a, be.as_ref(), &h)?;
-        rows.push(json!({"cache": format!("fused {b}-bit (G=16, keys per channel, values per token)"), "seconds_per_token": tq, "bytes_read_per_token": h.bytes(), "speedup_vs_fp16": tf / tq, "bytes_ratio_vs_fp16": full.bytes() as f64 / h.bytes() as f64}));
+        for (ar, an) in [(Arithmetic::Exact, "exact"), (Arithmetic::Int8, "int8")] {
+            let h = build(a, be.as_ref(), Some(b), ar)?;
+            let tq = time(a, be.as_ref(), &h)?;
+            rows.push(json!({"cache": format!("fused {b}-bit {an} (G=16, keys per channel, values per token)"), "bits": b, "arithmetic": an, "seconds_per_token": tq, "bytes_read_per_token": h.bytes(), "speedup_vs_fp16": tf / tq, "bytes_ratio_vs_fp16": full.bytes() as f64 / h.bytes() as f64}));
+        }
     }
     let v = json!({"backend": name, "tokens": a.tokens, "head_dim": a.head_dim, "q_heads": a.q_heads, "kv_heads": a.kv_heads, "threads": rayon_threads(), "results": rows});
     if a.json {

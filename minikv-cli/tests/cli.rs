@@ -1371,3 +1371,50 @@ fn bench_throughput_rejects_bad_budgets() {
     assert!(!ok);
     assert!(err.contains("whole KV budget"), "{err}");
 }
+
+/// `arithmetic = "int8"` on the quantizers is a config change: it runs end to
+/// end on the real model, is recorded in the result's config, changes the
+/// numbers (other products) and keeps the fidelity of the exact products
+/// (KL within a small margin of theirs).
+#[test]
+fn int8_products_are_a_config_switch() {
+    let base = std::fs::read_to_string(root().join("configs/minikv.toml")).unwrap();
+    let int8 = base
+        .replace(
+            "axis = \"channel\" }",
+            "axis = \"channel\", arithmetic = \"int8\" }",
+        )
+        .replace(
+            "axis = \"token\" }",
+            "axis = \"token\", arithmetic = \"int8\" }",
+        );
+    assert_eq!(int8.matches("int8").count(), 2, "{int8}");
+    let dir = std::env::temp_dir().join(format!("minikv-int8-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("minikv-int8.toml");
+    std::fs::write(&cfg, int8).unwrap();
+    let run = |c: &str| {
+        ok_json(&[
+            "eval",
+            "--config",
+            c,
+            "--task",
+            "fidelity",
+            "--context",
+            "320",
+            "--tokens",
+            "12",
+            "--json",
+        ])
+    };
+    let (e, i) = (run("configs/minikv.toml"), run(cfg.to_str().unwrap()));
+    let cache = serde_json::to_string(&i["provenance"]["config"]).unwrap();
+    assert!(cache.contains("\"arithmetic\":\"int8\""), "{cache}");
+    let (ke, ki) = (
+        e["metrics"]["kl"].as_f64().unwrap(),
+        i["metrics"]["kl"].as_f64().unwrap(),
+    );
+    assert!(ki.is_finite() && ki != ke, "exact {ke}, int8 {ki}");
+    assert!(ki <= ke * 1.25 + 1e-3, "exact {ke}, int8 {ki}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -60,6 +60,9 @@ pub struct MinMaxSpec {
     pub axis: Axis,
     /// Scales and minimums stored as fp16 (else f32).
     pub f16_scales: bool,
+    /// The fused products round the query and weights to 8 bits
+    /// (`arithmetic = "int8"`; else exact f32).
+    pub int8_products: bool,
 }
 
 dyn_clone::clone_trait_object!(Quantizer);

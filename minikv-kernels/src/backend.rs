@@ -97,6 +97,12 @@ impl StorageFactory for DeviceStorage {
                 "the quantizer {q:?} is not the min-max quantizer the CUDA kernels implement"
             ))
         })?;
+        if spec.int8_products {
+            return Err(Error::config(
+                "arithmetic",
+                "\"int8\" products are CPU kernels; the CUDA kernels multiply in f32 (use \"exact\")",
+            ));
+        }
         Ok(Box::new(DeviceQuantStore::new(
             self.dev.clone(),
             self.staging.clone(),

@@ -213,6 +213,7 @@ fn quantization(be: &CudaBackend, seed: &mut u64, r: &mut Report) -> Result<()> 
             group,
             axis,
             scale_dtype: dtype,
+            arithmetic: Default::default(),
         };
         let gran = q.token_granularity();
         let mut dev = be.storage().quant_store(&q, d, 2 * gran)?;
@@ -382,12 +383,14 @@ fn decode(be: &CudaBackend, seed: &mut u64, r: &mut Report) -> Result<()> {
             group: 16,
             axis: kaxis,
             scale_dtype: ScaleDtype::F16,
+            arithmetic: Default::default(),
         };
         let vq = MinMax {
             bits,
             group: 16,
             axis: Axis::Token,
             scale_dtype: ScaleDtype::F16,
+            arithmetic: Default::default(),
         };
         let data: Vec<HeadData> = heads
             .iter()

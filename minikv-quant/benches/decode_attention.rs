@@ -48,6 +48,7 @@ fn layer(t: usize, bits: Option<u32>) -> Layer {
                     group: 16,
                     axis: Axis::Channel,
                     scale_dtype: ScaleDtype::F16,
+                    arithmetic: Default::default(),
                 }
                 .new_store(d, 256)
                 .unwrap();
@@ -56,6 +57,7 @@ fn layer(t: usize, bits: Option<u32>) -> Layer {
                     group: 16,
                     axis: Axis::Token,
                     scale_dtype: ScaleDtype::F16,
+                    arithmetic: Default::default(),
                 }
                 .new_store(d, 256)
                 .unwrap();

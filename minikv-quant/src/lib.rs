@@ -29,6 +29,7 @@
 
 #![warn(missing_docs)]
 
+mod int8;
 mod store;
 #[cfg(all(
     target_arch = "x86_64",
@@ -36,6 +37,8 @@ mod store;
     target_feature = "fma"
 ))]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_int8;
 
 pub use store::MinMaxStore;
 
@@ -83,6 +86,10 @@ pub struct MinMax {
     /// Precision of stored scale and minimum.
     #[serde(default)]
     pub scale_dtype: ScaleDtype,
+    /// Arithmetic of the fused decode products (`exact` f32 or `int8`
+    /// integer products, docs/algorithms.md §1 "Integer products").
+    #[serde(default)]
+    pub arithmetic: Arithmetic,
 }
 
 impl Default for MinMax {
@@ -92,8 +99,30 @@ impl Default for MinMax {
             group: 16,
             axis: Axis::Channel,
             scale_dtype: ScaleDtype::F16,
+            arithmetic: Arithmetic::Exact,
         }
     }
+}
+
+/// Arithmetic of the fused dequantize-and-attend products.
+///
+/// `exact` multiplies the codes in f32 (the scores and outputs of
+/// dequantize-then-attend up to f32 rounding). `int8` rounds the query
+/// (scales folded in, one step per head and key group) and the attention
+/// weights (times the value scales, one step per head, channel group and
+/// block of 32 tokens) to 8 bits and multiplies codes in integers
+/// (`vpdpbusd` where the CPU has VNNI, `vpmaddubsw` otherwise, a portable
+/// loop elsewhere: all give bitwise the same result). Only 2- and 4-bit
+/// codes with `group` a multiple of the codes per word have integer
+/// kernels; other stores run `exact`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arithmetic {
+    /// f32 products (the default).
+    #[default]
+    Exact,
+    /// 8-bit query / weights times codes, integer sums.
+    Int8,
 }
 
 #[typetag::serde(name = "minmax")]
@@ -147,6 +176,7 @@ impl Quantizer for MinMax {
             group: self.group,
             axis: self.axis,
             f16_scales: self.scale_dtype == ScaleDtype::F16,
+            int8_products: self.arithmetic == Arithmetic::Int8,
         })
     }
 }
@@ -155,7 +185,7 @@ minikv_core::register!(
     Quantizer,
     "minmax",
     MinMax,
-    "asymmetric min-max (KIVI): bits 2/4/8, group G, axis channel|token, fp16 or f32 scale/min"
+    "asymmetric min-max (KIVI): bits 2/4/8, group G, axis channel|token, fp16 or f32 scale/min, arithmetic exact|int8"
 );
 
 /// One quantized group: codes, scale and minimum (f32, before storage rounding).

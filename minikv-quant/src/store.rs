@@ -12,7 +12,7 @@ use minikv_core::{Axis, Error, QuantBytes, QuantStore, Result, check_finite, sim
 use std::any::Any;
 
 #[derive(Debug, Clone)]
-enum Buf {
+pub(crate) enum Buf {
     F16(Vec<f16>),
     F32(Vec<f32>),
 }
@@ -25,7 +25,7 @@ impl Buf {
         }
     }
     #[inline]
-    fn get(&self, i: usize) -> f32 {
+    pub(crate) fn get(&self, i: usize) -> f32 {
         match self {
             Buf::F16(v) => v[i].to_f32(),
             Buf::F32(v) => v[i],
@@ -56,7 +56,7 @@ impl Buf {
         }
     }
     /// Converts `[i0, i0 + out.len())` to f32.
-    fn read(&self, i0: usize, out: &mut [f32]) {
+    pub(crate) fn read(&self, i0: usize, out: &mut [f32]) {
         match self {
             Buf::F16(v) => {
                 use half::slice::HalfFloatSliceExt;
@@ -75,7 +75,7 @@ thread_local! {
 /// Largest head dimension the fused kernels keep on the stack.
 pub(crate) const MAX_D: usize = 512;
 /// Largest GQA group the fused kernels keep on the stack.
-const MAX_G: usize = 16;
+pub(crate) const MAX_G: usize = 16;
 
 /// Accumulator banks of the fused kernels for `p` codes per word and `ng`
 /// query heads: about 6 independent 8-lane FMA chains, 1 to 4 banks (more
@@ -94,16 +94,16 @@ const fn banks(p: usize, ng: usize) -> usize {
 /// One head's quantized keys or values.
 #[derive(Debug, Clone)]
 pub struct MinMaxStore {
-    q: MinMax,
-    d: usize,
+    pub(crate) q: MinMax,
+    pub(crate) d: usize,
     /// Growth page in tokens.
     page: usize,
-    len: usize,
-    words: Vec<u32>,
+    pub(crate) len: usize,
+    pub(crate) words: Vec<u32>,
     /// Scales and minimums. Per channel: one buffer `[group][d]`. Per token: one
     /// buffer per channel group, each `[token]` (contiguous for the fused loops).
-    scale: Vec<Buf>,
-    min: Vec<Buf>,
+    pub(crate) scale: Vec<Buf>,
+    pub(crate) min: Vec<Buf>,
 }
 
 impl MinMaxStore {
@@ -506,6 +506,9 @@ impl QuantStore for MinMaxStore {
     }
 
     fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
+        if self.q.axis == Axis::Channel && self.int8_ok(g) {
+            return self.scores_int8(crate::int8::Isa::detected(), q, g, out, stride);
+        }
         let d = self.d;
         let p = self.per_word();
         if self.q.axis == Axis::Channel && self.q.group.is_multiple_of(p) && self.fast_ok(g) {
@@ -594,6 +597,9 @@ impl QuantStore for MinMaxStore {
     }
 
     fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
+        if self.q.axis == Axis::Token && self.int8_ok(g) {
+            return self.accumulate_int8(crate::int8::Isa::detected(), p, g, stride, out);
+        }
         let d = self.d;
         if self.q.axis == Axis::Token
             && self.q.group.is_multiple_of(self.per_word())

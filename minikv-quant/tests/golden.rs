@@ -118,6 +118,7 @@ fn size_formula_section_6() {
             group: 16,
             axis,
             scale_dtype: ScaleDtype::F16,
+            arithmetic: Default::default(),
         };
         let mut s = q.new_store(d, 256).unwrap();
         let rows: Vec<f32> = (0..n * d).map(|i| (i as f32 * 0.37).sin()).collect();

@@ -54,7 +54,7 @@ proptest! {
         let n = blocks * kgroup * 2;
         let mut x = seed as f32;
         let mut rnd = |s: f32| { x = (x * 1.37 + 0.61).fract() * 7.3; x.sin() * s };
-        let mk = |a: Axis, g: usize| MinMax { bits, group: g, axis: a, scale_dtype: ScaleDtype::F32 };
+        let mk = |a: Axis, g: usize| MinMax { bits, group: g, axis: a, scale_dtype: ScaleDtype::F32, ..Default::default() };
         let mut heads = Vec::new();
         for _ in 0..2 {
             let mut qk = mk(kaxis, kgroup).new_store(d, 256).unwrap();
@@ -116,6 +116,7 @@ fn per_channel_keys_beat_per_token_on_outlier_channels() {
             group: 16,
             axis,
             scale_dtype: ScaleDtype::F16,
+            arithmetic: Default::default(),
         }
         .new_store(d, 256)
         .unwrap();

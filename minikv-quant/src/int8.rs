@@ -1,0 +1,541 @@
+//! Integer-product decode attention (`arithmetic = "int8"`, docs/algorithms.md
+//! §1, "Integer products"): the query and the attention weights are rounded to 8 bits and
+//! multiplied with the stored codes in integers.
+//!
+//! * Keys (per channel): per head and key group `qs_c = q_c * scale_c`,
+//!   `sigma = max |qs| / 127`, `q8_c = round(qs_c / sigma)`; a token's score is
+//!   `sigma * sum_c q8_c * code_c + q . min` (the min term stays f32).
+//! * Values (per token): per head, channel group and block of [`TB`] tokens
+//!   `a_t = p_t * scale_t`, `tau = max a / 255`, `a8_t = round(a_t / tau)`;
+//!   `out_c += sum_blocks tau * sum_t a8_t * code_tc + sum_t p_t * min_t`.
+//!
+//! Integer sums are exact, so every kernel (the portable loops here, AVX2
+//! `vpmaddubsw`, AVX-VNNI and AVX-512 VNNI `vpdpbusd` in `x86_int8`) gives
+//! bitwise the same result: the float steps around them are shared or done
+//! with the same single-rounding operations in the same order.
+
+use crate::store::{MAX_D, MAX_G, MinMaxStore};
+use minikv_core::simd;
+use std::cell::RefCell;
+
+/// Tokens per rounding step of the attention weights.
+pub(crate) const TB: usize = 32;
+
+/// The integer kernels a store uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// Plain Rust loops (any CPU).
+    Portable,
+    /// AVX2 `vpmaddubsw` + `vpmaddwd`.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX-VNNI `vpdpbusd` (256-bit, VEX).
+    #[cfg(target_arch = "x86_64")]
+    AvxVnni,
+    /// AVX-512 VNNI `vpdpbusd` on 256-bit vectors (32 registers).
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// The fastest kernels this CPU runs, detected once at run time.
+    pub(crate) fn detected() -> Isa {
+        static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *ISA.get_or_init(|| Isa::available().pop().unwrap_or(Isa::Portable))
+    }
+
+    /// Every kernel set this CPU runs, slowest first (tests compare them all).
+    pub(crate) fn available() -> Vec<Isa> {
+        #[allow(unused_mut)]
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2") {
+                v.push(Isa::Avx2);
+                if std::is_x86_feature_detected!("avxvnni") {
+                    v.push(Isa::AvxVnni);
+                }
+                if std::is_x86_feature_detected!("avx512vnni")
+                    && std::is_x86_feature_detected!("avx512vl")
+                {
+                    v.push(Isa::Avx512Vnni);
+                }
+            }
+        }
+        v
+    }
+}
+
+thread_local! {
+    static F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static U32: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The rounding step of a row `qs` to `q8`: `(step, 1 / step)`, `(0, 0)` for
+/// a zero row.
+fn query_step(qs: &[f32]) -> (f32, f32) {
+    let mut m = [0.0f32; 8];
+    let mut it = qs.chunks_exact(8);
+    for ch in &mut it {
+        for (m, x) in m.iter_mut().zip(ch) {
+            *m = m.max(x.abs());
+        }
+    }
+    let amax = it
+        .remainder()
+        .iter()
+        .fold(m.iter().fold(0.0f32, |a, &b| a.max(b)), |a, x| {
+            a.max(x.abs())
+        });
+    if amax == 0.0 {
+        (0.0, 0.0)
+    } else {
+        (amax / 127.0, 127.0 / amax)
+    }
+}
+
+/// Rounds `qs` to `q8` with one step for the row; returns the step (0 for a
+/// zero row, whose codes are then all 0).
+fn round_query(qs: &[f32], q8: &mut [i8]) -> f32 {
+    let (step, inv) = query_step(qs);
+    for (o, x) in q8.iter_mut().zip(qs) {
+        *o = (x * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+    }
+    step
+}
+
+/// Portable scores of one key block (`d` words, one per channel):
+/// `out[j * stride + off + l] = sig[j] * sum_c q8[j][c] * code(l, c) + bias[j]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn key_block_portable(
+    words: &[u32],
+    bits: u32,
+    q8: &[[i8; MAX_D]],
+    sig: &[f32],
+    bias: &[f32],
+    out: &mut [f32],
+    stride: usize,
+    off: usize,
+) {
+    let p = 32 / bits as usize;
+    let mask = (1u32 << bits) - 1;
+    let mut sums = [[0i32; 16]; MAX_G];
+    for (c, &w) in words.iter().enumerate() {
+        for l in 0..p {
+            let code = ((w >> (bits as usize * l)) & mask) as i32;
+            for (sj, qj) in sums.iter_mut().zip(q8) {
+                sj[l] += qj[c] as i32 * code;
+            }
+        }
+    }
+    for j in 0..q8.len() {
+        for l in 0..p {
+            out[j * stride + off + l] = sig[j] * sums[j][l] as f32 + bias[j];
+        }
+    }
+}
+
+impl MinMaxStore {
+    /// True when the integer kernels apply: 2 or 4 bits, `group` a multiple
+    /// of the codes per word, within the stack limits.
+    pub(crate) fn int8_ok(&self, g: usize) -> bool {
+        let q = &self.q;
+        q.arithmetic == crate::Arithmetic::Int8
+            && (q.bits == 2 || q.bits == 4)
+            && q.group.is_multiple_of(32 / q.bits as usize)
+            && self.d <= MAX_D
+            && (1..=MAX_G).contains(&g)
+    }
+
+    /// Per-channel key scores with integer products (see the module doc).
+    pub(crate) fn scores_int8(
+        &self,
+        isa: Isa,
+        q: &[f32],
+        g: usize,
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let (d, grp, bits) = (self.d, self.q.group, self.q.bits);
+        let p = 32 / bits as usize;
+        #[cfg(target_arch = "x86_64")]
+        let simd = crate::x86_int8::keys_ok(isa, self, g);
+        #[cfg(not(target_arch = "x86_64"))]
+        let simd = false;
+        let mut sc = [0.0f32; MAX_D];
+        let mut mn = [0.0f32; MAX_D];
+        let mut qs = [0.0f32; MAX_D];
+        let mut q8 = [[0i8; MAX_D]; MAX_G];
+        let mut qx = [0i32; MAX_G * MAX_D];
+        let mut sig = [0.0f32; MAX_G];
+        let mut bias = [0.0f32; MAX_G];
+        for gi in 0..self.len / grp {
+            self.scale[0].read(gi * d, &mut sc[..d]);
+            self.min[0].read(gi * d, &mut mn[..d]);
+            for j in 0..g {
+                let qj = &q[j * d..(j + 1) * d];
+                #[cfg(target_arch = "x86_64")]
+                if simd {
+                    (sig[j], bias[j]) = crate::x86_int8::query_group(
+                        qj,
+                        &sc[..d],
+                        &mn[..d],
+                        &mut qx[j * d..(j + 1) * d],
+                    );
+                    continue;
+                }
+                for c in 0..d {
+                    qs[c] = qj[c] * sc[c];
+                }
+                bias[j] = simd::dot(qj, &mn[..d]);
+                sig[j] = round_query(&qs[..d], &mut q8[j][..d]);
+            }
+            for k in (gi * grp / p)..((gi + 1) * grp / p) {
+                let words = &self.words[k * d..(k + 1) * d];
+                #[cfg(target_arch = "x86_64")]
+                if simd {
+                    crate::x86_int8::key_block(
+                        isa,
+                        words,
+                        bits,
+                        &qx[..g * d],
+                        &sig[..g],
+                        &bias[..g],
+                        out,
+                        stride,
+                        k * p,
+                    );
+                    continue;
+                }
+                key_block_portable(
+                    words,
+                    bits,
+                    &q8[..g],
+                    &sig[..g],
+                    &bias[..g],
+                    out,
+                    stride,
+                    k * p,
+                );
+            }
+        }
+    }
+
+    /// Per-token value accumulation with integer products (see the module doc).
+    pub(crate) fn accumulate_int8(
+        &self,
+        isa: Isa,
+        p: &[f32],
+        g: usize,
+        stride: usize,
+        out: &mut [f32],
+    ) {
+        let n = self.len;
+        if n == 0 {
+            return;
+        }
+        let (d, grp) = (self.d, self.q.group);
+        let gpt = d / grp;
+        let nq = TB / 4;
+        F32.with(|fc| {
+            U32.with(|uc| {
+                let (mut fb, mut ub) = (fc.borrow_mut(), uc.borrow_mut());
+                let need = gpt * n + g * d + 2 * g * gpt;
+                if fb.len() < need {
+                    fb.resize(need, 0.0);
+                }
+                if ub.len() < g * nq * gpt {
+                    ub.resize(g * nq * gpt, 0);
+                }
+                let (sv, rest) = fb.split_at_mut(gpt * n);
+                let (facc, rest) = rest.split_at_mut(g * d);
+                let (tau, macc) = rest.split_at_mut(g * gpt);
+                let macc = &mut macc[..g * gpt];
+                let a8 = &mut ub[..g * nq * gpt];
+                facc.fill(0.0);
+                for gi in 0..gpt {
+                    let s = &mut sv[gi * n..(gi + 1) * n];
+                    self.min[gi].read(0, s);
+                    for j in 0..g {
+                        macc[j * gpt + gi] = simd::dot(&p[j * stride..j * stride + n], s);
+                    }
+                    self.scale[gi].read(0, s);
+                }
+                #[cfg(target_arch = "x86_64")]
+                let simd = crate::x86_int8::values_ok(isa, self, g);
+                #[cfg(not(target_arch = "x86_64"))]
+                let simd = false;
+                let mut t0 = 0;
+                while t0 < n {
+                    let nb = TB.min(n - t0);
+                    #[cfg(target_arch = "x86_64")]
+                    if simd && nb == TB {
+                        crate::x86_int8::round_weights(p, stride, sv, n, t0, g, gpt, tau, a8);
+                    } else {
+                        round_weights(p, stride, sv, n, t0, nb, g, gpt, tau, a8);
+                    }
+                    #[cfg(not(target_arch = "x86_64"))]
+                    round_weights(p, stride, sv, n, t0, nb, g, gpt, tau, a8);
+                    #[cfg(target_arch = "x86_64")]
+                    if simd {
+                        crate::x86_int8::value_block(isa, self, t0, nb, g, a8, tau, facc);
+                        t0 += nb;
+                        continue;
+                    }
+                    self.value_block_portable(t0, nb, g, a8, tau, facc);
+                    t0 += nb;
+                }
+                #[cfg(target_arch = "x86_64")]
+                if simd {
+                    crate::x86_int8::unpermute(self, g, facc);
+                }
+                for j in 0..g {
+                    for c in 0..d {
+                        out[j * d + c] += facc[j * d + c] + macc[j * gpt + c / grp];
+                    }
+                }
+            })
+        });
+    }
+
+    /// Integer sums of one block of tokens, channel order, flushed into `facc`
+    /// as `facc = fma(tau, sum, facc)`.
+    pub(crate) fn value_block_portable(
+        &self,
+        t0: usize,
+        nb: usize,
+        g: usize,
+        a8: &[u32],
+        tau: &[f32],
+        facc: &mut [f32],
+    ) {
+        let (d, grp, bits) = (self.d, self.q.group, self.q.bits as usize);
+        let (p, gpt) = (32 / bits, d / grp);
+        let wpt = d / p;
+        let mask = (1u32 << bits) - 1;
+        let mut isum = [0i32; MAX_D];
+        for j in 0..g {
+            isum[..d].fill(0);
+            for t in 0..nb {
+                let row = &self.words[(t0 + t) * wpt..(t0 + t + 1) * wpt];
+                let aj = &a8[j * gpt * (TB / 4)..];
+                for c in 0..d {
+                    let a = ((aj[(c / grp) * (TB / 4) + t / 4] >> (8 * (t % 4))) & 0xff) as i32;
+                    let code = ((row[c / p] >> (bits * (c % p))) & mask) as i32;
+                    isum[c] += a * code;
+                }
+            }
+            for c in 0..d {
+                let f = &mut facc[j * d + c];
+                *f = tau[j * gpt + c / grp].mul_add(isum[c] as f32, *f);
+            }
+        }
+    }
+}
+
+/// Rounds one block's weights `a = p * scale` to 8 bits per head and channel
+/// group: `tau[j][gi]` the step, `a8[(j * gpt + gi) * TB/4 + quad]` four
+/// tokens' codes (token `t0 + 4 quad + k` in byte `k`; 0 past the block).
+#[allow(clippy::too_many_arguments)]
+fn round_weights(
+    p: &[f32],
+    stride: usize,
+    sv: &[f32],
+    n: usize,
+    t0: usize,
+    nb: usize,
+    g: usize,
+    gpt: usize,
+    tau: &mut [f32],
+    a8: &mut [u32],
+) {
+    let nq = TB / 4;
+    let mut a = [0.0f32; TB];
+    let mut b = [0u8; TB];
+    for j in 0..g {
+        let pj = &p[j * stride + t0..j * stride + t0 + nb];
+        for gi in 0..gpt {
+            let s = &sv[gi * n + t0..gi * n + t0 + nb];
+            let mut amax = 0.0f32;
+            for ((a, x), s) in a.iter_mut().zip(pj).zip(s) {
+                *a = x * s;
+                amax = amax.max(*a);
+            }
+            let (step, inv) = if amax > 0.0 {
+                (amax / 255.0, 255.0 / amax)
+            } else {
+                (0.0, 0.0)
+            };
+            tau[j * gpt + gi] = step;
+            for (b, a) in b.iter_mut().zip(&a[..nb]) {
+                *b = (a * inv).round_ties_even().clamp(0.0, 255.0) as u8;
+            }
+            b[nb..].fill(0);
+            for q in 0..nq {
+                a8[(j * gpt + gi) * nq + q] =
+                    u32::from_le_bytes([b[4 * q], b[4 * q + 1], b[4 * q + 2], b[4 * q + 3]]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Arithmetic, MinMax, ScaleDtype};
+    use minikv_core::{Axis, QuantStore};
+    use rand::{Rng, SeedableRng, rngs::StdRng};
+
+    fn store(axis: Axis, bits: u32, group: usize, d: usize, n: usize, seed: u64) -> MinMaxStore {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let q = MinMax {
+            bits,
+            group,
+            axis,
+            scale_dtype: ScaleDtype::F16,
+            arithmetic: Arithmetic::Int8,
+        };
+        let mut st = MinMaxStore::new(q, d, 64);
+        let x: Vec<f32> = (0..n * d).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        st.append(&x).unwrap();
+        st
+    }
+
+    fn exact(st: &MinMaxStore) -> MinMaxStore {
+        let mut e = st.clone();
+        e.q.arithmetic = Arithmetic::Exact;
+        e
+    }
+
+    /// Every kernel set this CPU runs gives bitwise the portable result,
+    /// within the rounding bound of the exact products.
+    #[test]
+    fn key_kernels_agree_bitwise_and_within_bound() {
+        let mut rng = StdRng::seed_from_u64(7);
+        for (bits, group, d, n, g) in [
+            (2, 16, 64, 160, 3),
+            (2, 32, 64, 96, 1),
+            (4, 16, 64, 64, 3),
+            (4, 8, 32, 48, 2),
+            (2, 16, 128, 32, 4),
+            (4, 32, 64, 64, 8),
+            (2, 16, 24, 32, 5),
+            (2, 16, 64, 32, 16),
+        ] {
+            let st = store(
+                Axis::Channel,
+                bits,
+                group,
+                d,
+                n,
+                bits as u64 * 31 + d as u64,
+            );
+            let q: Vec<f32> = (0..g * d).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+            let stride = n + 3;
+            let mut want = vec![0.0f32; g * stride];
+            st.scores_int8(Isa::Portable, &q, g, &mut want, stride);
+            for isa in Isa::available() {
+                let mut got = vec![0.0f32; g * stride];
+                st.scores_int8(isa, &q, g, &mut got, stride);
+                assert_eq!(
+                    got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "{isa:?} bits {bits} G {group} d {d} g {g}"
+                );
+            }
+            let mut ex = vec![0.0f32; g * stride];
+            exact(&st).scores(&q, g, &mut ex, stride);
+            // |sigma * q8 - q * scale| <= sigma / 2 per channel, codes <= qmax,
+            // sigma <= max |q| * max scale / 127, scale <= 2 / qmax.
+            let qmax_abs = q.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let bound = d as f32 * qmax_abs * 2.0 / 127.0 / 2.0 + 1e-3;
+            for j in 0..g {
+                for t in 0..n {
+                    let (a, b) = (want[j * stride + t], ex[j * stride + t]);
+                    assert!((a - b).abs() <= bound, "{a} vs {b} (bound {bound})");
+                }
+            }
+            // And close in practice: the mean error is far below the bound.
+            let mean: f32 = (0..g)
+                .flat_map(|j| (0..n).map(move |t| j * stride + t))
+                .map(|i| (want[i] - ex[i]).abs())
+                .sum::<f32>()
+                / (g * n) as f32;
+            assert!(mean < bound / 8.0, "mean error {mean} (bound {bound})");
+        }
+    }
+
+    #[test]
+    fn value_kernels_agree_bitwise_and_within_bound() {
+        let mut rng = StdRng::seed_from_u64(9);
+        for (bits, group, d, n, g) in [
+            (2, 16, 64, 100, 3),
+            (2, 32, 64, 64, 1),
+            (4, 16, 64, 37, 3),
+            (4, 8, 32, 70, 2),
+            (2, 16, 128, 33, 4),
+            (4, 32, 64, 5, 8),
+            (2, 16, 64, 2, 6),
+            (2, 16, 48, 40, 3),
+            (2, 16, 64, 50, 5),
+        ] {
+            let st = store(Axis::Token, bits, group, d, n, bits as u64 * 17 + n as u64);
+            let stride = n + 2;
+            let mut p = vec![0.0f32; g * stride];
+            for j in 0..g {
+                let row = &mut p[j * stride..j * stride + n];
+                for x in row.iter_mut() {
+                    *x = rng.random_range(0.0f32..1.0).powi(6);
+                }
+                let s: f32 = row.iter().sum();
+                row.iter_mut().for_each(|x| *x /= s);
+            }
+            let base: Vec<f32> = (0..g * d).map(|i| (i % 7) as f32 * 0.01).collect();
+            let mut want = base.clone();
+            st.accumulate_int8(Isa::Portable, &p, g, stride, &mut want);
+            for isa in Isa::available() {
+                let mut got = base.clone();
+                st.accumulate_int8(isa, &p, g, stride, &mut got);
+                assert_eq!(
+                    got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "{isa:?} bits {bits} G {group} d {d} n {n} g {g}"
+                );
+            }
+            let mut ex = base.clone();
+            exact(&st).accumulate(&p, g, stride, &mut ex);
+            let qmax = ((1u32 << bits) - 1) as f32;
+            for j in 0..g {
+                // |tau * a8 - p * scale| <= tau / 2, tau <= max p * max scale / 255.
+                let pmax = p[j * stride..j * stride + n]
+                    .iter()
+                    .fold(0.0f32, |m, &x| m.max(x));
+                let bound = n as f32 * qmax * pmax * (2.0 / qmax) / 255.0 / 2.0 + 1e-5;
+                for c in 0..d {
+                    let (a, b) = (want[j * d + c], ex[j * d + c]);
+                    assert!((a - b).abs() <= bound, "{a} vs {b} (bound {bound})");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn int8_is_taken_only_where_it_applies() {
+        let st = store(Axis::Channel, 2, 16, 64, 32, 1);
+        assert!(st.int8_ok(3));
+        assert!(!st.int8_ok(17));
+        assert!(!exact(&st).int8_ok(3));
+        let st8 = store(Axis::Channel, 8, 16, 64, 32, 1);
+        assert!(!st8.int8_ok(3), "8-bit codes run exact");
+    }
+
+    #[test]
+    fn query_rounding_is_symmetric_and_bounded() {
+        let mut q8 = [0i8; 4];
+        let s = round_query(&[1.0, -0.5, 0.25, -1.0], &mut q8);
+        assert_eq!(q8, [127, -64, 32, -127]); // -63.5 and 31.75 round to even/nearest
+        assert!((s - 1.0 / 127.0).abs() < 1e-9);
+        assert_eq!(round_query(&[0.0; 4], &mut q8), 0.0);
+        assert_eq!(q8, [0; 4]);
+    }
+}
