@@ -21,6 +21,25 @@ use std::cell::RefCell;
 /// Tokens per rounding step of the attention weights.
 pub(crate) const TB: usize = 32;
 
+/// Tokens per parallel segment of a long head (a multiple of [`TB`] and of
+/// every key group that divides it; fixed, so results do not depend on the
+/// thread count).
+pub(crate) const SEG_TOKENS: usize = 4096;
+
+/// A pointer the segments of one call share; each writes its own elements.
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: only used for disjoint writes by the segments of one call, which
+// ends before the borrow it came from.
+unsafe impl Send for SyncPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SyncPtr {}
+impl SyncPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// The integer kernels a store uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Isa {
@@ -67,8 +86,10 @@ impl Isa {
 }
 
 thread_local! {
-    static F32: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    static U32: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    /// Scales, minimum sums and segment accumulators of one value call.
+    static OUTER: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Rounded weights of one segment.
+    static INNER: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The rounding step of a row `qs` to `q8`: `(step, 1 / step)`, `(0, 0)` for
@@ -87,10 +108,17 @@ fn query_step(qs: &[f32]) -> (f32, f32) {
         .fold(m.iter().fold(0.0f32, |a, &b| a.max(b)), |a, x| {
             a.max(x.abs())
         });
-    if amax == 0.0 {
-        (0.0, 0.0)
+    steps(amax, 127.0)
+}
+
+/// The rounding step of values up to `amax` onto `0 ..= levels` and its
+/// inverse: `(amax * (1 / levels), levels / amax)`, `(0, 0)` for `amax = 0`.
+#[inline]
+pub(crate) fn steps(amax: f32, levels: f32) -> (f32, f32) {
+    if amax > 0.0 {
+        (amax * (1.0 / levels), levels / amax)
     } else {
-        (amax / 127.0, 127.0 / amax)
+        (0.0, 0.0)
     }
 }
 
@@ -107,13 +135,18 @@ fn round_query(qs: &[f32], q8: &mut [i8]) -> f32 {
 /// Portable scores of one key block (`d` words, one per channel):
 /// `out[j * stride + off + l] = sig[j] * sum_c q8[j][c] * code(l, c) + bias[j]`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn key_block_portable(
+///
+/// # Safety
+/// `out` must be valid for writes at `j * stride + off + l` for every head
+/// `j < q8.len()` and token `l < 32 / bits`, and no other thread may touch
+/// those elements during the call.
+pub(crate) unsafe fn key_block_portable(
     words: &[u32],
     bits: u32,
     q8: &[[i8; MAX_D]],
     sig: &[f32],
     bias: &[f32],
-    out: &mut [f32],
+    out: *mut f32,
     stride: usize,
     off: usize,
 ) {
@@ -128,9 +161,10 @@ pub(crate) fn key_block_portable(
             }
         }
     }
-    for j in 0..q8.len() {
-        for l in 0..p {
-            out[j * stride + off + l] = sig[j] * sums[j][l] as f32 + bias[j];
+    for (j, sj) in sums.iter().enumerate().take(q8.len()) {
+        for (l, &x) in sj[..p].iter().enumerate() {
+            // SAFETY: in bounds and exclusive (the caller's contract).
+            unsafe { *out.add(j * stride + off + l) = sig[j] * x as f32 + bias[j] };
         }
     }
 }
@@ -148,6 +182,9 @@ impl MinMaxStore {
     }
 
     /// Per-channel key scores with integer products (see the module doc).
+    /// Long heads are cut into segments of [`SEG_TOKENS`] scored in
+    /// parallel (each token's score is computed alone, so the result does
+    /// not depend on the cut).
     pub(crate) fn scores_int8(
         &self,
         isa: Isa,
@@ -155,6 +192,41 @@ impl MinMaxStore {
         g: usize,
         out: &mut [f32],
         stride: usize,
+    ) {
+        let groups = self.len / self.q.group;
+        assert!(q.len() >= g * self.d && out.len() >= (g - 1) * stride + groups * self.q.group);
+        let per = (SEG_TOKENS / self.q.group).max(1);
+        let ptr = SyncPtr(out.as_mut_ptr());
+        let run = |g0: usize, g1: usize| {
+            // SAFETY: `out` holds `g` rows of `stride` covering every token
+            // (asserted above); segments write disjoint token ranges.
+            unsafe { self.scores_int8_range(isa, q, g, ptr.get(), stride, g0, g1) }
+        };
+        if groups <= per {
+            run(0, groups);
+        } else {
+            use rayon::prelude::*;
+            (0..groups.div_ceil(per))
+                .into_par_iter()
+                .for_each(|s| run(s * per, ((s + 1) * per).min(groups)));
+        }
+    }
+
+    /// Key scores of groups `g0 .. g1`.
+    ///
+    /// # Safety
+    /// `out` must be valid for writes at `j * stride + t` for `j < g` and
+    /// every token `t` of the groups, and no other thread may touch those.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores_int8_range(
+        &self,
+        isa: Isa,
+        q: &[f32],
+        g: usize,
+        out: *mut f32,
+        stride: usize,
+        g0: usize,
+        g1: usize,
     ) {
         let (d, grp, bits) = (self.d, self.q.group, self.q.bits);
         let p = 32 / bits as usize;
@@ -169,7 +241,7 @@ impl MinMaxStore {
         let mut qx = [0i32; MAX_G * MAX_D];
         let mut sig = [0.0f32; MAX_G];
         let mut bias = [0.0f32; MAX_G];
-        for gi in 0..self.len / grp {
+        for gi in g0..g1 {
             self.scale[0].read(gi * d, &mut sc[..d]);
             self.min[0].read(gi * d, &mut mn[..d]);
             for j in 0..g {
@@ -194,34 +266,43 @@ impl MinMaxStore {
                 let words = &self.words[k * d..(k + 1) * d];
                 #[cfg(target_arch = "x86_64")]
                 if simd {
-                    crate::x86_int8::key_block(
-                        isa,
+                    // SAFETY: the block's tokens are in this call's groups.
+                    unsafe {
+                        crate::x86_int8::key_block(
+                            isa,
+                            words,
+                            bits,
+                            &qx[..g * d],
+                            &sig[..g],
+                            &bias[..g],
+                            out,
+                            stride,
+                            k * p,
+                        )
+                    };
+                    continue;
+                }
+                // SAFETY: as above.
+                unsafe {
+                    key_block_portable(
                         words,
                         bits,
-                        &qx[..g * d],
+                        &q8[..g],
                         &sig[..g],
                         &bias[..g],
                         out,
                         stride,
                         k * p,
-                    );
-                    continue;
-                }
-                key_block_portable(
-                    words,
-                    bits,
-                    &q8[..g],
-                    &sig[..g],
-                    &bias[..g],
-                    out,
-                    stride,
-                    k * p,
-                );
+                    )
+                };
             }
         }
     }
 
-    /// Per-token value accumulation with integer products (see the module doc).
+    /// Per-token value accumulation with integer products (see the module
+    /// doc). Long heads are cut into segments of [`SEG_TOKENS`] run in
+    /// parallel, each with its own accumulator, added in segment order (the
+    /// cut is fixed, so the result does not depend on the thread count).
     pub(crate) fn accumulate_int8(
         &self,
         isa: Isa,
@@ -236,65 +317,117 @@ impl MinMaxStore {
         }
         let (d, grp) = (self.d, self.q.group);
         let gpt = d / grp;
+        let nseg = n.div_ceil(SEG_TOKENS);
+        #[cfg(target_arch = "x86_64")]
+        let simd = crate::x86_int8::values_ok(isa, self, g);
+        #[cfg(not(target_arch = "x86_64"))]
+        let simd = false;
+        // Taken out of the thread-local for the call (a nested call on this
+        // thread, run while it waits for its segments, gets its own).
+        let mut fb = OUTER.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        let need = gpt * n + g * gpt + nseg * g * d;
+        if fb.len() < need {
+            fb.resize(need, 0.0);
+        }
+        let (sv, rest) = fb.split_at_mut(gpt * n);
+        let (macc, facc) = rest.split_at_mut(g * gpt);
+        let facc = &mut facc[..nseg * g * d];
+        facc.fill(0.0);
+        for gi in 0..gpt {
+            let s = &mut sv[gi * n..(gi + 1) * n];
+            self.min[gi].read(0, s);
+            for j in 0..g {
+                macc[j * gpt + gi] = simd::dot(&p[j * stride..j * stride + n], s);
+            }
+            self.scale[gi].read(0, s);
+        }
+        let sv = &*sv;
+        let seg = |s: usize, f: &mut [f32]| {
+            let (a, b) = (s * SEG_TOKENS, ((s + 1) * SEG_TOKENS).min(n));
+            self.values_segment(isa, simd, p, g, stride, sv, a, b, f);
+        };
+        if nseg == 1 {
+            seg(0, facc);
+        } else {
+            use rayon::prelude::*;
+            facc.par_chunks_mut(g * d)
+                .enumerate()
+                .for_each(|(s, f)| seg(s, f));
+            let (first, rest) = facc.split_at_mut(g * d);
+            for part in rest.chunks(g * d) {
+                for (x, y) in first.iter_mut().zip(part) {
+                    *x += y;
+                }
+            }
+        }
+        let facc = &mut facc[..g * d];
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            crate::x86_int8::unpermute(self, g, facc);
+        }
+        for j in 0..g {
+            for c in 0..d {
+                out[j * d + c] += facc[j * d + c] + macc[j * gpt + c / grp];
+            }
+        }
+        OUTER.with(|c| {
+            let mut c = c.borrow_mut();
+            if c.len() < fb.len() {
+                *c = fb;
+            }
+        });
+    }
+
+    /// Value sums of tokens `a .. b` (`sv`: the scales, `[group][token]`)
+    /// into `facc` (zeroed, permuted when `simd`).
+    #[allow(clippy::too_many_arguments)]
+    fn values_segment(
+        &self,
+        isa: Isa,
+        simd: bool,
+        p: &[f32],
+        g: usize,
+        stride: usize,
+        sv: &[f32],
+        a: usize,
+        b: usize,
+        facc: &mut [f32],
+    ) {
+        let n = self.len;
+        let gpt = self.d / self.q.group;
         let nq = TB / 4;
-        F32.with(|fc| {
-            U32.with(|uc| {
-                let (mut fb, mut ub) = (fc.borrow_mut(), uc.borrow_mut());
-                let need = gpt * n + g * d + 2 * g * gpt;
-                if fb.len() < need {
-                    fb.resize(need, 0.0);
-                }
-                if ub.len() < g * nq * gpt {
-                    ub.resize(g * nq * gpt, 0);
-                }
-                let (sv, rest) = fb.split_at_mut(gpt * n);
-                let (facc, rest) = rest.split_at_mut(g * d);
-                let (tau, macc) = rest.split_at_mut(g * gpt);
-                let macc = &mut macc[..g * gpt];
-                let a8 = &mut ub[..g * nq * gpt];
-                facc.fill(0.0);
-                for gi in 0..gpt {
-                    let s = &mut sv[gi * n..(gi + 1) * n];
-                    self.min[gi].read(0, s);
-                    for j in 0..g {
-                        macc[j * gpt + gi] = simd::dot(&p[j * stride..j * stride + n], s);
-                    }
-                    self.scale[gi].read(0, s);
-                }
-                #[cfg(target_arch = "x86_64")]
-                let simd = crate::x86_int8::values_ok(isa, self, g);
-                #[cfg(not(target_arch = "x86_64"))]
-                let simd = false;
-                let mut t0 = 0;
-                while t0 < n {
-                    let nb = TB.min(n - t0);
-                    #[cfg(target_arch = "x86_64")]
-                    if simd && nb == TB {
-                        crate::x86_int8::round_weights(p, stride, sv, n, t0, g, gpt, tau, a8);
-                    } else {
-                        round_weights(p, stride, sv, n, t0, nb, g, gpt, tau, a8);
-                    }
-                    #[cfg(not(target_arch = "x86_64"))]
+        // At most MAX_D / 8 groups per token (groups hold >= 8 channels).
+        let mut tau = [0.0f32; MAX_G * MAX_D / 8];
+        let mut ub = INNER.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        if ub.len() < g * nq * gpt {
+            ub.resize(g * nq * gpt, 0);
+        }
+        let a8 = &mut ub[..g * nq * gpt];
+        let tau = &mut tau[..g * gpt];
+        let mut t0 = a;
+        while t0 < b {
+            let nb = TB.min(b - t0);
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                if nb == TB {
+                    crate::x86_int8::round_weights(p, stride, sv, n, t0, g, gpt, tau, a8);
+                } else {
                     round_weights(p, stride, sv, n, t0, nb, g, gpt, tau, a8);
-                    #[cfg(target_arch = "x86_64")]
-                    if simd {
-                        crate::x86_int8::value_block(isa, self, t0, nb, g, a8, tau, facc);
-                        t0 += nb;
-                        continue;
-                    }
-                    self.value_block_portable(t0, nb, g, a8, tau, facc);
-                    t0 += nb;
                 }
-                #[cfg(target_arch = "x86_64")]
-                if simd {
-                    crate::x86_int8::unpermute(self, g, facc);
-                }
-                for j in 0..g {
-                    for c in 0..d {
-                        out[j * d + c] += facc[j * d + c] + macc[j * gpt + c / grp];
-                    }
-                }
-            })
+                crate::x86_int8::value_block(isa, self, t0, nb, g, a8, tau, facc);
+                t0 += nb;
+                continue;
+            }
+            let _ = (isa, simd);
+            round_weights(p, stride, sv, n, t0, nb, g, gpt, tau, a8);
+            self.value_block_portable(t0, nb, g, a8, tau, facc);
+            t0 += nb;
+        }
+        INNER.with(|c| {
+            let mut c = c.borrow_mut();
+            if c.len() < ub.len() {
+                *c = ub;
+            }
         });
     }
 
@@ -361,11 +494,7 @@ fn round_weights(
                 *a = x * s;
                 amax = amax.max(*a);
             }
-            let (step, inv) = if amax > 0.0 {
-                (amax / 255.0, 255.0 / amax)
-            } else {
-                (0.0, 0.0)
-            };
+            let (step, inv) = steps(amax, 255.0);
             tau[j * gpt + gi] = step;
             for (b, a) in b.iter_mut().zip(&a[..nb]) {
                 *b = (a * inv).round_ties_even().clamp(0.0, 255.0) as u8;
@@ -421,6 +550,7 @@ mod tests {
             (4, 32, 64, 64, 8),
             (2, 16, 24, 32, 5),
             (2, 16, 64, 32, 16),
+            (2, 16, 64, 2 * SEG_TOKENS + 160, 3),
         ] {
             let st = store(
                 Axis::Channel,
@@ -478,6 +608,8 @@ mod tests {
             (2, 16, 64, 2, 6),
             (2, 16, 48, 40, 3),
             (2, 16, 64, 50, 5),
+            (2, 16, 64, 2 * SEG_TOKENS + 77, 3),
+            (4, 16, 64, SEG_TOKENS + 32, 2),
         ] {
             let st = store(Axis::Token, bits, group, d, n, bits as u64 * 17 + n as u64);
             let stride = n + 2;
@@ -534,7 +666,7 @@ mod tests {
         let mut q8 = [0i8; 4];
         let s = round_query(&[1.0, -0.5, 0.25, -1.0], &mut q8);
         assert_eq!(q8, [127, -64, 32, -127]); // -63.5 and 31.75 round to even/nearest
-        assert!((s - 1.0 / 127.0).abs() < 1e-9);
+        assert_eq!(s, 1.0 / 127.0);
         assert_eq!(round_query(&[0.0; 4], &mut q8), 0.0);
         assert_eq!(q8, [0; 4]);
     }

@@ -43,7 +43,7 @@ macro_rules! kernels {
                 qx: &[i32],
                 sig: &[f32],
                 bias: &[f32],
-                out: &mut [f32],
+                out: *mut f32,
                 stride: usize,
                 off: usize,
             ) {
@@ -104,7 +104,7 @@ macro_rules! kernels {
                             std::array::from_fn(|i| r[i % 2])
                         };
                         let (sv, bv) = (_mm_set1_ps(sig[j]), _mm_set1_ps(bias[j]));
-                        let o = out.as_mut_ptr().add(j * stride + off);
+                        let o = out.add(j * stride + off);
                         for i in 0..CPB {
                             let f = _mm_add_ps(_mm_mul_ps(sv, _mm_cvtepi32_ps(rows[i])), bv);
                             _mm_storeu_ps(o.add(4 * i), f);
@@ -289,16 +289,15 @@ unsafe fn query_group_avx2(q: &[f32], sc: &[f32], mn: &[f32], qx: &mut [i32]) ->
             amax = _mm256_max_ps(amax, _mm256_and_ps(qs, abs));
             bacc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(mn.as_ptr().add(8 * m)), bacc);
         }
-        let mut l = [0.0f32; 8];
-        _mm256_storeu_ps(l.as_mut_ptr(), bacc);
-        let bias = (l[0] + l[4]) + (l[1] + l[5]) + ((l[2] + l[6]) + (l[3] + l[7]));
-        _mm256_storeu_ps(l.as_mut_ptr(), amax);
-        let amax = l.iter().fold(0.0f32, |x, &y| x.max(y));
-        let (sig, inv) = if amax == 0.0 {
-            (0.0, 0.0)
-        } else {
-            (amax / 127.0, 127.0 / amax)
-        };
+        // `simd::dot`'s reduction: (l0 + l4) + (l1 + l5) + ((l2 + l6) + (l3 + l7)).
+        let v = _mm_add_ps(
+            _mm256_castps256_ps128(bacc),
+            _mm256_extractf128_ps::<1>(bacc),
+        );
+        let t = _mm_add_ps(v, _mm_shuffle_ps::<0b10_11_00_01>(v, v));
+        let bias = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehl_ps(t, t)));
+        let amax = hmax(amax);
+        let (sig, inv) = crate::int8::steps(amax, 127.0);
         let iv = _mm256_set1_ps(inv);
         for m in 0..d / 8 {
             // Round half to even (the default MXCSR mode), as the portable
@@ -317,27 +316,27 @@ unsafe fn query_group_avx2(q: &[f32], sc: &[f32], mn: &[f32], qx: &mut [i32]) ->
 }
 
 /// Scores of one key block with the kernels of `isa` (only when [`keys_ok`]).
+///
+/// # Safety
+/// `out` must be valid for writes at `j * stride + off + l` for `j <
+/// sig.len()` and `l < 32 / bits`, and no other thread may touch those.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn key_block(
+pub(crate) unsafe fn key_block(
     isa: Isa,
     words: &[u32],
     bits: u32,
     qx: &[i32],
     sig: &[f32],
     bias: &[f32],
-    out: &mut [f32],
+    out: *mut f32,
     stride: usize,
     off: usize,
 ) {
     let g = sig.len();
-    assert!(
-        words.len().is_multiple_of(8)
-            && qx.len() == g * words.len()
-            && bias.len() == g
-            && (g - 1) * stride + off + 32 / bits as usize <= out.len()
-    );
+    assert!(words.len().is_multiple_of(8) && qx.len() == g * words.len() && bias.len() == g);
     // SAFETY: `isa` was detected on this CPU (`Isa::available`); the
-    // lengths are as the kernels require (asserted above).
+    // lengths are as the kernels require (asserted above), `out` as the
+    // caller guarantees.
     let ran = unsafe { dispatch!(isa, bits, g, keys, (words, qx, sig, bias, out, stride, off)) };
     debug_assert!(ran);
 }
@@ -483,14 +482,7 @@ unsafe fn round_weights_avx2(
                     );
                     m = _mm256_max_ps(m, a[v]);
                 }
-                let mut mm = [0.0f32; 8];
-                _mm256_storeu_ps(mm.as_mut_ptr(), m);
-                let amax = mm.iter().fold(0.0f32, |x, &y| x.max(y));
-                let (step, inv) = if amax > 0.0 {
-                    (amax / 255.0, 255.0 / amax)
-                } else {
-                    (0.0, 0.0)
-                };
+                let (step, inv) = crate::int8::steps(hmax(m), 255.0);
                 tau[j * gpt + gi] = step;
                 let iv = _mm256_set1_ps(inv);
                 let c: [__m256i; 4] =
@@ -506,4 +498,13 @@ unsafe fn round_weights_avx2(
             }
         }
     }
+}
+
+/// The largest of 8 non-negative lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hmax(m: __m256) -> f32 {
+    let v = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    _mm_cvtss_f32(_mm_max_ss(v, _mm_movehdup_ps(v)))
 }

@@ -38,14 +38,24 @@ const SPLIT_ROWS: usize = 1024;
 
 /// Runs `f` with a thread-local scratch buffer of at least `n` floats (reused
 /// across calls: no allocation per token once warm).
+///
+/// The buffer is taken out of the thread-local for the call and put back
+/// after, so a nested call on the same thread (a store that runs its own
+/// rayon tasks lets this thread run another head's task while it waits) gets
+/// a buffer of its own instead of a double borrow.
 fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    SCRATCH.with(|s| {
-        let mut s = s.borrow_mut();
-        if s.len() < n {
-            s.resize(n, 0.0);
+    let mut s = SCRATCH.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    if s.len() < n {
+        s.resize(n, 0.0);
+    }
+    let r = f(&mut s[..n]);
+    SCRATCH.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() < s.len() {
+            *c = s;
         }
-        f(&mut s[..n])
-    })
+    });
+    r
 }
 
 /// `c = alpha * a(m x k) * b(k x n) + beta * c`, all with explicit strides.
