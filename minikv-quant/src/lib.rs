@@ -29,6 +29,7 @@
 
 #![warn(missing_docs)]
 
+mod exact;
 mod int8;
 mod store;
 #[cfg(all(

@@ -1,0 +1,162 @@
+//! Unit tests of the integer kernels (`int8.rs`, `x86_int8.rs`).
+
+use super::*;
+use crate::{Arithmetic, MinMax, ScaleDtype};
+use minikv_core::{Axis, QuantStore};
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+fn store(axis: Axis, bits: u32, group: usize, d: usize, n: usize, seed: u64) -> MinMaxStore {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let q = MinMax {
+        bits,
+        group,
+        axis,
+        scale_dtype: ScaleDtype::F16,
+        arithmetic: Arithmetic::Int8,
+    };
+    let mut st = MinMaxStore::new(q, d, 64);
+    let x: Vec<f32> = (0..n * d).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    st.append(&x).unwrap();
+    st
+}
+
+fn exact(st: &MinMaxStore) -> MinMaxStore {
+    let mut e = st.clone();
+    e.q.arithmetic = Arithmetic::Exact;
+    e
+}
+
+/// Every kernel set this CPU runs gives bitwise the portable result,
+/// within the rounding bound of the exact products.
+#[test]
+fn key_kernels_agree_bitwise_and_within_bound() {
+    let mut rng = StdRng::seed_from_u64(7);
+    for (bits, group, d, n, g) in [
+        (2, 16, 64, 160, 3),
+        (2, 32, 64, 96, 1),
+        (4, 16, 64, 64, 3),
+        (4, 8, 32, 48, 2),
+        (2, 16, 128, 32, 4),
+        (4, 32, 64, 64, 8),
+        (2, 16, 24, 32, 5),
+        (2, 16, 64, 32, 16),
+        (2, 16, 64, 2 * SEG_TOKENS + 160, 3),
+    ] {
+        let st = store(
+            Axis::Channel,
+            bits,
+            group,
+            d,
+            n,
+            bits as u64 * 31 + d as u64,
+        );
+        let q: Vec<f32> = (0..g * d).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let stride = n + 3;
+        let mut want = vec![0.0f32; g * stride];
+        st.scores_int8(Isa::Portable, &q, g, &mut want, stride);
+        for isa in Isa::available() {
+            let mut got = vec![0.0f32; g * stride];
+            st.scores_int8(isa, &q, g, &mut got, stride);
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{isa:?} bits {bits} G {group} d {d} g {g}"
+            );
+        }
+        let mut ex = vec![0.0f32; g * stride];
+        exact(&st).scores(&q, g, &mut ex, stride);
+        // |sigma * q8 - q * scale| <= sigma / 2 per channel, codes <= qmax,
+        // sigma <= max |q| * max scale / 127, scale <= 2 / qmax.
+        let qmax_abs = q.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let bound = d as f32 * qmax_abs * 2.0 / 127.0 / 2.0 + 1e-3;
+        for j in 0..g {
+            for t in 0..n {
+                let (a, b) = (want[j * stride + t], ex[j * stride + t]);
+                assert!((a - b).abs() <= bound, "{a} vs {b} (bound {bound})");
+            }
+        }
+        // And close in practice: the mean error is far below the bound.
+        let mean: f32 = (0..g)
+            .flat_map(|j| (0..n).map(move |t| j * stride + t))
+            .map(|i| (want[i] - ex[i]).abs())
+            .sum::<f32>()
+            / (g * n) as f32;
+        assert!(mean < bound / 8.0, "mean error {mean} (bound {bound})");
+    }
+}
+
+#[test]
+fn value_kernels_agree_bitwise_and_within_bound() {
+    let mut rng = StdRng::seed_from_u64(9);
+    for (bits, group, d, n, g) in [
+        (2, 16, 64, 100, 3),
+        (2, 32, 64, 64, 1),
+        (4, 16, 64, 37, 3),
+        (4, 8, 32, 70, 2),
+        (2, 16, 128, 33, 4),
+        (4, 32, 64, 5, 8),
+        (2, 16, 64, 2, 6),
+        (2, 16, 48, 40, 3),
+        (2, 16, 64, 50, 5),
+        (2, 16, 64, 2 * SEG_TOKENS + 77, 3),
+        (4, 16, 64, SEG_TOKENS + 32, 2),
+    ] {
+        let st = store(Axis::Token, bits, group, d, n, bits as u64 * 17 + n as u64);
+        let stride = n + 2;
+        let mut p = vec![0.0f32; g * stride];
+        for j in 0..g {
+            let row = &mut p[j * stride..j * stride + n];
+            for x in row.iter_mut() {
+                *x = rng.random_range(0.0f32..1.0).powi(6);
+            }
+            let s: f32 = row.iter().sum();
+            row.iter_mut().for_each(|x| *x /= s);
+        }
+        let base: Vec<f32> = (0..g * d).map(|i| (i % 7) as f32 * 0.01).collect();
+        let mut want = base.clone();
+        st.accumulate_int8(Isa::Portable, &p, g, stride, &mut want);
+        for isa in Isa::available() {
+            let mut got = base.clone();
+            st.accumulate_int8(isa, &p, g, stride, &mut got);
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{isa:?} bits {bits} G {group} d {d} n {n} g {g}"
+            );
+        }
+        let mut ex = base.clone();
+        exact(&st).accumulate(&p, g, stride, &mut ex);
+        let qmax = ((1u32 << bits) - 1) as f32;
+        for j in 0..g {
+            // |tau * a8 - p * scale| <= tau / 2, tau <= max p * max scale / 255.
+            let pmax = p[j * stride..j * stride + n]
+                .iter()
+                .fold(0.0f32, |m, &x| m.max(x));
+            let bound = n as f32 * qmax * pmax * (2.0 / qmax) / 255.0 / 2.0 + 1e-5;
+            for c in 0..d {
+                let (a, b) = (want[j * d + c], ex[j * d + c]);
+                assert!((a - b).abs() <= bound, "{a} vs {b} (bound {bound})");
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_is_taken_only_where_it_applies() {
+    let st = store(Axis::Channel, 2, 16, 64, 32, 1);
+    assert!(st.int8_ok(3));
+    assert!(!st.int8_ok(17));
+    assert!(!exact(&st).int8_ok(3));
+    let st8 = store(Axis::Channel, 8, 16, 64, 32, 1);
+    assert!(!st8.int8_ok(3), "8-bit codes run exact");
+}
+
+#[test]
+fn query_rounding_is_symmetric_and_bounded() {
+    let mut q8 = [0i8; 4];
+    let s = round_query(&[1.0, -0.5, 0.25, -1.0], &mut q8);
+    assert_eq!(q8, [127, -64, 32, -127]); // -63.5 and 31.75 round to even/nearest
+    assert_eq!(s, 1.0 / 127.0);
+    assert_eq!(round_query(&[0.0; 4], &mut q8), 0.0);
+    assert_eq!(q8, [0; 4]);
+}
