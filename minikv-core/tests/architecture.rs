@@ -125,3 +125,35 @@ fn backend_names_only_at_their_registration() {
         }
     }
 }
+
+/// No source file under a crate's `src/` exceeds 600 lines (a file that grows
+/// past it is split by concern; unit tests live in their own file).
+#[test]
+fn no_source_file_exceeds_600_lines() {
+    fn walk(dir: &Path, out: &mut Vec<(PathBuf, usize)>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                let n = std::fs::read_to_string(&p).unwrap().lines().count();
+                out.push((p, n));
+            }
+        }
+    }
+    let mut files = Vec::new();
+    for e in std::fs::read_dir(root()).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("minikv-") && p.join("src").is_dir() {
+            walk(&p.join("src"), &mut files);
+        }
+    }
+    assert!(files.len() > 50, "found only {} source files", files.len());
+    let long: Vec<String> = files
+        .iter()
+        .filter(|(_, n)| *n > 600)
+        .map(|(p, n)| format!("{} ({n} lines)", p.display()))
+        .collect();
+    assert!(long.is_empty(), "over 600 lines: {long:?}");
+}

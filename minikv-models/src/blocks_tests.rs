@@ -1,0 +1,199 @@
+//! Unit tests of `blocks.rs`.
+
+use super::*;
+
+fn f16b(x: f32) -> [u8; 2] {
+    f16::from_f32(x).to_le_bytes()
+}
+
+/// Hand-built blocks per llama.cpp's definitions.
+#[test]
+fn block_layouts() {
+    // Q4_0: d = 0.5; byte j = low nibble (element j) | high nibble (element j + 16).
+    let mut b = f16b(0.5).to_vec();
+    b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+    let mut out = [0.0f32; 32];
+    dequantize_row(GgmlType::Q4_0, &b, &mut out);
+    assert_eq!(out[0], -4.0); // (0 - 8) * 0.5
+    assert_eq!(out[15], 3.5); // (15 - 8) * 0.5
+    assert_eq!(out[16], 3.5); // high nibble of byte 0 = 15
+    assert_eq!(out[31], -4.0);
+    // Q4_1: d = 0.25, m = -1: x = q d + m.
+    let mut b = f16b(0.25).to_vec();
+    b.extend(f16b(-1.0));
+    b.extend((0..16u8).map(|j| j | (j << 4)));
+    dequantize_row(GgmlType::Q4_1, &b, &mut out);
+    assert_eq!((out[0], out[3], out[19]), (-1.0, -0.25, -0.25));
+    // Q8_0: d = 2, signed bytes.
+    let mut b = f16b(2.0).to_vec();
+    b.extend((0..32i8).map(|j| (j - 16) as u8));
+    dequantize_row(GgmlType::Q8_0, &b, &mut out);
+    assert_eq!((out[0], out[16], out[31]), (-32.0, 0.0, 30.0));
+    // F16 / BF16 / F32.
+    let mut o2 = [0.0f32; 2];
+    dequantize_row(GgmlType::F16, &[f16b(1.5), f16b(-2.0)].concat(), &mut o2);
+    assert_eq!(o2, [1.5, -2.0]);
+    dequantize_row(
+        GgmlType::Bf16,
+        &[
+            bf16::from_f32(3.0).to_le_bytes(),
+            bf16::from_f32(-0.5).to_le_bytes(),
+        ]
+        .concat(),
+        &mut o2,
+    );
+    assert_eq!(o2, [3.0, -0.5]);
+    dequantize_row(
+        GgmlType::F32,
+        &[1.25f32.to_le_bytes(), 7.0f32.to_le_bytes()].concat(),
+        &mut o2,
+    );
+    assert_eq!(o2, [1.25, 7.0]);
+}
+
+/// Hand-built `Q5_0`, `Q4_K` and `Q6_K` blocks per llama.cpp's definitions.
+#[test]
+fn k_quant_and_q5_layouts() {
+    // Q5_0: d = 0.5, fifth bits set for elements 0..16 only.
+    let mut b = f16b(0.5).to_vec();
+    b.extend(0x0000_FFFFu32.to_le_bytes());
+    b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+    let mut out = [0.0f32; 32];
+    dequantize_row(GgmlType::Q5_0, &b, &mut out);
+    assert_eq!((out[0], out[15], out[16], out[31]), (0.0, 7.5, -0.5, -8.0));
+    // Q4_K: d = 1, dmin = 0.5; sub-block 0: scale 2, min 3 (6-bit fields
+    // in bytes 0 and 4); sub-block 4: scale 1 | 1 << 4 = 17, min 2 (low
+    // nibbles of byte 8, high bits from bytes 0 and 4); every code 3 (low)
+    // or 5 (high).
+    let mut b = f16b(1.0).to_vec();
+    b.extend(f16b(0.5));
+    let mut sc = [0u8; 12];
+    sc[0] = 2 | 1 << 6;
+    sc[4] = 3;
+    sc[8] = 1 | 2 << 4;
+    b.extend(sc);
+    b.extend([0x53u8; 128]);
+    let mut out = [0.0f32; 256];
+    dequantize_row(GgmlType::Q4_K, &b, &mut out);
+    assert_eq!(out[0], 2.0 * 3.0 - 0.5 * 3.0); // sub-block 0, low nibble
+    assert_eq!(out[32], 0.0); // sub-block 1: scale 0, min 0
+    assert_eq!(out[128], 17.0 * 3.0 - 0.5 * 2.0); // sub-block 4, low nibble
+    // Q6_K: d = 0.25 (last 2 bytes); scales 2, -1, 4, 1 for the four
+    // 32-element groups of the first half's lanes 0..16.
+    let mut b = vec![0u8; 210];
+    b[0] = 0x21; // element 0 low nibble 1, element 64 low nibble 2
+    b[32] = 0x0F; // element 32 low nibble 15, element 96 low nibble 0
+    b[128] = 0b11_10_01_00; // high 2-bit pairs of elements 0, 32, 64, 96
+    b[192] = 2;
+    b[194] = (-1i8) as u8;
+    b[196] = 4;
+    b[198] = 1;
+    b[208..210].copy_from_slice(&f16b(0.25));
+    dequantize_row(GgmlType::Q6_K, &b, &mut out);
+    assert_eq!(out[0], 0.25 * 2.0 * (1 - 32) as f32);
+    assert_eq!(out[32], -0.25 * (15 + 16 - 32) as f32);
+    assert_eq!(out[64], 0.25 * 4.0 * (2 + 32 - 32) as f32);
+    assert_eq!(out[96], 0.25 * 1.0 * (48 - 32) as f32);
+}
+
+/// The direct dot products equal dequantize-then-dot for every type.
+#[test]
+fn dot_equals_dequantized_dot() {
+    let n = 512;
+    let x: Vec<f32> = (0..n).map(|i| ((i * 37 % 19) as f32 - 9.0) / 7.0).collect();
+    let mut xs = Vec::new();
+    block_sums(&x, &mut xs);
+    for ty in [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Bf16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q5_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+    ] {
+        let bytes: Vec<u8> = (0..ty.row_bytes(n)).map(|i| (i * 97 % 251) as u8).collect();
+        // Keep float scales/values finite: rebuild scale fields as small halves.
+        let mut bytes = bytes;
+        match ty {
+            GgmlType::F32 => {
+                for (i, c) in bytes.chunks_exact_mut(4).enumerate() {
+                    c.copy_from_slice(&((i as f32) * 0.1 - 3.0).to_le_bytes());
+                }
+            }
+            GgmlType::F16 | GgmlType::Bf16 => {
+                for (i, c) in bytes.chunks_exact_mut(2).enumerate() {
+                    let v = (i as f32) * 0.1 - 3.0;
+                    c.copy_from_slice(&if ty == GgmlType::F16 {
+                        f16::from_f32(v).to_le_bytes()
+                    } else {
+                        bf16::from_f32(v).to_le_bytes()
+                    });
+                }
+            }
+            GgmlType::Q6_K => {
+                for c in bytes.chunks_exact_mut(210) {
+                    c[208..210].copy_from_slice(&f16b(0.37));
+                }
+            }
+            _ => {
+                for c in bytes.chunks_exact_mut(ty.block_bytes()) {
+                    c[..2].copy_from_slice(&f16b(0.37));
+                    if matches!(ty, GgmlType::Q4_1 | GgmlType::Q4_K) {
+                        c[2..4].copy_from_slice(&f16b(-0.8));
+                    }
+                }
+            }
+        }
+        let mut w = vec![0.0f32; n];
+        dequantize_row(ty, &bytes, &mut w);
+        let want: f32 = w.iter().zip(&x).map(|(a, b)| a * b).sum();
+        let got = dot_row(ty, &bytes, &x, &xs);
+        assert!(
+            (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+            "{ty:?}: {got} vs {want}"
+        );
+    }
+}
+
+/// The AVX2 `Q4_1` and `Q8_0` dots are bitwise equal to the portable loops
+/// on random rows (random scales, minimums, codes and inputs, including
+/// rows of one block and of SmolLM2's 18 and 48 blocks).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+#[test]
+fn x86_dots_are_bitwise_equal_to_the_portable_loops() {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    for &nb in &[1usize, 2, 18, 48, 5] {
+        for _ in 0..200 {
+            let x: Vec<f32> = (0..32 * nb).map(|_| rng.random_range(-3.0..3.0)).collect();
+            let mut xs = Vec::new();
+            block_sums(&x, &mut xs);
+            let mut q41 = Vec::new();
+            let mut q80 = Vec::new();
+            for _ in 0..nb {
+                q41.extend(f16b(rng.random_range(-0.1..0.1)));
+                q41.extend(f16b(rng.random_range(-1.0..1.0)));
+                q41.extend((0..16).map(|_| rng.random::<u8>()));
+                q80.extend(f16b(rng.random_range(-0.1..0.1)));
+                q80.extend((0..32).map(|_| rng.random::<u8>()));
+            }
+            // SAFETY: the features are enabled (cfg); nb blocks each.
+            let (a, b) = unsafe {
+                (
+                    crate::blocks_x86::dot_q4_1(&q41, &x, &xs),
+                    crate::blocks_x86::dot_q8_0(&q80, &x),
+                )
+            };
+            assert_eq!(a.to_bits(), dot_q4_1_portable(&q41, &x, &xs).to_bits());
+            assert_eq!(b.to_bits(), dot_q8_0_portable(&q80, &x).to_bits());
+        }
+    }
+}
