@@ -480,7 +480,8 @@ fn components_say_which_parameters_are_required_and_pairs_refuse_mixed_contexts(
     let i = out.find("  minmax").unwrap();
     let block: String = out[i..].lines().take(3).collect::<Vec<_>>().join("\n");
     assert!(
-        block.contains("required (e.g.): axis") && block.contains("defaults: scale_dtype"),
+        block.contains("required (e.g.): axis")
+            && block.contains("defaults: arithmetic = \"exact\", scale_dtype"),
         "{block}"
     );
     let v: serde_json::Value =
