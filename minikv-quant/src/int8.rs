@@ -17,6 +17,7 @@
 use crate::store::{MAX_D, MAX_G, MinMaxStore};
 use minikv_core::simd;
 use std::cell::RefCell;
+use std::thread::LocalKey;
 
 /// Tokens per rounding step of the attention weights.
 pub(crate) const TB: usize = 32;
@@ -92,23 +93,26 @@ thread_local! {
     static INNER: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Takes a thread-local scratch buffer out for one call (a nested call on
+/// this thread, run while it waits for its segments, gets an empty one).
+fn take<T>(key: &'static LocalKey<RefCell<Vec<T>>>) -> Vec<T> {
+    key.with(|c| std::mem::take(&mut *c.borrow_mut()))
+}
+
+/// Puts a buffer from [`take`] back, keeping the larger of the two.
+fn give_back<T>(key: &'static LocalKey<RefCell<Vec<T>>>, v: Vec<T>) {
+    key.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() < v.len() {
+            *c = v;
+        }
+    });
+}
+
 /// The rounding step of a row `qs` to `q8`: `(step, 1 / step)`, `(0, 0)` for
 /// a zero row.
 fn query_step(qs: &[f32]) -> (f32, f32) {
-    let mut m = [0.0f32; 8];
-    let mut it = qs.chunks_exact(8);
-    for ch in &mut it {
-        for (m, x) in m.iter_mut().zip(ch) {
-            *m = m.max(x.abs());
-        }
-    }
-    let amax = it
-        .remainder()
-        .iter()
-        .fold(m.iter().fold(0.0f32, |a, &b| a.max(b)), |a, x| {
-            a.max(x.abs())
-        });
-    steps(amax, 127.0)
+    steps(qs.iter().fold(0.0f32, |a, x| a.max(x.abs())), 127.0)
 }
 
 /// The rounding step of values up to `amax` onto `0 ..= levels` and its
@@ -134,12 +138,12 @@ fn round_query(qs: &[f32], q8: &mut [i8]) -> f32 {
 
 /// Portable scores of one key block (`d` words, one per channel):
 /// `out[j * stride + off + l] = sig[j] * sum_c q8[j][c] * code(l, c) + bias[j]`.
-#[allow(clippy::too_many_arguments)]
 ///
 /// # Safety
 /// `out` must be valid for writes at `j * stride + off + l` for every head
 /// `j < q8.len()` and token `l < 32 / bits`, and no other thread may touch
 /// those elements during the call.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn key_block_portable(
     words: &[u32],
     bits: u32,
@@ -322,9 +326,7 @@ impl MinMaxStore {
         let simd = crate::x86_int8::values_ok(isa, self, g);
         #[cfg(not(target_arch = "x86_64"))]
         let simd = false;
-        // Taken out of the thread-local for the call (a nested call on this
-        // thread, run while it waits for its segments, gets its own).
-        let mut fb = OUTER.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        let mut fb = take(&OUTER);
         let need = gpt * n + g * gpt + nseg * g * d;
         if fb.len() < need {
             fb.resize(need, 0.0);
@@ -370,12 +372,7 @@ impl MinMaxStore {
                 out[j * d + c] += facc[j * d + c] + macc[j * gpt + c / grp];
             }
         }
-        OUTER.with(|c| {
-            let mut c = c.borrow_mut();
-            if c.len() < fb.len() {
-                *c = fb;
-            }
-        });
+        give_back(&OUTER, fb);
     }
 
     /// Value sums of tokens `a .. b` (`sv`: the scales, `[group][token]`)
@@ -398,7 +395,7 @@ impl MinMaxStore {
         let nq = TB / 4;
         // At most MAX_D / 8 groups per token (groups hold >= 8 channels).
         let mut tau = [0.0f32; MAX_G * MAX_D / 8];
-        let mut ub = INNER.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        let mut ub = take(&INNER);
         if ub.len() < g * nq * gpt {
             ub.resize(g * nq * gpt, 0);
         }
@@ -423,12 +420,7 @@ impl MinMaxStore {
             self.value_block_portable(t0, nb, g, a8, tau, facc);
             t0 += nb;
         }
-        INNER.with(|c| {
-            let mut c = c.borrow_mut();
-            if c.len() < ub.len() {
-                *c = ub;
-            }
-        });
+        give_back(&INNER, ub);
     }
 
     /// Integer sums of one block of tokens, channel order, flushed into `facc`

@@ -383,14 +383,15 @@ pub(crate) fn value_block(
     let rows = st.words.as_ptr() as *const u8;
     // SAFETY: the words hold `len * rb` bytes and `t0 + nb <= len`.
     let main = unsafe { rows.add(t0 * rb) };
-    let mut buf = [0u8; 4 * crate::store::MAX_D];
+    // The last partial quad, zero-padded (only the block at a head's end).
+    let mut buf;
     let tail = if !nb.is_multiple_of(4) {
         let src_t = t0 + 4 * quads;
         let k = nb % 4;
         // SAFETY: tokens `src_t .. src_t + k` are held.
         let src = unsafe { std::slice::from_raw_parts(rows.add(src_t * rb), k * rb) };
+        buf = [0u8; 4 * crate::store::MAX_D];
         buf[..k * rb].copy_from_slice(src);
-        buf[k * rb..4 * rb].fill(0);
         Some(&buf[..4 * rb])
     } else {
         None
