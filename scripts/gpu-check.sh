@@ -3,7 +3,7 @@
 #   1. builds minikv (skipped when cargo is missing and the binaries exist,
 #      e.g. copied from a build machine);
 #   2. runs the CUDA backend's parity checks on the device against minikv's
-#      CPU reference (minikv-kernels-gpucheck: prefill + A_cumul with GQA and
+#      CPU reference (the gpucheck example: prefill + A_cumul with GQA and
 #      sliding windows, SnapKV window scores, bit-exact 2/4/8-bit
 #      quantization on both axes, fused decode over ragged heads with extra
 #      entries and decode probabilities; tolerance 1e-4) — the same checks
@@ -30,13 +30,13 @@ else
 fi
 export LD_LIBRARY_PATH="$PWD/$TOOLS/lib:${LD_LIBRARY_PATH:-}"
 if command -v cargo >/dev/null; then
-  cargo build --release -q -p minikv-kernels --bins
+  cargo build --release -q -p minikv-kernels --bins --example gpucheck
   cargo build --release -q -p minikv-cli
 fi
 BIN=target/release
 status=0
 echo "== the CUDA backend on the device against the CPU reference"
-timeout 300 "$BIN/minikv-kernels-gpucheck" > "$OUT/device.json" || status=$?
+timeout 300 "$BIN/examples/gpucheck" > "$OUT/device.json" || status=$?
 [ -s "$OUT/device.json" ] && python3 - "$OUT/device.json" <<'PY' || true
 import json, sys
 r = json.load(open(sys.argv[1]))

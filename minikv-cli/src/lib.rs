@@ -320,7 +320,7 @@ pub(crate) struct EvalArgs {
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Task (with --dataset: `dataset`, the default then).
-    #[arg(long, value_parser = crate::commands::TASKS, required_unless_present = "dataset")]
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(minikv_eval::tasks::names()), required_unless_present = "dataset")]
     pub task: Option<String>,
     #[command(flatten)]
     pub opts: TaskOpts,

@@ -126,6 +126,82 @@ fn backend_names_only_at_their_registration() {
     }
 }
 
+/// Every non-comment line of a crate's `src/` outside test code (files named
+/// `tests.rs` or `*_tests.rs`, and everything after a `#[cfg(test)]`).
+fn non_test_lines(krate: &str) -> Vec<(PathBuf, String)> {
+    let mut out = Vec::new();
+    let mut in_tests: Option<PathBuf> = None;
+    for (file, line) in code_lines(&root().join(krate).join("src")) {
+        let name = file.file_name().unwrap().to_string_lossy().into_owned();
+        if name == "tests.rs" || name.ends_with("_tests.rs") {
+            continue;
+        }
+        if in_tests.as_ref() == Some(&file) {
+            continue;
+        }
+        if line.trim() == "#[cfg(test)]" {
+            in_tests = Some(file);
+            continue;
+        }
+        out.push((file, line));
+    }
+    out
+}
+
+/// Evaluation tasks are components: their names are matched only where each
+/// task registers itself (`minikv-eval/src/tasks/`, and the RULER generator's
+/// own table); the CLI, sweep and report look tasks up in the registry and
+/// use what each declares (input, metric, family).
+#[test]
+fn task_names_only_at_their_registration() {
+    let names = [
+        "perplexity",
+        "fidelity",
+        "generation",
+        "passkey",
+        "needle",
+        "kv-retrieval",
+        "attention-error",
+        "dataset",
+        "ruler-",
+    ];
+    for krate in [
+        "minikv-core",
+        "minikv-models",
+        "minikv-eval",
+        "minikv-engine",
+        "minikv-server",
+        "minikv-cli",
+    ] {
+        for (file, line) in non_test_lines(krate) {
+            let f = file.to_string_lossy();
+            if f.contains("minikv-eval/src/tasks/") || f.ends_with("minikv-eval/src/ruler.rs") {
+                continue;
+            }
+            for n in names {
+                let q = if n.ends_with('-') {
+                    format!("\"{n}")
+                } else {
+                    format!("\"{n}\"")
+                };
+                // A match, a comparison, a lookup or a list of task names.
+                let matched = [
+                    format!("{q} =>"),
+                    format!("{q} |"),
+                    format!("| {q}"),
+                    format!("== {q}"),
+                    format!("!= {q}"),
+                    format!("({q}"),
+                    format!("[{q},"),
+                ]
+                .iter()
+                .any(|p| line.contains(p.as_str()));
+                assert!(!matched, "{f} matches on the task name {n}: {line}");
+            }
+        }
+    }
+}
+
 /// No source file under a crate's `src/` exceeds 600 lines (a file that grows
 /// past it is split by concern; unit tests live in their own file).
 #[test]

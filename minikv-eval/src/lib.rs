@@ -22,6 +22,11 @@
 pub mod duo;
 pub mod qa;
 pub mod ruler;
+pub mod stats;
+pub mod tasks;
+
+#[doc(hidden)]
+pub use inventory as __inventory;
 
 use minikv_core::{Error, KvCache, Result};
 use minikv_models::{LanguageModel, Logits, Tokenizer, Workspace, argmax, nll_of};
@@ -228,15 +233,6 @@ pub enum Retrieval {
 }
 
 impl Retrieval {
-    /// From a task name.
-    pub fn from_task(task: &str) -> Option<Self> {
-        match task {
-            "passkey" => Some(Self::Passkey),
-            "needle" => Some(Self::Needle),
-            "kv-retrieval" => Some(Self::KvRetrieval),
-            _ => None,
-        }
-    }
     fn answer_tokens(self) -> usize {
         match self {
             Self::Passkey => 8,

@@ -37,7 +37,7 @@
 //!   `__syncthreads`;
 //!   `__shared__` as per-block statics; warp shuffles through a per-warp
 //!   exchange and barrier), and the whole backend runs on it, launch for
-//!   launch as on a GPU ([`parity`], `tests/emulated.rs`): prefill outputs
+//!   launch as on a GPU (`tests/parity/mod.rs`, `tests/emulated.rs`): prefill outputs
 //!   and `A_cumul` within 1e-4 of the CPU reference (windows, GQA), window
 //!   scores within 1e-4, codes bit-exact with the CPU quantizer (2/4/8 bits,
 //!   both axes), fused decode within 1e-4 over ragged heads with extra
@@ -49,7 +49,7 @@
 //!   with at most 64 registers, no spills ([`nvrtc`], the
 //!   `minikv-kernels-check` binary, `tests/nvrtc.rs`).
 //! * **On a GPU** (`scripts/gpu-check.sh`, not in CI: no device there): the
-//!   same parity checks with [`cuda::CudaDevice`] (`minikv-kernels-gpucheck`)
+//!   same parity checks with [`cuda::CudaDevice`] (`examples/gpucheck.rs`)
 //!   and `minikv bench attention --backend cuda`. The cudarc device code
 //!   ([`cuda`]) is the one part that only a GPU exercises.
 //!
@@ -76,7 +76,6 @@ pub mod device;
 #[cfg(feature = "emulate")]
 pub mod emulated;
 pub mod nvrtc;
-pub mod parity;
 mod store;
 
 pub use backend::{CudaBackend, DeviceStorage};

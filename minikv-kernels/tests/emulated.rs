@@ -1,7 +1,7 @@
 //! The CUDA backend on the CPU emulation of CUDA (`cuda/emulate.h`): the
 //! same kernel source, launch geometry, argument lists and device-resident
 //! stores as on a GPU, checked against the CPU backend and quantizer
-//! (`minikv_kernels::parity`), then whole caches built on the backend from
+//! (`tests/parity/mod.rs`), then whole caches built on the backend from
 //! the repository's presets against the same caches on the CPU.
 
 use half::f16;
@@ -9,9 +9,11 @@ use minikv_core::{CacheBuilder, KvCache, ModelSpec, RunConfig};
 use minikv_kernels::backend::WindowPooling;
 use minikv_kernels::device::{Arg, Device, Launch};
 use minikv_kernels::emulated::{self, EmuDevice};
-use minikv_kernels::parity::{self, max_rel_err, rand_vec};
+mod parity;
+
 use minikv_kernels::{CudaBackend, DevBuf};
 use minikv_policies::scorers::{Pooling, pool1d};
+use parity::{max_rel_err, rand_vec};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use std::sync::Arc;
 

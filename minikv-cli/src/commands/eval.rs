@@ -5,40 +5,13 @@ use super::*;
 use crate::EvalArgs;
 use crate::provenance::provenance;
 use minikv_core::{Error, Result, RunConfig};
+use minikv_eval::tasks::Input;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
-/// Every evaluation task, as `--task` spells it.
-pub const TASKS: [&str; 17] = [
-    "perplexity",
-    "fidelity",
-    "generation",
-    "passkey",
-    "needle",
-    "kv-retrieval",
-    "attention-error",
-    "dataset",
-    "ruler-niah-single-number",
-    "ruler-niah-single-word",
-    "ruler-niah-single-uuid",
-    "ruler-niah-multikey",
-    "ruler-niah-multivalue",
-    "ruler-niah-multiquery",
-    "ruler-vt",
-    "ruler-cwe",
-    "ruler-fwe",
-];
-
-/// Checks a task name against [`TASKS`].
+/// Checks a task name against the registry ([`minikv_eval::tasks`]).
 pub fn check_task(t: &str) -> Result<()> {
-    if TASKS.contains(&t) {
-        Ok(())
-    } else {
-        Err(Error::Input(format!(
-            "unknown task `{t}` ({})",
-            TASKS.join(", ")
-        )))
-    }
+    minikv_eval::tasks::get(t).map(|_| ())
 }
 
 type RefLogits = std::sync::Arc<Vec<Vec<f32>>>;
@@ -183,35 +156,7 @@ impl RefMemo {
     }
 }
 
-/// What one evaluation runs (shared by `eval` and `sweep`).
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct TaskSpec {
-    /// perplexity | fidelity | generation | passkey.
-    pub task: String,
-    /// Prompt/context tokens.
-    pub context: usize,
-    /// Tokens after the context.
-    pub tokens: usize,
-    /// Trials (passkey) or text windows.
-    pub trials: usize,
-    /// Passkey depth (None: uniform).
-    pub depth: Option<f64>,
-    /// Text file or directory.
-    pub text: PathBuf,
-    /// Question tasks: whether the question is compressed with the context.
-    #[serde(skip_serializing_if = "is_agnostic")]
-    pub query: minikv_eval::qa::QueryMode,
-    /// `dataset`: the JSONL file.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub dataset: Option<PathBuf>,
-    /// Token ids to cut windows from instead of the text (`--ids`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub ids: Option<PathBuf>,
-}
-
-fn is_agnostic(q: &minikv_eval::qa::QueryMode) -> bool {
-    *q == minikv_eval::qa::QueryMode::Agnostic
-}
+pub use minikv_eval::tasks::TaskSpec;
 
 /// The query mode of `--query-aware`.
 pub fn query_mode(aware: bool) -> minikv_eval::qa::QueryMode {
@@ -220,37 +165,6 @@ pub fn query_mode(aware: bool) -> minikv_eval::qa::QueryMode {
     } else {
         minikv_eval::qa::QueryMode::Agnostic
     }
-}
-
-/// The rows a question task asks: a dataset file's, or generated RULER-style
-/// with `text` (the task's `--text`) as the haystack.
-pub fn question_rows(
-    t: &TaskSpec,
-    tok: &minikv_models::Tokenizer,
-    seed: u64,
-    text: &str,
-) -> Result<Vec<minikv_eval::qa::QaRow>> {
-    use minikv_eval::{qa, ruler};
-    if t.task == "dataset" {
-        let p = t
-            .dataset
-            .as_ref()
-            .ok_or_else(|| Error::Input("task `dataset` needs --dataset FILE.jsonl".into()))?;
-        return qa::read_dataset(p);
-    }
-    let task = ruler::RulerTask::from_task(&t.task)
-        .ok_or_else(|| Error::Input(format!("`{}` is not a question task", t.task)))?;
-    ruler::generate(
-        task,
-        tok,
-        text,
-        ruler::RulerSpec {
-            context: t.context,
-            depth: t.depth,
-            trials: t.trials,
-            seed,
-        },
-    )
 }
 
 /// Reads a JSON array of token ids, each checked against the vocabulary.
@@ -272,7 +186,9 @@ fn read_ids(p: &Path, vocab: usize) -> Result<Vec<u32>> {
 }
 
 /// Runs one task for one config and seed on a loaded model; returns the result
-/// row (task, metrics, memory, wall time). Texts are tokenized once per call.
+/// row (task, metrics, memory, wall time). The task comes from the registry;
+/// what is read and checked before it runs follows its [`Input`], the same
+/// for every task. Texts are tokenized once per call.
 pub fn run_task(
     l: &Loaded,
     cfg: &RunConfig,
@@ -280,162 +196,88 @@ pub fn run_task(
     seed: u64,
     memo: &RefMemo,
 ) -> Result<serde_json::Value> {
-    check_task(&t.task)?;
-    use minikv_eval as eval;
-    use rand::{Rng, SeedableRng};
+    let task = minikv_eval::tasks::get(&t.task)?;
+    let input = task.input();
     let m = l.model.as_ref();
     let full_cfg = RunConfig {
         backend: cfg.backend.clone(),
         ..RunConfig::default()
     };
-    let questions = t.task == "dataset" || t.task.starts_with("ruler-");
-    // The text is read once, and tokenized only for the tasks that cut windows
-    // or haystacks from its tokens (a dataset brings its own contexts).
-    let text = if t.task == "dataset" || t.ids.is_some() {
+    if t.ids.is_some() && input != Input::Windows {
+        let windowed: Vec<&str> = minikv_eval::tasks::all()
+            .into_iter()
+            .filter(|t| t.input() == Input::Windows)
+            .map(|t| t.name())
+            .collect();
+        return Err(Error::Input(format!(
+            "--ids gives windows of tokens for {}, not `{}`",
+            windowed.join(", "),
+            t.task
+        )));
+    }
+    // The text is read unless the rows bring their contexts or --ids gives
+    // the tokens, and tokenized only where prompts are cut from its tokens.
+    let text = if input == Input::Dataset || t.ids.is_some() {
         String::new()
     } else {
         read_text(&t.text)?
     };
-    let all = match &t.ids {
-        Some(_) if questions || minikv_eval::Retrieval::from_task(&t.task).is_some() => {
-            return Err(Error::Input(format!(
-                "--ids gives windows of tokens for perplexity, fidelity, generation and \
-                 attention-error, not `{}`",
-                t.task
-            )));
-        }
+    let tokens = match &t.ids {
         Some(p) => read_ids(p, m.vocab_size())?,
-        None if questions => Vec::new(),
-        None => l.tok.encode(&text)?,
+        None if matches!(input, Input::Windows | Input::Haystack) => l.tok.encode(&text)?,
+        None => Vec::new(),
     };
     let max = m.spec().max_seq_len;
-    // Retrieval and question prompts are `context` tokens in all; the other
-    // tasks add `tokens` after the context.
-    let prompt_only = minikv_eval::Retrieval::from_task(&t.task).is_some() || questions;
-    let need = t.context + if prompt_only { 0 } else { t.tokens };
+    // Prompt-only tasks are `context` tokens in all; windows add `tokens`.
+    let need = t.context + if input.prompt_only() { 0 } else { t.tokens };
     if need > max {
         return Err(Error::ContextOverflow { len: need, max });
     }
     if t.trials == 0 {
         return Err(Error::Input("--trials must be positive".into()));
     }
-    // Windows of the text at seeded offsets (one per trial).
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut window = || -> Result<Vec<u32>> {
-        if all.len() < need {
-            return Err(Error::Input(format!(
-                "{} has {} tokens, fewer than the {need} needed",
-                t.text.display(),
-                all.len()
-            )));
-        }
-        let start = rng.random_range(0..=all.len() - need);
-        Ok(all[start..start + need].to_vec())
+    let cache = || build_cache(m, cfg);
+    let full_cache = || build_cache(m, &full_cfg);
+    let reference = |ids: &[u32]| {
+        let key = format!(
+            "{}/{:?}/{}/{}",
+            l.sha256()?,
+            full_cfg.backend,
+            t.context,
+            ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+        );
+        memo.get_or(&key, || {
+            minikv_eval::reference_logits(m, build_cache(m, &full_cfg)?.as_mut(), ids, t.context)
+        })
+    };
+    let cx = minikv_eval::tasks::TaskContext {
+        model: m,
+        tok: &l.tok,
+        spec: t,
+        seed,
+        text: if input == Input::Questions { &text } else { "" },
+        tokens: &tokens,
+        cache: &cache,
+        full_cache: &full_cache,
+        reference: &reference,
     };
     let t0 = std::time::Instant::now();
-    let mut mem = None;
-    let metrics = match t.task.as_str() {
-        _ if questions => {
-            let rows = question_rows(t, &l.tok, seed, &text)?;
-            let r = minikv_eval::qa::evaluate(m, &l.tok, &rows, t.query, || build_cache(m, cfg))?;
-            serde_json::to_value(&r).expect("json")
-        }
-        "passkey" | "needle" | "kv-retrieval" => {
-            let kind = eval::Retrieval::from_task(&t.task).expect("retrieval task");
-            let spec = eval::PasskeySpec {
-                context: t.context,
-                depth: t.depth,
-                trials: t.trials,
-                seed,
-            };
-            let r = eval::retrieval(kind, m, &l.tok, &all, spec, || build_cache(m, cfg))?;
-            serde_json::to_value(&r).expect("json")
-        }
-        task @ ("perplexity" | "fidelity" | "generation" | "attention-error") => {
-            let mut rows = Vec::new();
-            for _ in 0..t.trials {
-                let ids = window()?;
-                if task == "attention-error" {
-                    let (e, shadow_mem, diag) = eval::attention_error(
-                        m,
-                        build_cache(m, &full_cfg)?,
-                        build_cache(m, cfg)?,
-                        &ids,
-                        t.context,
-                    )?;
-                    mem = Some(shadow_mem);
-                    let mut v = serde_json::to_value(e).expect("json");
-                    add_diagnostics(&mut v, &diag);
-                    rows.push(v);
-                    continue;
-                }
-                let mut comp = build_cache(m, cfg)?;
-                let v = match task {
-                    "perplexity" => serde_json::to_value(minikv_models::perplexity(
-                        m,
-                        comp.as_mut(),
-                        &ids,
-                        t.context,
-                        |_| {},
-                    )?),
-                    "fidelity" => {
-                        let key = format!(
-                            "{}/{:?}/{}/{}",
-                            l.sha256()?,
-                            full_cfg.backend,
-                            t.context,
-                            ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
-                        );
-                        let reference = memo.get_or(&key, || {
-                            eval::reference_logits(
-                                m,
-                                build_cache(m, &full_cfg)?.as_mut(),
-                                &ids,
-                                t.context,
-                            )
-                        })?;
-                        serde_json::to_value(eval::fidelity_against(
-                            m,
-                            comp.as_mut(),
-                            &ids,
-                            t.context,
-                            &reference,
-                        )?)
-                    }
-                    _ => serde_json::to_value(eval::generation_agreement(
-                        m,
-                        &l.tok,
-                        build_cache(m, &full_cfg)?.as_mut(),
-                        comp.as_mut(),
-                        &ids[..t.context],
-                        t.tokens,
-                    )?),
-                }
-                .expect("json");
-                let mut v = v;
-                add_diagnostics(&mut v, &comp.diagnostics());
-                mem = Some(comp.memory());
-                rows.push(v);
-            }
-            mean_rows(&rows)
-        }
-        other => unreachable!("checked task `{other}`"),
-    };
+    let r = task.run(&cx)?;
     let wall_s = t0.elapsed().as_secs_f64();
-    let mut out = json!({"task": t.task, "context": t.context, "tokens": t.tokens, "trials": t.trials, "metrics": metrics, "wall_s": wall_s});
-    if questions {
+    let mut out = json!({"task": t.task, "context": t.context, "tokens": t.tokens, "trials": t.trials, "metrics": r.metrics, "wall_s": wall_s});
+    if input.asks_questions() {
         out["query"] = json!(t.query);
     }
     if let Some(d) = &t.dataset {
         out["dataset"] = json!(d);
     }
-    if t.task == "dataset" {
+    if input == Input::Dataset {
         // Each row brings its context and answer length: the --context and
         // --tokens flags were not used, so they are not recorded.
         out["context"] = serde_json::Value::Null;
         out["tokens"] = serde_json::Value::Null;
     }
-    match &mem {
+    match &r.memory {
         Some(m) => out["memory"] = memory_json(m),
         None => {
             let (kv, full) = (
@@ -451,20 +293,35 @@ pub fn run_task(
 pub fn eval(a: &EvalArgs) -> Result<()> {
     let cfg = load_config(a.config.as_deref())?;
     let seed = a.seed.unwrap_or(cfg.seed);
-    let task = match (&a.task, &a.opts.dataset) {
-        (Some(t), None) if t == "dataset" => {
-            return Err(Error::Input(
-                "--task dataset needs --dataset FILE.jsonl".into(),
-            ));
-        }
-        (Some(t), Some(_)) if t != "dataset" => {
+    // `--dataset FILE` alone runs the task that reads question rows from a
+    // file; such a task needs the file, and the file needs such a task.
+    let from_file = || {
+        minikv_eval::tasks::all()
+            .into_iter()
+            .find(|t| t.input() == Input::Dataset)
+            .ok_or_else(|| Error::Input("no registered task reads --dataset".into()))
+    };
+    let task = match &a.task {
+        Some(t) => minikv_eval::tasks::get(t)?,
+        None => from_file()?,
+    };
+    match (task.input() == Input::Dataset, &a.opts.dataset) {
+        (true, None) => {
             return Err(Error::Input(format!(
-                "--dataset runs the `dataset` task, not `{t}`"
+                "--task {} needs --dataset FILE.jsonl",
+                task.name()
             )));
         }
-        (Some(t), _) => t.clone(),
-        (None, _) => "dataset".into(),
-    };
+        (false, Some(_)) => {
+            return Err(Error::Input(format!(
+                "--dataset runs the `{}` task, not `{}`",
+                from_file()?.name(),
+                task.name()
+            )));
+        }
+        _ => {}
+    }
+    let task = task.name().to_string();
     let l = load_model(&a.model)?;
     let spec = TaskSpec {
         task,
@@ -478,13 +335,14 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
         ids: a.ids.clone(),
     };
     if let Some(path) = &a.export {
-        if !spec.task.starts_with("ruler-") {
+        let Some(ruler) = minikv_eval::ruler::RulerTask::from_task(&spec.task) else {
             return Err(Error::Input(format!(
                 "--export writes generated ruler-* tasks; `{}` is not one",
                 spec.task
             )));
-        }
-        let rows = question_rows(&spec, &l.tok, seed, &read_text(&spec.text)?)?;
+        };
+        let rows =
+            minikv_eval::tasks::ruler_rows(ruler, &spec, &l.tok, seed, &read_text(&spec.text)?)?;
         minikv_eval::qa::write_dataset(path, &rows)?;
         eprintln!(
             "{} rows of {} written to {}",
@@ -517,67 +375,4 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// Mean of each numeric field over rows (with the per-row values kept), plus a
-/// 95% normal interval when there are several rows.
-/// Flattens a cache's diagnostics into a trial's metrics, so that trials
-/// average them: a compensator's means as `<type>_<stat>` (`reskv_eta`,
-/// `cam_merged`), other methods' numbers as `<method>_<field>`
-/// (`quest_bytes_read_per_token`), and ResKV's per-layer errors.
-fn add_diagnostics(v: &mut serde_json::Value, diag: &serde_json::Value) {
-    if let Some(methods) = diag.as_object() {
-        for (name, d) in methods {
-            let flat = d["mean"].as_object().or_else(|| d.as_object());
-            for (k, x) in flat.into_iter().flatten() {
-                if x.is_number() {
-                    v[format!("{name}_{k}")] = x.clone();
-                }
-            }
-        }
-    }
-    let r = &diag["reskv"];
-    if let Some(pl) = r["per_layer"].as_array() {
-        for k in ["output_error", "output_error_dropped", "eta"] {
-            v[format!("reskv_{k}_per_layer")] = pl.iter().map(|x| x[k].clone()).collect();
-        }
-    }
-}
-
-fn mean_rows(rows: &[serde_json::Value]) -> serde_json::Value {
-    let mut out = serde_json::Map::new();
-    if let Some(first) = rows.first().and_then(|r| r.as_object()) {
-        for k in first.keys() {
-            // Numeric arrays of one length (per-layer figures): element-wise mean.
-            let arrays: Vec<Vec<f64>> = rows
-                .iter()
-                .filter_map(|r| r[k].as_array())
-                .map(|a| a.iter().filter_map(|x| x.as_f64()).collect::<Vec<_>>())
-                .collect();
-            if arrays.len() == rows.len()
-                && let Some(n) = arrays.first().map(Vec::len).filter(|&n| n > 0)
-                && arrays.iter().all(|a| a.len() == n)
-                && first[k].as_array().is_some_and(|a| a.len() == n)
-            {
-                let m = rows.len() as f64;
-                let mean: Vec<f64> = (0..n)
-                    .map(|i| arrays.iter().map(|a| a[i]).sum::<f64>() / m)
-                    .collect();
-                out.insert(k.clone(), json!(mean));
-                continue;
-            }
-            let xs: Vec<f64> = rows.iter().filter_map(|r| r[k].as_f64()).collect();
-            if xs.len() != rows.len() {
-                continue;
-            }
-            let n = xs.len() as f64;
-            let mean = xs.iter().sum::<f64>() / n;
-            out.insert(k.clone(), json!(mean));
-            if let Some((lo, hi, _)) = crate::report::stats::interval_for(k, &xs) {
-                out.insert(format!("{k}_ci95"), json!([lo, hi]));
-            }
-        }
-    }
-    out.insert("per_trial".into(), json!(rows));
-    serde_json::Value::Object(out)
 }

@@ -3,6 +3,7 @@
 
 use super::*;
 use minikv_core::{Error, Result};
+use minikv_eval::tasks::Outcomes;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -71,10 +72,6 @@ pub struct Agg {
     pub interval: &'static str,
     pub ratio: f64,
     pub kv_bytes: f64,
-}
-
-pub(crate) fn is_retrieval(task: &str) -> bool {
-    matches!(task, "passkey" | "needle" | "kv-retrieval")
 }
 
 /// A row's label: `label` written by the sweep, else a name derived from the config.
@@ -200,9 +197,11 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
             continue;
         }
         // Binary outcomes (retrieval, single-answer questions): Wilson.
-        let question = task == "dataset" || task.starts_with("ruler-");
-        let binary = is_retrieval(&task)
-            || (question && xs.len() > 1 && xs.iter().all(|&x| x == 0.0 || x == 1.0));
+        let binary = match outcomes(&task) {
+            Outcomes::Binary => true,
+            Outcomes::Score => xs.len() > 1 && xs.iter().all(|&x| x == 0.0 || x == 1.0),
+            Outcomes::Continuous => false,
+        };
         let (mean, lo, hi, interval) = if binary {
             let k = xs.iter().filter(|&&x| x > 0.5).count();
             let (lo, hi) = minikv_eval::wilson95(k, xs.len());
@@ -246,20 +245,24 @@ pub fn aggregate(rows: &[Value]) -> Vec<Agg> {
             kv_bytes: avg("kv_bytes"),
         });
     }
-    // RULER-style average: per config and model with several ruler-* tasks,
-    // the mean of their scores (an average over tasks: no interval).
-    let mut ruler: BTreeMap<(String, String, String), Vec<&Agg>> = BTreeMap::new();
-    for a in out.iter().filter(|a| a.task.starts_with("ruler-")) {
-        ruler
-            .entry((a.config_hash.clone(), a.model.clone(), a.method.clone()))
-            .or_default()
-            .push(a);
+    // Family averages (`ruler-average`): per family, config and model with
+    // several of the family's tasks, the mean of their scores (an average
+    // over tasks: no interval).
+    type FamilyKey = (&'static str, String, String, String);
+    let mut families: BTreeMap<FamilyKey, Vec<&Agg>> = BTreeMap::new();
+    for a in &out {
+        if let Some(f) = minikv_eval::tasks::find(&a.task).and_then(|t| t.family()) {
+            families
+                .entry((f, a.config_hash.clone(), a.model.clone(), a.method.clone()))
+                .or_default()
+                .push(a);
+        }
     }
-    let averages: Vec<Agg> = ruler
-        .into_values()
-        .filter(|v| v.len() > 1)
-        .map(|v| Agg {
-            task: "ruler-average".into(),
+    let averages: Vec<Agg> = families
+        .into_iter()
+        .filter(|(_, v)| v.len() > 1)
+        .map(|((family, ..), v)| Agg {
+            task: format!("{family}-average"),
             mean: v.iter().map(|a| a.mean).sum::<f64>() / v.len() as f64,
             lo: f64::NAN,
             hi: f64::NAN,

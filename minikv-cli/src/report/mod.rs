@@ -140,9 +140,15 @@ pub fn report(a: &ReportArgs) -> Result<()> {
             .collect();
         tasks.sort_unstable();
         tasks.dedup();
-        let pick = ["attention-error", "fidelity", "perplexity", "generation"]
-            .into_iter()
-            .find(|t| tasks.contains(t))
+        // A task whose rows also carry per-layer metrics first, else the
+        // first by name.
+        let pick = tasks
+            .iter()
+            .copied()
+            .find(|t| {
+                rows.iter()
+                    .any(|r| r["task"] == *t && r.pointer("/metrics/per_layer").is_some())
+            })
             .or(tasks.first().copied());
         rows.iter()
             .filter(|r| Some(r["task"].as_str().unwrap_or("")) == pick)
@@ -159,7 +165,7 @@ pub fn report(a: &ReportArgs) -> Result<()> {
     }
     let err_rows: Vec<&Value> = rows
         .iter()
-        .filter(|r| r["task"] == "attention-error")
+        .filter(|r| r.pointer("/metrics/per_layer").is_some())
         .collect();
     let errs = per_layer_series(&err_rows, "/metrics/per_layer");
     if !errs.is_empty() {
@@ -190,7 +196,7 @@ mod tests {
         assert_eq!(m, 2.0);
         assert!((h - 2.484_33).abs() < 1e-4, "{h}");
         assert_eq!(mean_ci(&[5.0]), (5.0, 0.0));
-        assert_eq!(t975(40), 1.96);
+        assert_eq!(minikv_eval::stats::t975(40), 1.96);
     }
 
     /// Intervals of non-negative metrics stay non-negative: the main job's

@@ -231,7 +231,7 @@ pub fn backend_info(name: &str) -> Result<&'static BackendInfo> {
         Error::config(
             "backend",
             format!(
-                "unknown backend `{name}` (registered: {}; `cuda` is registered by minikv-kernels)",
+                "unknown backend `{name}` (registered: {}; `cuda` is registered by minikv-kernels, `cuda-emulated` by its `emulate` feature: `minikv` built with `--features emulate`)",
                 names.join(", ")
             ),
         )

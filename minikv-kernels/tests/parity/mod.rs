@@ -1,6 +1,8 @@
 //! Parity checks of the CUDA backend on any [`Device`] against minikv's CPU
 //! reference: the same checks run under emulation in every `cargo test`
-//! (`tests/emulated.rs`) and on a GPU (`minikv-kernels-gpucheck`).
+//! (`tests/emulated.rs`) and on a GPU (`examples/gpucheck.rs`). Test code:
+//! it is compiled into those two, never into the library, so `minikv-quant`
+//! (the CPU reference of the packing) is only a dev-dependency.
 //!
 //! * prefill outputs and `A_cumul` (GQA, sliding windows, `A_cumul` added to
 //!   what is there) against [`ReferenceBackend`] (f64), within 1e-4 of the
@@ -16,13 +18,15 @@
 //!   decode-time probabilities, against [`TiledBackend`] over CPU stores
 //!   holding the same data, within 1e-4.
 
-use crate::backend::{CudaBackend, WindowPooling};
-use crate::device::Device;
+#![allow(dead_code)] // each includer uses part of it
+
 use minikv_core::attention::{
     AttentionBackend, DecodeArgs, ExtraView, HeadView, PrefillArgs, ReferenceBackend, TiledBackend,
 };
 use minikv_core::storage::{FpStore, StorageFactory};
 use minikv_core::{Axis, QuantStore, Quantizer, Result};
+use minikv_kernels::Device;
+use minikv_kernels::backend::{CudaBackend, WindowPooling};
 use minikv_quant::{MinMax, ScaleDtype, pack, quantize_row};
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -229,7 +233,7 @@ fn quantization(be: &CudaBackend, seed: &mut u64, r: &mut Report) -> Result<()> 
         let n = all.len() / d;
         let dq = dev
             .as_any()
-            .downcast_ref::<crate::DeviceQuantStore>()
+            .downcast_ref::<minikv_kernels::DeviceQuantStore>()
             .expect("a device store");
         let words = dq.words()?;
         let (scales, mins) = dq.scales_and_mins()?;
