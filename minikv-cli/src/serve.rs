@@ -253,6 +253,62 @@ async fn one(client: reqwest::Client, url: String, body: Value, t0: Instant) -> 
     s
 }
 
+/// Sends the prompts from `a.clients` concurrent streaming clients; returns
+/// every request's sample and the wall time.
+fn drive(
+    a: &LoadArgs,
+    prompts: Vec<Vec<u32>>,
+    model: Option<String>,
+) -> Result<(Vec<Sample>, f64)> {
+    let endpoint = format!("{}/v1/completions", a.url.trim_end_matches('/'));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Input(format!("runtime: {e}")))?;
+    let deadline = Duration::from_secs_f64(a.deadline);
+    rt.block_on(async {
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(a.clients)
+            .build()
+            .map_err(|e| Error::Input(format!("HTTP client: {e}")))?;
+        let t0 = Instant::now();
+        let queue = std::sync::Arc::new(tokio::sync::Mutex::new(prompts.into_iter()));
+        let mut tasks = Vec::new();
+        for _ in 0..a.clients {
+            let (client, endpoint, queue) = (client.clone(), endpoint.clone(), queue.clone());
+            let (gen_n, model) = (a.r#gen, model.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut out = Vec::new();
+                loop {
+                    let Some(p) = queue.lock().await.next() else {
+                        break;
+                    };
+                    let body = json!({
+                        "model": model, "prompt": p, "max_tokens": gen_n,
+                        "temperature": 0, "stream": true, "ignore_eos": true,
+                        "stream_options": {"include_usage": true},
+                    });
+                    out.push(one(client.clone(), endpoint.clone(), body, t0).await);
+                }
+                out
+            }));
+        }
+        let all = futures_util::future::join_all(tasks);
+        let res = tokio::time::timeout(deadline, all).await.map_err(|_| {
+            Error::Input(format!(
+                "bench serve: not done within --deadline {} s",
+                a.deadline
+            ))
+        })?;
+        let mut samples = Vec::new();
+        for r in res {
+            samples.extend(r.map_err(|e| Error::Input(format!("client task: {e}")))?);
+        }
+        Ok::<_, Error>((samples, t0.elapsed().as_secs_f64()))
+    })
+}
+
 pub fn load(a: &LoadArgs) -> Result<()> {
     let url = reqwest::Url::parse(&a.url)
         .map_err(|e| Error::config("--url", format!("`{}`: {e}", a.url)))?;
@@ -283,56 +339,8 @@ pub fn load(a: &LoadArgs) -> Result<()> {
                 .collect()
         })
         .collect();
-    let endpoint = format!("{}/v1/completions", a.url.trim_end_matches('/'));
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .map_err(|e| Error::Input(format!("runtime: {e}")))?;
-    let deadline = Duration::from_secs_f64(a.deadline);
-    let (samples, wall) = rt.block_on(async {
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(a.clients)
-            .build()
-            .map_err(|e| Error::Input(format!("HTTP client: {e}")))?;
-        let t0 = Instant::now();
-        let queue = std::sync::Arc::new(tokio::sync::Mutex::new(prompts.into_iter()));
-        let mut tasks = Vec::new();
-        for _ in 0..a.clients {
-            let (client, endpoint, queue) = (client.clone(), endpoint.clone(), queue.clone());
-            let (gen_n, model) = (
-                a.r#gen,
-                l.path.file_stem().map(|s| s.to_string_lossy().into_owned()),
-            );
-            tasks.push(tokio::spawn(async move {
-                let mut out = Vec::new();
-                loop {
-                    let Some(p) = queue.lock().await.next() else {
-                        break;
-                    };
-                    let body = json!({
-                        "model": model, "prompt": p, "max_tokens": gen_n,
-                        "temperature": 0, "stream": true, "ignore_eos": true,
-                        "stream_options": {"include_usage": true},
-                    });
-                    out.push(one(client.clone(), endpoint.clone(), body, t0).await);
-                }
-                out
-            }));
-        }
-        let all = futures_util::future::join_all(tasks);
-        let res = tokio::time::timeout(deadline, all).await.map_err(|_| {
-            Error::Input(format!(
-                "bench serve: not done within --deadline {} s",
-                a.deadline
-            ))
-        })?;
-        let mut samples = Vec::new();
-        for r in res {
-            samples.extend(r.map_err(|e| Error::Input(format!("client task: {e}")))?);
-        }
-        Ok::<_, Error>((samples, t0.elapsed().as_secs_f64()))
-    })?;
+    let model = l.path.file_stem().map(|s| s.to_string_lossy().into_owned());
+    let (samples, wall) = drive(a, prompts, model)?;
     let errors: Vec<&String> = samples.iter().filter_map(|s| s.error.as_ref()).collect();
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.error.is_none()).collect();
     let generated: usize = ok.iter().map(|s| s.tokens).sum();

@@ -155,20 +155,24 @@ fn hash(v: &Value) -> String {
     h.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
-pub fn sweep(a: &SweepArgs) -> Result<()> {
-    let text = minikv_core::files::read_text_bounded(&a.base, minikv_core::files::MIB, "a config")?;
-    let json_in = a.base.extension().is_some_and(|e| e == "json");
-    let base: Value = if json_in {
-        serde_json::from_str(&text)
-            .map_err(|e| Error::Parse(format!("{}: {e}", a.base.display())))?
-    } else {
-        let t: toml::Value = toml::from_str(&text)
-            .map_err(|e| Error::Parse(format!("{}: {e}", a.base.display())))?;
-        // JSON has no NaN or infinity: name such a field instead of losing it.
-        minikv_core::check_finite_fields("", &t)
-            .map_err(|e| Error::Input(format!("{}: {e}", a.base.display())))?;
-        serde_json::to_value(t).expect("finite toml converts to json")
-    };
+/// The base config of a sweep (TOML or JSON) as JSON.
+fn read_base(path: &Path) -> Result<Value> {
+    let text = minikv_core::files::read_text_bounded(path, minikv_core::files::MIB, "a config")?;
+    if path.extension().is_some_and(|e| e == "json") {
+        return serde_json::from_str(&text)
+            .map_err(|e| Error::Parse(format!("{}: {e}", path.display())));
+    }
+    let t: toml::Value =
+        toml::from_str(&text).map_err(|e| Error::Parse(format!("{}: {e}", path.display())))?;
+    // JSON has no NaN or infinity: name such a field instead of losing it.
+    minikv_core::check_finite_fields("", &t)
+        .map_err(|e| Error::Input(format!("{}: {e}", path.display())))?;
+    Ok(serde_json::to_value(t).expect("finite toml converts to json"))
+}
+
+/// Every grid point resolved and validated (before anything runs), with its
+/// label.
+fn grid_points(a: &SweepArgs, base: &Value) -> Result<(Vec<RunConfig>, Vec<String>)> {
     let sets = a
         .sets
         .iter()
@@ -184,10 +188,9 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
             )));
         }
     }
-    // Resolve and validate every grid point before running anything.
     let mut points = Vec::new();
     let mut labels = Vec::new();
-    for (i, (p, applied)) in grid(&base, &sets)?.into_iter().enumerate() {
+    for (i, (p, applied)) in grid(base, &sets)?.into_iter().enumerate() {
         let mut cfg: RunConfig =
             serde_json::from_value(p).map_err(|e| Error::Parse(format!("grid point {i}: {e}")))?;
         cfg.resolve()?;
@@ -210,6 +213,12 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
             None => label(&a.base, &applied),
         });
     }
+    Ok((points, labels))
+}
+
+pub fn sweep(a: &SweepArgs) -> Result<()> {
+    let base = read_base(&a.base)?;
+    let (points, labels) = grid_points(a, &base)?;
     if let Some(e) = &a.emit {
         if e[0] != "slurm" {
             return Err(Error::Input(format!(
@@ -228,7 +237,6 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
         activations: Default::default(),
     })?;
     let model_sha = l.sha256()?;
-    let rev = git_rev();
     let o = &a.opts;
     let text_path = o.text.clone().unwrap_or_else(default_text);
     // Rows: (point, seed, task) with a key over everything that determines the result.
@@ -252,13 +260,66 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
                 };
                 let key =
                     hash(&json!({"config": chash, "seed": seed, "task": spec, "model": model_sha}));
-                rows.push((key, cfg, name, cv.clone(), chash.clone(), seed, spec));
+                rows.push(Row {
+                    key,
+                    cfg,
+                    name,
+                    cv: cv.clone(),
+                    chash: chash.clone(),
+                    seed,
+                    spec,
+                });
             }
         }
     }
+    execute(a, &l, &rows, points.len())
+}
+
+/// One row of a sweep: a grid point, a seed and a task, with its key.
+struct Row<'a> {
+    key: String,
+    cfg: &'a RunConfig,
+    name: &'a str,
+    cv: Value,
+    chash: String,
+    seed: u64,
+    spec: TaskSpec,
+}
+
+/// Runs one row and appends it under the log's lock; returns its wall time,
+/// and whether another process had written it meanwhile.
+fn run_row(
+    l: &Loaded,
+    r: &Row<'_>,
+    memo: &RefMemo,
+    log: &Mutex<ResultsLog>,
+    (model_sha, rev): (&str, &str),
+) -> Result<(f64, bool)> {
+    let mut row = run_task(l, r.cfg, &r.spec, r.seed, memo)?;
+    let wall = row["wall_s"].as_f64().unwrap_or(0.0);
+    row["key"] = json!(r.key);
+    row["label"] = json!(r.name);
+    row["config"] = r.cv.clone();
+    row["config_hash"] = json!(r.chash);
+    row["seed"] = json!(r.seed);
+    row["model_sha256"] = json!(model_sha);
+    row["model"] = json!(l.path.file_name().map(|f| f.to_string_lossy()));
+    row["git_rev"] = json!(rev);
+    // Written once per key, under the file's lock.
+    let written = log.lock().expect("lock").append(&r.key, &row)?;
+    Ok((wall, !written))
+}
+
+/// Runs the rows not yet in the results file on `--jobs` threads, with a
+/// progress bar or JSON events; the first error stops the sweep.
+fn execute(a: &SweepArgs, l: &Loaded, rows: &[Row<'_>], grid_points: usize) -> Result<()> {
+    let (model_sha, rev) = (l.sha256()?, git_rev());
     let (log, rejected) = ResultsLog::open(&a.out)?;
     report_rejected(&a.out, &rejected);
-    let todo: Vec<_> = rows.iter().filter(|r| !log.keys().contains(&r.0)).collect();
+    let todo: Vec<_> = rows
+        .iter()
+        .filter(|r| !log.keys().contains(&r.key))
+        .collect();
     let log = Mutex::new(log);
     let skipped = Mutex::new(0usize);
     let pb = if a.quiet || a.json {
@@ -271,9 +332,8 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
             .expect("template"),
     );
     pb.println(format!(
-        "{} rows ({} grid points x {} seeds x {} tasks), {} already done",
+        "{} rows ({grid_points} grid points x {} seeds x {} tasks), {} already done",
         rows.len(),
-        points.len(),
         a.seeds,
         a.tasks.len(),
         rows.len() - todo.len()
@@ -288,7 +348,7 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
         }
     };
     emit(
-        json!({"event": "start", "rows": rows.len(), "todo": total, "grid_points": points.len(), "seeds": a.seeds, "tasks": a.tasks, "out": a.out}),
+        json!({"event": "start", "rows": rows.len(), "todo": total, "grid_points": grid_points, "seeds": a.seeds, "tasks": a.tasks, "out": a.out}),
     );
     let memo = RefMemo::on_disk(a.reference_cache.clone());
     let next = Mutex::new(todo.into_iter());
@@ -300,13 +360,11 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
                     if failed.lock().expect("lock").is_some() {
                         return;
                     }
-                    let Some((key, cfg, name, cv, chash, seed, spec)) =
-                        next.lock().expect("lock").next()
-                    else {
+                    let Some(r) = next.lock().expect("lock").next() else {
                         return;
                     };
                     // Another process may have written this row meanwhile.
-                    match log.lock().expect("lock").contains(key) {
+                    match log.lock().expect("lock").contains(&r.key) {
                         Ok((true, _)) => {
                             *skipped.lock().expect("lock") += 1;
                             pb.inc(1);
@@ -318,34 +376,20 @@ pub fn sweep(a: &SweepArgs) -> Result<()> {
                             return;
                         }
                     }
-                    let mut wall = 0.0;
-                    let res = run_task(&l, cfg, spec, *seed, &memo).and_then(|mut row| {
-                        wall = row["wall_s"].as_f64().unwrap_or(0.0);
-                        row["key"] = json!(key);
-                        row["label"] = json!(name);
-                        row["config"] = cv.clone();
-                        row["config_hash"] = json!(chash);
-                        row["seed"] = json!(seed);
-                        row["model_sha256"] = json!(model_sha);
-                        row["model"] = json!(l.path.file_name().map(|f| f.to_string_lossy()));
-                        row["git_rev"] = json!(rev);
-                        // Written once per key, under the file's lock.
-                        if !log.lock().expect("lock").append(key, &row)? {
-                            *skipped.lock().expect("lock") += 1;
-                        }
-                        Ok(())
-                    });
-                    match res {
-                        Ok(()) => {
+                    match run_row(l, r, &memo, &log, (&model_sha, &rev)) {
+                        Ok((wall, by_other)) => {
+                            if by_other {
+                                *skipped.lock().expect("lock") += 1;
+                            }
                             pb.inc(1);
                             let mut d = done_n.lock().expect("lock");
                             *d += 1;
                             let el = t_start.elapsed().as_secs_f64();
                             let eta = el / *d as f64 * (total - *d) as f64;
-                            emit(json!({"event": "row", "done": *d, "total": total, "label": name, "task": spec.task, "seed": seed, "key": key, "wall_s": wall, "elapsed_s": el, "eta_s": eta}));
+                            emit(json!({"event": "row", "done": *d, "total": total, "label": r.name, "task": r.spec.task, "seed": r.seed, "key": r.key, "wall_s": wall, "elapsed_s": el, "eta_s": eta}));
                         }
                         Err(e) => {
-                            emit(json!({"event": "error", "label": name, "task": spec.task, "seed": seed, "error": e.to_string()}));
+                            emit(json!({"event": "error", "label": r.name, "task": r.spec.task, "seed": r.seed, "error": e.to_string()}));
                             *failed.lock().expect("lock") = Some(e);
                         }
                     }

@@ -172,69 +172,8 @@ pub fn run(a: &ThroughputArgs) -> Result<()> {
     for (label, cfg) in &configs {
         for &mb in &a.max_batch {
             bar.set_message(format!("{label} batch<={mb}"));
-            let builder = CacheBuilder::new(m.spec()).named_backend(&cfg.backend)?;
-            let ecfg = EngineConfig {
-                kv_budget: budget,
-                max_batch: mb,
-                max_prefills: a.max_prefills,
-                ..EngineConfig::default()
-            };
-            let mut e = Engine::new(m, builder, cfg.cache.clone(), ecfg)?;
-            let projected = e.projection(a.prompt, a.r#gen)?;
-            for i in 0..a.requests {
-                e.submit(Request {
-                    id: i as u64,
-                    prompt: prompt_of(i),
-                    max_new: a.r#gen,
-                    sampling: SamplingConfig::default(),
-                    stop: Vec::new(),
-                    logprobs: None,
-                })?;
-            }
-            let t0 = Instant::now();
-            let (mut ttft, mut itl, mut errors) = (Vec::new(), Vec::new(), Vec::new());
-            while !e.is_idle() {
-                for ev in e.step()? {
-                    match ev {
-                        Event::Token { .. } => bar.inc(1),
-                        Event::Finished(f) => {
-                            if let Finish::Error(msg) = &f.finish {
-                                errors.push(format!("request {}: {msg}", f.id));
-                            }
-                            ttft.extend(f.ttft_s);
-                            itl.extend(f.itl_s);
-                        }
-                    }
-                }
-            }
-            if let Some(first) = errors.first() {
-                return Err(Error::Input(format!(
-                    "bench throughput ({label}): {} request(s) failed; first: {first}",
-                    errors.len()
-                )));
-            }
-            let wall = t0.elapsed().as_secs_f64();
-            let s = e.stats();
-            let generated = (a.requests * a.r#gen) as f64;
-            rows.push(json!({
-                "config": label, "max_batch": mb, "requests": a.requests,
-                "prompt": a.prompt, "gen": a.r#gen,
-                "kv_budget": budget, "projected_kv_bytes_per_seq": projected,
-                "full_projected_kv_bytes_per_seq": full,
-                "admissible": budget / projected.max(1),
-                "wall_s": wall,
-                "generated_tok_per_s": generated / wall,
-                "total_tok_per_s": (a.requests * (a.prompt + a.r#gen)) as f64 / wall,
-                "decode_tok_per_s": if s.decode_only_s > 0.0 { s.decode_only_tokens as f64 / s.decode_only_s } else { 0.0 },
-                "decode_only_steps": s.decode_only_steps,
-                "mean_decoding": if s.decode_only_steps > 0 { s.decode_only_tokens as f64 / s.decode_only_steps as f64 } else { 0.0 },
-                "peak_running": s.peak_running, "peak_decoding": s.peak_decoding,
-                "peak_kv_bytes": s.peak_kv_bytes, "peak_total_bytes": s.peak_total_bytes,
-                "ttft_p50_s": pct(&mut ttft, 0.5), "ttft_p99_s": pct(&mut ttft, 0.99),
-                "itl_p50_s": pct(&mut itl, 0.5), "itl_p99_s": pct(&mut itl, 0.99),
-                "steps": s.steps, "over_projection": s.over_projection,
-                "cache": cfg.cache,
-            }));
+            let (budgets, prompts) = ((budget, full), &prompt_of);
+            rows.push(measure(a, m, (label, cfg), mb, budgets, prompts, &bar)?);
         }
     }
     bar.finish_and_clear();
@@ -252,6 +191,89 @@ pub fn run(a: &ThroughputArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
         return Ok(());
     }
+    print_table(&rows, budget, full, a);
+    Ok(())
+}
+
+/// Runs `a.requests` requests of one config through the engine with at most
+/// `mb` sequences per step; returns the row (throughput, concurrency, peaks,
+/// latencies).
+fn measure(
+    a: &ThroughputArgs,
+    m: &dyn minikv_models::LanguageModel,
+    (label, cfg): (&str, &RunConfig),
+    mb: usize,
+    (budget, full): (usize, usize),
+    prompt_of: &dyn Fn(usize) -> Vec<u32>,
+    bar: &indicatif::ProgressBar,
+) -> Result<serde_json::Value> {
+    let builder = CacheBuilder::new(m.spec()).named_backend(&cfg.backend)?;
+    let ecfg = EngineConfig {
+        kv_budget: budget,
+        max_batch: mb,
+        max_prefills: a.max_prefills,
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(m, builder, cfg.cache.clone(), ecfg)?;
+    let projected = e.projection(a.prompt, a.r#gen)?;
+    for i in 0..a.requests {
+        e.submit(Request {
+            id: i as u64,
+            prompt: prompt_of(i),
+            max_new: a.r#gen,
+            sampling: SamplingConfig::default(),
+            stop: Vec::new(),
+            logprobs: None,
+        })?;
+    }
+    let t0 = Instant::now();
+    let (mut ttft, mut itl, mut errors) = (Vec::new(), Vec::new(), Vec::new());
+    while !e.is_idle() {
+        for ev in e.step()? {
+            match ev {
+                Event::Token { .. } => bar.inc(1),
+                Event::Finished(f) => {
+                    if let Finish::Error(msg) = &f.finish {
+                        errors.push(format!("request {}: {msg}", f.id));
+                    }
+                    ttft.extend(f.ttft_s);
+                    itl.extend(f.itl_s);
+                }
+            }
+        }
+    }
+    if let Some(first) = errors.first() {
+        return Err(Error::Input(format!(
+            "bench throughput ({label}): {} request(s) failed; first: {first}",
+            errors.len()
+        )));
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let s = e.stats();
+    let generated = (a.requests * a.r#gen) as f64;
+    Ok(json!({
+        "config": label, "max_batch": mb, "requests": a.requests,
+        "prompt": a.prompt, "gen": a.r#gen,
+        "kv_budget": budget, "projected_kv_bytes_per_seq": projected,
+        "full_projected_kv_bytes_per_seq": full,
+        "admissible": budget / projected.max(1),
+        "wall_s": wall,
+        "generated_tok_per_s": generated / wall,
+        "total_tok_per_s": (a.requests * (a.prompt + a.r#gen)) as f64 / wall,
+        "decode_tok_per_s": if s.decode_only_s > 0.0 { s.decode_only_tokens as f64 / s.decode_only_s } else { 0.0 },
+        "decode_only_steps": s.decode_only_steps,
+        "mean_decoding": if s.decode_only_steps > 0 { s.decode_only_tokens as f64 / s.decode_only_steps as f64 } else { 0.0 },
+        "peak_running": s.peak_running, "peak_decoding": s.peak_decoding,
+        "peak_kv_bytes": s.peak_kv_bytes, "peak_total_bytes": s.peak_total_bytes,
+        "ttft_p50_s": pct(&mut ttft, 0.5), "ttft_p99_s": pct(&mut ttft, 0.99),
+        "itl_p50_s": pct(&mut itl, 0.5), "itl_p99_s": pct(&mut itl, 0.99),
+        "steps": s.steps, "over_projection": s.over_projection,
+        "cache": cfg.cache,
+    }))
+}
+
+/// The human-readable table of `bench throughput`.
+fn print_table(rows: &[serde_json::Value], budget: usize, full: usize, a: &ThroughputArgs) {
     println!(
         "KV budget {budget} bytes ({:.2} full fp16 sequences of {} + {} tokens)",
         budget as f64 / full as f64,
@@ -271,7 +293,7 @@ pub fn run(a: &ThroughputArgs) -> Result<()> {
         "ttft p50",
         "itl p50"
     );
-    for r in &rows {
+    for r in rows {
         println!(
             "{:<22} {:>5} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>7.1} {:>12} {:>9.3} {:>9.4}",
             r["config"].as_str().unwrap_or(""),
@@ -286,7 +308,6 @@ pub fn run(a: &ThroughputArgs) -> Result<()> {
             r["itl_p50_s"].as_f64().unwrap_or(0.0),
         );
     }
-    Ok(())
 }
 
 /// Decode tokens/s against the mean number of decoding sequences, one line

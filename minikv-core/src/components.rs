@@ -115,3 +115,16 @@ macro_rules! register {
         }
     };
 }
+
+/// Builds a component from its `type` name alone (all parameters default).
+pub fn from_type_name<T: ?Sized>(field: &str, name: &str) -> crate::Result<Box<T>>
+where
+    Box<T>: serde::de::DeserializeOwned,
+{
+    serde_json::from_value(serde_json::json!({ "type": name })).map_err(|e| {
+        crate::Error::config(
+            field,
+            format!("cannot build default `{name}`: {e} (is minikv-policies linked?)"),
+        )
+    })
+}

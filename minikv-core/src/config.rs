@@ -9,6 +9,8 @@ use crate::{Error, GqaReduce, ModelSpec, Result, SelectionPolicy, Selector, Toke
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+pub use crate::components::from_type_name;
+
 /// A whole run config file (`configs/*.toml`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -281,6 +283,13 @@ impl CacheConfig {
 
     /// Checks ranges and combinations; errors name the field.
     pub fn validate(&self, spec: Option<&ModelSpec>) -> Result<()> {
+        self.validate_budget()?;
+        self.validate_components()?;
+        self.validate_quant(spec)
+    }
+
+    /// Ranges of the token counts and ratios, and a budget that keeps a token.
+    fn validate_budget(&self) -> Result<()> {
         check_finite_fields("cache", self)?;
         if !(1..=1 << 16).contains(&self.page_tokens) {
             return Err(Error::config(
@@ -330,6 +339,11 @@ impl CacheConfig {
         }
         check_ratio("cache.heavy", self.heavy, self.heavy_tokens)?;
         check_ratio("cache.recent", self.recent, self.recent_tokens)?;
+        Ok(())
+    }
+
+    /// The components and the combinations they support.
+    fn validate_components(&self) -> Result<()> {
         let budget_set = self.heavy.is_some()
             || self.heavy_tokens.is_some()
             || self.recent.is_some()
@@ -413,6 +427,11 @@ impl CacheConfig {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// The quantizers, against the model's head dimension when known.
+    fn validate_quant(&self, spec: Option<&ModelSpec>) -> Result<()> {
         if let Some(q) = &self.quant {
             if q.keys.is_none() && q.values.is_none() {
                 return Err(Error::config(
@@ -451,19 +470,6 @@ impl CacheConfig {
         }
         Ok(())
     }
-}
-
-/// Builds a component from its `type` name alone (all parameters default).
-pub fn from_type_name<T: ?Sized>(field: &str, name: &str) -> Result<Box<T>>
-where
-    Box<T>: serde::de::DeserializeOwned,
-{
-    serde_json::from_value(serde_json::json!({ "type": name })).map_err(|e| {
-        Error::config(
-            field,
-            format!("cannot build default `{name}`: {e} (is minikv-policies linked?)"),
-        )
-    })
 }
 
 /// Deepest nesting of objects and arrays a JSON config may have.

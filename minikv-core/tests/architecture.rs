@@ -233,3 +233,78 @@ fn no_source_file_exceeds_600_lines() {
         .collect();
     assert!(long.is_empty(), "over 600 lines: {long:?}");
 }
+
+/// No function in a crate's `src/` exceeds 120 lines, signature to closing
+/// brace (a longer one is split into named steps). A function is a line
+/// starting with `fn` (after visibility and qualifiers) that does not end in
+/// `;`; it ends at the first `}` line at its indentation.
+#[test]
+fn no_function_exceeds_120_lines() {
+    fn starts_fn(line: &str) -> Option<(usize, String)> {
+        let t = line.trim_start();
+        let indent = line.len() - t.len();
+        let mut rest = t;
+        for q in [
+            "pub(crate) ",
+            "pub(super) ",
+            "pub ",
+            "const ",
+            "unsafe ",
+            "async ",
+        ] {
+            rest = rest.strip_prefix(q).unwrap_or(rest);
+        }
+        let name = rest.strip_prefix("fn ")?;
+        if line.trim_end().ends_with(';') {
+            return None;
+        }
+        let name: String = name
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        Some((indent, name))
+    }
+    fn walk(dir: &Path, out: &mut Vec<String>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, out);
+                continue;
+            }
+            if p.extension().is_none_or(|x| x != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&p).unwrap();
+            let lines: Vec<&str> = text.lines().collect();
+            for (i, l) in lines.iter().enumerate() {
+                let Some((indent, name)) = starts_fn(l) else {
+                    continue;
+                };
+                let close = " ".repeat(indent) + "}";
+                let end = lines[i + 1..]
+                    .iter()
+                    .position(|m| {
+                        m.starts_with(&close)
+                            && m[indent + 1..]
+                                .chars()
+                                .next()
+                                .is_none_or(|c| " ;)".contains(c))
+                    })
+                    .map_or(lines.len(), |k| i + 1 + k);
+                let n = end - i + 1;
+                if n > 120 {
+                    out.push(format!("{}: fn {name} ({n} lines)", p.display()));
+                }
+            }
+        }
+    }
+    let mut long = Vec::new();
+    for e in std::fs::read_dir(root()).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("minikv-") && p.join("src").is_dir() {
+            walk(&p.join("src"), &mut long);
+        }
+    }
+    assert!(long.is_empty(), "functions over 120 lines: {long:#?}");
+}

@@ -380,45 +380,13 @@ impl<'m> Engine<'m> {
             if logits.is_empty() {
                 continue; // a prompt chunk before the last
             }
-            let step_result = (|| -> Result<Option<Finish>> {
-                if r.next.is_none() {
-                    minikv_models::finish_prefill(
-                        self.model,
-                        r.cache.as_mut(),
-                        &r.req.prompt,
-                        &mut self.ws,
-                    )?;
-                    self.stats.prompt_tokens += r.req.prompt.len() as u64;
-                }
-                let t = r.sampler.sample(&logits)?;
-                if r.req.stop.contains(&t) {
-                    return Ok(Some(Finish::Stop));
-                }
-                r.out.push(t);
-                self.stats.generated += 1;
-                let logprob = r
-                    .req
-                    .logprobs
-                    .map(|k| TokenLogprob::from_logits(&logits, t, k));
-                events.push(Event::Token {
-                    id: r.req.id,
-                    token: t,
-                    logprob,
-                });
-                match r.last {
-                    None => r.first = Some(now),
-                    Some(l) => r.itl.push((now - l).as_secs_f64()),
-                }
-                r.last = Some(now);
-                if r.out.len() >= r.req.max_new {
-                    return Ok(Some(Finish::Length));
-                }
-                if r.req.prompt.len() + r.out.len() >= max_ctx {
-                    return Ok(Some(Finish::Context));
-                }
-                r.next = Some([t]);
-                Ok(None)
-            })();
+            let step_result = advance(
+                (self.model, &mut self.ws, &mut self.stats),
+                r,
+                &logits,
+                (now, max_ctx),
+                &mut events,
+            );
             match step_result {
                 Ok(Some(f)) => done.push((i, f)),
                 Ok(None) => {}
@@ -469,4 +437,48 @@ impl<'m> Engine<'m> {
         s.running = self.running.len();
         s.peak_running = s.peak_running.max(self.running.len());
     }
+}
+
+/// One sequence's step after the forward pass: ends its prefill (compression)
+/// when this was its last prompt chunk, samples the next token, records it
+/// and its timing; returns why the sequence finished, if it did.
+fn advance(
+    (model, ws, stats): (&dyn LanguageModel, &mut Workspace, &mut EngineStats),
+    r: &mut Running,
+    logits: &[f32],
+    (now, max_ctx): (Instant, usize),
+    events: &mut Vec<Event>,
+) -> Result<Option<Finish>> {
+    if r.next.is_none() {
+        minikv_models::finish_prefill(model, r.cache.as_mut(), &r.req.prompt, ws)?;
+        stats.prompt_tokens += r.req.prompt.len() as u64;
+    }
+    let t = r.sampler.sample(logits)?;
+    if r.req.stop.contains(&t) {
+        return Ok(Some(Finish::Stop));
+    }
+    r.out.push(t);
+    stats.generated += 1;
+    let logprob = r
+        .req
+        .logprobs
+        .map(|k| TokenLogprob::from_logits(logits, t, k));
+    events.push(Event::Token {
+        id: r.req.id,
+        token: t,
+        logprob,
+    });
+    match r.last {
+        None => r.first = Some(now),
+        Some(l) => r.itl.push((now - l).as_secs_f64()),
+    }
+    r.last = Some(now);
+    if r.out.len() >= r.req.max_new {
+        return Ok(Some(Finish::Length));
+    }
+    if r.req.prompt.len() + r.out.len() >= max_ctx {
+        return Ok(Some(Finish::Context));
+    }
+    r.next = Some([t]);
+    Ok(None)
 }

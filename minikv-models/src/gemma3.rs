@@ -314,6 +314,38 @@ impl Gemma3 {
             .join(", ")
     }
 
+    /// The block's feed-forward half on `n` rows of `ws.x`: norm, GELU-gated
+    /// product, down projection, post norm, residual add.
+    fn ffn(&self, b: &Gemma3Block, ws: &mut Workspace, segs: &crate::matrix::Segments, n: usize) {
+        let c = &self.cfg;
+        rms_norm(&ws.x, &b.ffn_norm, c.rms_eps, &mut ws.h);
+        match &b.gate_up {
+            GateUp::Fused(w) => {
+                let r = 2 * c.ffn;
+                ws.f.resize(n * r, 0.0);
+                w.matmul_segments(&ws.h, segs, &mut ws.f);
+                for i in 0..n {
+                    let row = &ws.f[i * r..(i + 1) * r];
+                    let g = &mut ws.g[i * c.ffn..(i + 1) * c.ffn];
+                    for ((g, &a), &u) in g.iter_mut().zip(&row[..c.ffn]).zip(&row[c.ffn..]) {
+                        *g = gelu_tanh(a) * u;
+                    }
+                }
+            }
+            GateUp::Split(gate, up) => {
+                ws.u.resize(n * c.ffn, 0.0);
+                gate.matmul_segments(&ws.h, segs, &mut ws.g);
+                up.matmul_segments(&ws.h, segs, &mut ws.u);
+                for (g, u) in ws.g.iter_mut().zip(&ws.u) {
+                    *g = gelu_tanh(*g) * u;
+                }
+            }
+        }
+        b.w_down.matmul_segments(&ws.g, segs, &mut ws.o);
+        rms_norm(&ws.o, &b.post_ffn_norm, c.rms_eps, &mut ws.h);
+        ws.x.iter_mut().zip(&ws.h).for_each(|(x, o)| *x += o);
+    }
+
     /// One pass over the rows of every part (see [`crate::batch`]).
     fn pass_rows(
         &self,
@@ -401,32 +433,7 @@ impl Gemma3 {
             b.wo.matmul_segments(&ws.att, &segs, &mut ws.o);
             rms_norm(&ws.o, &b.post_attn_norm, c.rms_eps, &mut ws.h);
             ws.x.iter_mut().zip(&ws.h).for_each(|(x, o)| *x += o);
-            rms_norm(&ws.x, &b.ffn_norm, c.rms_eps, &mut ws.h);
-            match &b.gate_up {
-                GateUp::Fused(w) => {
-                    let r = 2 * c.ffn;
-                    ws.f.resize(n * r, 0.0);
-                    w.matmul_segments(&ws.h, &segs, &mut ws.f);
-                    for i in 0..n {
-                        let row = &ws.f[i * r..(i + 1) * r];
-                        let g = &mut ws.g[i * c.ffn..(i + 1) * c.ffn];
-                        for ((g, &a), &u) in g.iter_mut().zip(&row[..c.ffn]).zip(&row[c.ffn..]) {
-                            *g = gelu_tanh(a) * u;
-                        }
-                    }
-                }
-                GateUp::Split(gate, up) => {
-                    ws.u.resize(n * c.ffn, 0.0);
-                    gate.matmul_segments(&ws.h, &segs, &mut ws.g);
-                    up.matmul_segments(&ws.h, &segs, &mut ws.u);
-                    for (g, u) in ws.g.iter_mut().zip(&ws.u) {
-                        *g = gelu_tanh(*g) * u;
-                    }
-                }
-            }
-            b.w_down.matmul_segments(&ws.g, &segs, &mut ws.o);
-            rms_norm(&ws.o, &b.post_ffn_norm, c.rms_eps, &mut ws.h);
-            ws.x.iter_mut().zip(&ws.h).for_each(|(x, o)| *x += o);
+            self.ffn(b, ws, &segs, n);
         }
         ws.segs = segs;
         ws.cos = cos;

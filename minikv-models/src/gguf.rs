@@ -301,20 +301,7 @@ impl Gguf {
             }
             metadata.insert(key, v);
         }
-        let align = match metadata.get("general.alignment") {
-            None => 32,
-            Some(v) => {
-                let a = v
-                    .as_u64()
-                    .ok_or_else(|| Error::Format("general.alignment is not an integer".into()))?;
-                if a == 0 || !a.is_power_of_two() || a > 1 << 20 {
-                    return Err(Error::Format(format!(
-                        "general.alignment = {a} is not a power of two <= 1 MiB"
-                    )));
-                }
-                a as usize
-            }
-        };
+        let align = alignment(&metadata)?;
         let mut infos = Vec::with_capacity(n_tensors as usize);
         for i in 0..n_tensors {
             let name = c.string(&|| format!("tensor #{i} name"))?;
@@ -341,59 +328,7 @@ impl Gguf {
             infos.push((name, dims, dtype, off));
         }
         let data_start = c.pos.div_ceil(align) * align;
-        let mut tensors = BTreeMap::new();
-        for (name, dims, dtype, off) in infos {
-            let n = dims
-                .iter()
-                .try_fold(1usize, |a, &d| a.checked_mul(d))
-                .ok_or_else(|| {
-                    Error::Format(format!("tensor `{name}`: element count overflows"))
-                })?;
-            if dims[0] % dtype.block_size() != 0 {
-                return Err(Error::Format(format!(
-                    "tensor `{name}`: row length {} is not a multiple of the {dtype:?} block size {}",
-                    dims[0],
-                    dtype.block_size()
-                )));
-            }
-            let size = (n / dtype.block_size())
-                .checked_mul(dtype.block_bytes())
-                .ok_or_else(|| Error::Format(format!("tensor `{name}`: byte size overflows")))?;
-            if off % align as u64 != 0 {
-                return Err(Error::Format(format!(
-                    "tensor `{name}`: offset {off} is not aligned to {align}"
-                )));
-            }
-            let offset = (data_start as u64)
-                .checked_add(off)
-                .filter(|&s| s <= b.len() as u64)
-                .ok_or_else(|| {
-                    Error::Format(format!(
-                        "tensor `{name}`: offset {off} is past the end of the file"
-                    ))
-                })? as usize;
-            if offset.checked_add(size).is_none_or(|e| e > b.len()) {
-                return Err(Error::Format(format!(
-                    "tensor `{name}`: {size} bytes at offset {offset} run past the end of the file ({} bytes): truncated?",
-                    b.len()
-                )));
-            }
-            if tensors
-                .insert(
-                    name.clone(),
-                    TensorInfo {
-                        name: name.clone(),
-                        dims,
-                        dtype,
-                        offset,
-                        size,
-                    },
-                )
-                .is_some()
-            {
-                return Err(Error::Format(format!("tensor `{name}` appears twice")));
-            }
-        }
+        let tensors = place_tensors(infos, data_start, align, b.len())?;
         Ok(Self {
             version,
             metadata,
@@ -489,4 +424,84 @@ impl Gguf {
             len: t.size,
         }
     }
+}
+
+/// The data section's alignment (`general.alignment`, default 32).
+fn alignment(metadata: &BTreeMap<String, Value>) -> Result<usize> {
+    Ok(match metadata.get("general.alignment") {
+        None => 32,
+        Some(v) => {
+            let a = v
+                .as_u64()
+                .ok_or_else(|| Error::Format("general.alignment is not an integer".into()))?;
+            if a == 0 || !a.is_power_of_two() || a > 1 << 20 {
+                return Err(Error::Format(format!(
+                    "general.alignment = {a} is not a power of two <= 1 MiB"
+                )));
+            }
+            a as usize
+        }
+    })
+}
+
+/// Places each tensor in the data section: checked sizes, alignment, bounds
+/// and unique names.
+fn place_tensors(
+    infos: Vec<(String, Vec<usize>, GgmlType, u64)>,
+    data_start: usize,
+    align: usize,
+    file_len: usize,
+) -> Result<BTreeMap<String, TensorInfo>> {
+    let mut tensors = BTreeMap::new();
+    for (name, dims, dtype, off) in infos {
+        let n = dims
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| Error::Format(format!("tensor `{name}`: element count overflows")))?;
+        if dims[0] % dtype.block_size() != 0 {
+            return Err(Error::Format(format!(
+                "tensor `{name}`: row length {} is not a multiple of the {dtype:?} block size {}",
+                dims[0],
+                dtype.block_size()
+            )));
+        }
+        let size = (n / dtype.block_size())
+            .checked_mul(dtype.block_bytes())
+            .ok_or_else(|| Error::Format(format!("tensor `{name}`: byte size overflows")))?;
+        if off % align as u64 != 0 {
+            return Err(Error::Format(format!(
+                "tensor `{name}`: offset {off} is not aligned to {align}"
+            )));
+        }
+        let offset = (data_start as u64)
+            .checked_add(off)
+            .filter(|&s| s <= file_len as u64)
+            .ok_or_else(|| {
+                Error::Format(format!(
+                    "tensor `{name}`: offset {off} is past the end of the file"
+                ))
+            })? as usize;
+        if offset.checked_add(size).is_none_or(|e| e > file_len) {
+            return Err(Error::Format(format!(
+                "tensor `{name}`: {size} bytes at offset {offset} run past the end of the file ({} bytes): truncated?",
+                file_len
+            )));
+        }
+        if tensors
+            .insert(
+                name.clone(),
+                TensorInfo {
+                    name: name.clone(),
+                    dims,
+                    dtype,
+                    offset,
+                    size,
+                },
+            )
+            .is_some()
+        {
+            return Err(Error::Format(format!("tensor `{name}` appears twice")));
+        }
+    }
+    Ok(tensors)
 }

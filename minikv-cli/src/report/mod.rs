@@ -79,11 +79,44 @@ pub fn report(a: &ReportArgs) -> Result<()> {
         pairs.extend(paired(&rows, x.trim(), y.trim())?);
     }
     write("report.md", markdown(&aggs, &pairs))?;
+    let (csv, lb) = csv_tables(&aggs, &rows, &a.dataset);
+    write("results.csv", csv)?;
+    write("leaderboard.csv", lb)?;
+    let mut tasks: Vec<&str> = aggs.iter().map(|g| g.task.as_str()).collect();
+    tasks.dedup();
+    for t in tasks {
+        let (m, hb) = primary_metric(t);
+        let pts: Vec<(f64, f64, String)> = aggs
+            .iter()
+            .filter(|g| g.task == t)
+            .map(|g| (g.ratio, g.mean, g.method.clone()))
+            .collect();
+        plot(
+            &a.out.join(format!("{t}_vs_kv_bytes.svg")),
+            &format!("{t}: {m} vs KV bytes"),
+            &pts,
+            hb,
+            m,
+        )?;
+    }
+    per_layer_plots(&rows, &a.out)?;
+    eprintln!(
+        "report: {} rows, {} (task, config) groups -> {}",
+        rows.len(),
+        aggs.len(),
+        a.out.display()
+    );
+    Ok(())
+}
+
+/// `results.csv` (one line per aggregate) and `leaderboard.csv` (kvpress's
+/// columns).
+fn csv_tables(aggs: &[Agg], rows: &[Value], dataset: &str) -> (String, String) {
     let mut csv = String::from(
         "task,method,metric,mean,ci95_lo,ci95_hi,interval,n,seeds,compression_ratio,kv_bytes,config_hash\n",
     );
     let mut lb = String::from("dataset,model,method,compression_ratio,score\n");
-    for g in &aggs {
+    for g in aggs {
         let _ = writeln!(
             csv,
             "{},{},{},{},{},{},{},{},{},{},{},{}",
@@ -104,32 +137,19 @@ pub fn report(a: &ReportArgs) -> Result<()> {
         let _ = writeln!(
             lb,
             "{},{},{},{},{}",
-            csv_field(&format!("{}/{}", a.dataset, g.task)),
-            csv_field(&model_name(&rows, &g.model)),
+            csv_field(&format!("{}/{}", dataset, g.task)),
+            csv_field(&model_name(rows, &g.model)),
             csv_quoted(&g.method),
             csv_num(1.0 - g.ratio),
             csv_num(g.mean)
         );
     }
-    write("results.csv", csv)?;
-    write("leaderboard.csv", lb)?;
-    let mut tasks: Vec<&str> = aggs.iter().map(|g| g.task.as_str()).collect();
-    tasks.dedup();
-    for t in tasks {
-        let (m, hb) = primary_metric(t);
-        let pts: Vec<(f64, f64, String)> = aggs
-            .iter()
-            .filter(|g| g.task == t)
-            .map(|g| (g.ratio, g.mean, g.method.clone()))
-            .collect();
-        plot(
-            &a.out.join(format!("{t}_vs_kv_bytes.svg")),
-            &format!("{t}: {m} vs KV bytes"),
-            &pts,
-            hb,
-            m,
-        )?;
-    }
+    (csv, lb)
+}
+
+/// Per-layer figures: budgets (tokens held per layer, all KV heads) from one
+/// task's rows, and per-layer attention-output error.
+fn per_layer_plots(rows: &[Value], out: &std::path::Path) -> Result<()> {
     // Per-layer figures: budgets (tokens held per layer, all KV heads) from one
     // task's rows, and per-layer attention-output error.
     let with_layers: Vec<&Value> = {
@@ -157,7 +177,7 @@ pub fn report(a: &ReportArgs) -> Result<()> {
     let budgets = per_layer_series(&with_layers, "/memory/per_layer_tokens");
     if !budgets.is_empty() {
         line_plot(
-            &a.out.join("per_layer_budgets.svg"),
+            &out.join("per_layer_budgets.svg"),
             "tokens held per layer (all KV heads) after compression",
             "tokens",
             &budgets,
@@ -170,18 +190,12 @@ pub fn report(a: &ReportArgs) -> Result<()> {
     let errs = per_layer_series(&err_rows, "/metrics/per_layer");
     if !errs.is_empty() {
         line_plot(
-            &a.out.join("attention_error_per_layer.svg"),
+            &out.join("attention_error_per_layer.svg"),
             "per-layer attention-output error vs the full cache",
             "|o - o_full| / |o_full|",
             &errs,
         )?;
     }
-    eprintln!(
-        "report: {} rows, {} (task, config) groups -> {}",
-        rows.len(),
-        aggs.len(),
-        a.out.display()
-    );
     Ok(())
 }
 
