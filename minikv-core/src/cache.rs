@@ -54,10 +54,11 @@ pub trait KvCache: Send + Debug {
             "this cache does not project its bytes (projected_kv_bytes), so it cannot be admitted by KV bytes".into(),
         ))
     }
-    /// Method-specific measurements taken at compression (e.g. ResKV's
-    /// cluster statistics), as JSON; `null` when there are none.
-    fn diagnostics(&self) -> serde_json::Value {
-        serde_json::Value::Null
+    /// Measurements of the cache's parts (a compensator's statistics,
+    /// Quest's bytes read, a reconstruction pass), each under its part's
+    /// name; empty when there are none.
+    fn diagnostics(&self) -> Diagnostics {
+        Diagnostics::new()
     }
     /// What the cache's components need from the model at `layer` beyond
     /// keys, values and post-RoPE queries (see [`Observation`]). Models ask
@@ -240,6 +241,22 @@ pub struct LayerMemory {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub window: Option<usize>,
 }
+
+/// Named statistics one part of a cache contributes to its [`Diagnostics`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Stats {
+    /// Overall values (means over layers and heads, or per-token rates), by
+    /// statistic name.
+    pub values: std::collections::BTreeMap<String, f64>,
+    /// The same statistics per layer, when the part measures them per layer
+    /// (empty otherwise).
+    pub per_layer: Vec<std::collections::BTreeMap<String, f64>>,
+}
+
+/// A cache's diagnostics: each contributing part's [`Stats`] by its name
+/// (a compensator's `type`, `quest`, `reconstruction`). Consumers flatten
+/// them without knowing any part (`<part>_<stat>`).
+pub type Diagnostics = std::collections::BTreeMap<String, Stats>;
 
 /// Bytes actually allocated by a cache, with the full fp16 cache for comparison.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]

@@ -11,6 +11,11 @@ use std::path::Path;
 
 pub use crate::components::from_type_name;
 
+/// The layer budget policy a config with a scorer gets when it names none.
+pub const DEFAULT_POLICY: &str = "uniform";
+/// The selector a config with a scorer gets when it names none.
+pub const DEFAULT_SELECTOR: &str = "top_k";
+
 /// A whole run config file (`configs/*.toml`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -272,10 +277,10 @@ impl CacheConfig {
     pub fn resolve(&mut self) -> Result<()> {
         if self.scorer.is_some() {
             if self.policy.is_none() {
-                self.policy = Some(from_type_name("cache.policy", "uniform")?);
+                self.policy = Some(from_type_name("cache.policy", DEFAULT_POLICY)?);
             }
             if self.selector.is_none() {
-                self.selector = Some(from_type_name("cache.selector", "top_k")?);
+                self.selector = Some(from_type_name("cache.selector", DEFAULT_SELECTOR)?);
             }
         }
         Ok(())

@@ -450,10 +450,10 @@ impl KvCache for HybridCache {
         self.reset_rings();
     }
 
-    fn diagnostics(&self) -> serde_json::Value {
+    fn diagnostics(&self) -> crate::Diagnostics {
         self.global
             .as_ref()
-            .map_or(serde_json::Value::Null, KvCache::diagnostics)
+            .map_or_else(crate::Diagnostics::new, |g| g.diagnostics())
     }
 
     fn wants(&self, layer: usize) -> ModelWants {

@@ -76,7 +76,8 @@ pub use attention::{
 pub use budget::{BudgetRequest, LayerBudget, SelectionPolicy, apportion};
 pub use builder::{CacheBuilder, build_cache};
 pub use cache::{
-    HeadMemory, KvCache, LayerMemory, MemoryReport, ModelWants, Observation, Phase, Rope, RopePairs,
+    Diagnostics, HeadMemory, KvCache, LayerMemory, MemoryReport, ModelWants, Observation, Phase,
+    Rope, RopePairs, Stats,
 };
 pub use channels::{ChannelInput, ChannelPruner};
 pub use compensate::{CompensateInput, Compensation, Compensator, ExtraEntries, LogitGate};

@@ -160,7 +160,7 @@ impl KvCache for AttentionProbe {
         self.shadow.budgets()
     }
     /// The shadow cache's diagnostics.
-    fn diagnostics(&self) -> serde_json::Value {
+    fn diagnostics(&self) -> crate::Diagnostics {
         self.shadow.diagnostics()
     }
     fn reset(&mut self) {

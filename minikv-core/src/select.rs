@@ -38,6 +38,12 @@ pub trait Selector: Send + Sync + Debug + dyn_clone::DynClone {
     /// [`RunConfig::load`](crate::RunConfig::load)); selectors without files
     /// keep the default, which does nothing.
     fn resolve_paths(&mut self, _dir: &std::path::Path) {}
+    /// Whether every KV head of a layer keeps the layer's budget (so the
+    /// per-head budgets are known without scores); `false` by default (the
+    /// selector may share a layer's budget unequally among heads).
+    fn equal_heads(&self) -> bool {
+        false
+    }
 }
 
 dyn_clone::clone_trait_object!(Selector);

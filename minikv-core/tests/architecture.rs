@@ -184,19 +184,77 @@ fn task_names_only_at_their_registration() {
                 } else {
                     format!("\"{n}\"")
                 };
-                // A match, a comparison, a lookup or a list of task names.
-                let matched = [
-                    format!("{q} =>"),
-                    format!("{q} |"),
-                    format!("| {q}"),
-                    format!("== {q}"),
-                    format!("!= {q}"),
-                    format!("({q}"),
-                    format!("[{q},"),
-                ]
-                .iter()
-                .any(|p| line.contains(p.as_str()));
+                let matched = matches_name(&line, &q);
                 assert!(!matched, "{f} matches on the task name {n}: {line}");
+            }
+        }
+    }
+}
+
+/// Whether a line matches on, compares with, looks up or lists the quoted
+/// name `q` (with its quotes; a prefix such as `"ruler-` has no closing one).
+fn matches_name(line: &str, q: &str) -> bool {
+    [
+        format!("{q} =>"),
+        format!("{q} |"),
+        format!("| {q}"),
+        format!("== {q}"),
+        format!("!= {q}"),
+        format!("({q}"),
+        format!("[{q},"),
+    ]
+    .iter()
+    .any(|p| line.contains(p.as_str()))
+}
+
+/// Component names (every `register!(Kind, "name", ...)` of the crates that
+/// register components) are matched only in their own registration files:
+/// the cache finds components by `type`, and consumers of a cache's
+/// diagnostics flatten them without naming a part.
+#[test]
+fn component_names_only_at_their_registration() {
+    let mut names = Vec::new();
+    for krate in ["minikv-policies", "minikv-quant", "minikv-core"] {
+        let lines = non_test_lines(krate);
+        for (i, (_, line)) in lines.iter().enumerate() {
+            let t = line.trim_start();
+            let call_start = ["register!(", "crate::register!(", "minikv_core::register!("]
+                .iter()
+                .any(|m| t.starts_with(m));
+            if !call_start {
+                continue;
+            }
+            // The name is the first string literal of the call (which may
+            // span lines).
+            let call: String = lines[i..(i + 4).min(lines.len())]
+                .iter()
+                .map(|(_, l)| l.as_str())
+                .collect();
+            if let Some(name) = call.split('"').nth(1) {
+                names.push(name.to_string());
+            }
+        }
+    }
+    assert!(
+        names.len() > 30,
+        "found only {} registered components",
+        names.len()
+    );
+    for krate in [
+        "minikv-models",
+        "minikv-eval",
+        "minikv-engine",
+        "minikv-server",
+        "minikv-cli",
+    ] {
+        for (file, line) in non_test_lines(krate) {
+            for n in &names {
+                let q = format!("\"{n}\"");
+                assert!(
+                    !matches_name(&line, &q),
+                    "{} matches on the component name {n}: {line}",
+                    file.display()
+                );
             }
         }
     }

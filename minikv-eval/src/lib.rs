@@ -182,7 +182,11 @@ pub fn attention_error(
     comp: Box<dyn KvCache>,
     ids: &[u32],
     context: usize,
-) -> Result<(AttentionError, minikv_core::MemoryReport, serde_json::Value)> {
+) -> Result<(
+    AttentionError,
+    minikv_core::MemoryReport,
+    minikv_core::Diagnostics,
+)> {
     check_context(ids, context)?;
     let mut probe = minikv_core::AttentionProbe::new(full, comp)?;
     let mut w = Workspace::default();

@@ -31,6 +31,9 @@ pub struct TopK {}
 
 #[typetag::serde(name = "top_k")]
 impl Selector for TopK {
+    fn equal_heads(&self) -> bool {
+        true
+    }
     fn select(&self, input: &SelectionInput<'_>, out: &mut Vec<Vec<u32>>) -> Result<()> {
         out.clear();
         let t = input.t;

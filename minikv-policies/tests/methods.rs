@@ -263,8 +263,8 @@ fn quest_worked_example() {
     assert_kept(c.as_mut(), &[0, 1, 2, 3], &k, &v, HQ);
     assert_eq!(c.memory().layers[0].heads[0].tokens, T + 1);
     let diag = c.diagnostics();
-    assert_eq!(diag["quest"]["decode_steps"], 1);
-    assert_eq!(diag["quest"]["bytes_read_per_token"], 208.0);
+    assert_eq!(diag["quest"].values["decode_steps"], 1.0);
+    assert_eq!(diag["quest"].values["bytes_read_per_token"], 208.0);
     // Quantized storage or decode-time eviction with Quest: a clear error.
     for extra in [
         "[cache.quant]\nkeys = { type = \"minmax\", bits = 2, group = 4, axis = \"channel\" }",
@@ -741,7 +741,7 @@ fn kvzip_worked_example() {
     assert_eq!(c.seq_len(0), T);
     c.end_prefill().unwrap();
     assert_kept(c.as_mut(), &[0, 1, 4, 9, 10, 11], &k, &v, HQ);
-    assert_eq!(c.diagnostics()["reconstruction"]["pass_tokens"], 3);
+    assert_eq!(c.diagnostics()["reconstruction"].values["pass_tokens"], 3.0);
     // Without a pass the scorer says what is missing.
     let mut c = CacheBuilder::new(s).build(&cfg.cache).unwrap();
     c.append(0, &k, &v, T).unwrap();

@@ -241,8 +241,7 @@ pub fn budgets(a: &BudgetsArgs) -> Result<()> {
                 layers: &[],
             };
             let b = policy.layer_budgets(&req)?;
-            let sel = serde_json::to_value(c.selector.as_ref().expect("resolved")).expect("json");
-            let uniform_heads = sel["type"] == "top_k";
+            let uniform_heads = c.selector.as_ref().is_some_and(|s| s.equal_heads());
             let heads = uniform_heads.then(|| {
                 b.iter()
                     .map(|l| vec![(c.sinks + l.heavy + l.recent).min(t); a.kv_heads])

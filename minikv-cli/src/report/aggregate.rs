@@ -15,10 +15,16 @@ pub fn method_name(cfg: &Value) -> String {
     match c["scorer"]["type"].as_str() {
         Some(s) => {
             parts.push(s.to_string());
-            if let Some(p) = c["policy"]["type"].as_str().filter(|p| *p != "uniform") {
+            if let Some(p) = c["policy"]["type"]
+                .as_str()
+                .filter(|p| *p != minikv_core::config::DEFAULT_POLICY)
+            {
                 parts.push(p.to_string());
             }
-            if let Some(sel) = c["selector"]["type"].as_str().filter(|s| *s != "top_k") {
+            if let Some(sel) = c["selector"]["type"]
+                .as_str()
+                .filter(|s| *s != minikv_core::config::DEFAULT_SELECTOR)
+            {
                 parts.push(sel.to_string());
             }
             let b = |r: &str, t: &str| {

@@ -122,22 +122,20 @@ impl LayeredCache {
     }
 
     /// The compensator's per-head statistics averaged per layer and overall.
-    pub(super) fn compensator_diagnostics(&self) -> serde_json::Value {
-        let Some(comp) = &self.cfg.compensator else {
-            return serde_json::Value::Null;
-        };
+    pub(super) fn compensator_diagnostics(&self) -> Option<(String, crate::Stats)> {
+        let comp = self.cfg.compensator.as_ref()?;
         if self.comp_stats.is_empty() {
-            return serde_json::Value::Null;
+            return None;
         }
         let avg = |rows: &[&Vec<(&'static str, f64)>]| {
-            let mut m = serde_json::Map::new();
+            let mut m = std::collections::BTreeMap::new();
             if let Some(first) = rows.first() {
                 for (i, (k, _)) in first.iter().enumerate() {
                     let s: f64 = rows.iter().map(|r| r[i].1).sum();
-                    m.insert((*k).into(), (s / rows.len() as f64).into());
+                    m.insert((*k).to_string(), s / rows.len() as f64);
                 }
             }
-            serde_json::Value::Object(m)
+            m
         };
         let per_layer: Vec<_> = self
             .comp_stats
@@ -145,9 +143,10 @@ impl LayeredCache {
             .map(|l| avg(&l.iter().collect::<Vec<_>>()))
             .collect();
         let all: Vec<_> = self.comp_stats.iter().flatten().collect();
-        serde_json::json!({ comp.typetag_name(): {
-            "mean": avg(&all),
-            "per_layer": per_layer,
-        }})
+        let stats = crate::Stats {
+            values: avg(&all),
+            per_layer,
+        };
+        Some((comp.typetag_name().to_string(), stats))
     }
 }

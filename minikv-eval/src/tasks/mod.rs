@@ -22,7 +22,7 @@ mod retrieval;
 
 pub use questions::{QuestionSet, ruler_rows};
 
-use minikv_core::{Error, KvCache, MemoryReport, Result};
+use minikv_core::{Diagnostics, Error, KvCache, MemoryReport, Result};
 use minikv_models::{LanguageModel, Tokenizer};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -181,7 +181,7 @@ pub struct Trial {
     /// The measured cache's memory.
     pub memory: MemoryReport,
     /// The measured cache's diagnostics ([`KvCache::diagnostics`]).
-    pub diagnostics: serde_json::Value,
+    pub diagnostics: Diagnostics,
 }
 
 impl TaskContext<'_> {
@@ -260,31 +260,19 @@ pub fn get(name: &str) -> Result<&'static dyn EvalTask> {
 }
 
 /// Flattens a cache's diagnostics into a trial's metrics, so that trials
-/// average them: a compensator's means as `<type>_<stat>` (`reskv_eta`,
-/// `cam_merged`), other methods' numbers as `<method>_<field>`
-/// (`quest_bytes_read_per_token`), and per-layer series as
-/// `<method>_<field>_per_layer`.
-pub fn add_diagnostics(v: &mut serde_json::Value, diag: &serde_json::Value) {
-    let Some(methods) = diag.as_object() else {
-        return;
-    };
-    for (name, d) in methods {
-        let flat = d["mean"].as_object().or_else(|| d.as_object());
-        for (k, x) in flat.into_iter().flatten() {
-            if x.is_number() {
-                v[format!("{name}_{k}")] = x.clone();
-            }
+/// average them, without knowing any part: each part's values as
+/// `<part>_<stat>` (`reskv_eta`, `quest_bytes_read_per_token`) and its
+/// per-layer values as `<part>_<stat>_per_layer`.
+pub fn add_diagnostics(v: &mut serde_json::Value, diag: &Diagnostics) {
+    for (part, stats) in diag {
+        for (k, x) in &stats.values {
+            v[format!("{part}_{k}")] = json!(x);
         }
-        // Per-layer records (`per_layer: [{stat: x, ...}, ...]`): one series
-        // per numeric stat.
-        if let Some(pl) = d["per_layer"].as_array()
-            && let Some(first) = pl.first().and_then(|x| x.as_object())
-        {
-            for (k, x) in first {
-                if x.is_number() {
-                    v[format!("{name}_{k}_per_layer")] = pl.iter().map(|r| r[k].clone()).collect();
-                }
-            }
+        let names = stats.per_layer.first().into_iter().flat_map(|l| l.keys());
+        for k in names {
+            let series: Vec<Option<f64>> =
+                stats.per_layer.iter().map(|l| l.get(k).copied()).collect();
+            v[format!("{part}_{k}_per_layer")] = json!(series);
         }
     }
 }
