@@ -322,23 +322,9 @@ pub fn load(a: &LoadArgs) -> Result<()> {
         ));
     }
     let l = crate::commands::load_model(&a.model)?;
-    let path = a.text.clone().unwrap_or_else(crate::commands::default_text);
-    let ids = l.tok.encode(&crate::commands::read_text(&path)?)?;
-    if ids.is_empty() {
-        return Err(Error::Input(format!("{}: no tokens", path.display())));
-    }
+    let source = crate::commands::PromptSource::load(&l.tok, a.text.as_deref())?;
     let n = a.requests.unwrap_or(a.clients);
-    let prompts: Vec<Vec<u32>> = (0..n)
-        .map(|i| {
-            let off = (i * 997) % ids.len();
-            ids.iter()
-                .copied()
-                .cycle()
-                .skip(off)
-                .take(a.prompt)
-                .collect()
-        })
-        .collect();
+    let prompts: Vec<Vec<u32>> = (0..n).map(|i| source.prompt(i, a.prompt)).collect();
     let model = l.path.file_stem().map(|s| s.to_string_lossy().into_owned());
     let (samples, wall) = drive(a, prompts, model)?;
     let errors: Vec<&String> = samples.iter().filter_map(|s| s.error.as_ref()).collect();

@@ -130,21 +130,9 @@ pub fn run(a: &ThroughputArgs) -> Result<()> {
             max,
         });
     }
-    let path = a.text.clone().unwrap_or_else(crate::commands::default_text);
-    let ids = l.tok.encode(&crate::commands::read_text(&path)?)?;
-    if ids.is_empty() {
-        return Err(Error::Input(format!("{}: no tokens", path.display())));
-    }
+    let source = crate::commands::PromptSource::load(&l.tok, a.text.as_deref())?;
     // Request i reads the text from its own offset (cycled when short).
-    let prompt_of = |i: usize| -> Vec<u32> {
-        let off = (i * 997) % ids.len();
-        ids.iter()
-            .copied()
-            .cycle()
-            .skip(off)
-            .take(a.prompt)
-            .collect()
-    };
+    let prompt_of = |i: usize| source.prompt(i, a.prompt);
     let full = CacheBuilder::new(m.spec())
         .build(&RunConfig::default().cache)?
         .projected_kv_bytes(a.prompt, a.r#gen)?;

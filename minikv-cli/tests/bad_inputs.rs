@@ -2,33 +2,18 @@
 //! (3 for I/O), never a panic and never a silently wrong result: the cases
 //! found by trying about 190 bad inputs as a new user would.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+use minikv_test_support::{root, run_in_root, tmp_dir};
+use std::path::PathBuf;
 
 /// A folder of its own per call: tests run in parallel and remove theirs.
 fn tmp() -> PathBuf {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let d = std::env::temp_dir().join(format!("minikv-bad-{}-{n}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    tmp_dir("bad")
 }
 
 /// Runs the binary; returns (exit code, stderr).
 fn run(args: &[&str]) -> (i32, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_minikv"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .unwrap();
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stderr).into(),
-    )
+    let r = run_in_root(env!("CARGO_BIN_EXE_minikv"), args);
+    (r.code, r.stderr)
 }
 
 fn expect_error(args: &[&str], code: i32, want: &[&str]) {

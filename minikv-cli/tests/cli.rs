@@ -1,23 +1,12 @@
 //! The `minikv` binary end to end, on the real model where a model is needed.
 
+use minikv_test_support::{root, run_in_root};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 fn minikv(args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_minikv"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .unwrap();
-    (
-        o.status.success(),
-        String::from_utf8_lossy(&o.stdout).into(),
-        String::from_utf8_lossy(&o.stderr).into(),
-    )
+    let r = run_in_root(env!("CARGO_BIN_EXE_minikv"), args);
+    (r.code == 0, r.stdout, r.stderr)
 }
 
 /// `minikv report FIXTURE --out DIR ARGS...` on a committed fixture; returns DIR.
@@ -55,7 +44,8 @@ fn components_lists_every_extension_point() {
             "policy",
             "quantizer",
             "scorer",
-            "selector"
+            "selector",
+            "task"
         ]
     );
     let snap = v
@@ -71,7 +61,7 @@ fn components_lists_every_extension_point() {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|c| c["point"] != "backend")
+        .filter(|c| c["point"] != "backend" && c["point"] != "task")
         .count();
     assert!(methods >= 38, "{methods} components");
     for name in [

@@ -1,32 +1,18 @@
 //! The defects a hostile probe found (reliability round three), one case
 //! each: the command, its exit code, and the message or the correct result.
 
+use minikv_test_support::{root, run_in_root, tmp_dir};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("minikv-r3-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    tmp_dir(&format!("r3-{tag}"))
 }
 
 /// Runs the binary: (exit code, stdout, stderr).
 fn run(args: &[&str]) -> (i32, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_minikv"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .unwrap();
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into(),
-        String::from_utf8_lossy(&o.stderr).into(),
-    )
+    let r = run_in_root(env!("CARGO_BIN_EXE_minikv"), args);
+    (r.code, r.stdout, r.stderr)
 }
 
 fn expect(args: &[&str], code: i32, want: &[&str]) -> String {

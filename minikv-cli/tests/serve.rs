@@ -3,25 +3,13 @@
 //! `minikv generate`, the load generator drives it, SIGTERM shuts it down
 //! cleanly, and bad flags are refused with the reason.
 
+use minikv_test_support::{root, run_in_root};
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 fn minikv(args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_minikv"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .unwrap();
-    (
-        o.status.success(),
-        String::from_utf8_lossy(&o.stdout).into(),
-        String::from_utf8_lossy(&o.stderr).into(),
-    )
+    let r = run_in_root(env!("CARGO_BIN_EXE_minikv"), args);
+    (r.code == 0, r.stdout, r.stderr)
 }
 
 /// Kills the server if a check fails first.

@@ -18,29 +18,22 @@ pub const DEFAULT_SELECTOR: &str = "top_k";
 
 /// A whole run config file (`configs/*.toml`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct RunConfig {
     /// Seed of every random choice made under this config.
-    #[serde(default)]
     pub seed: u64,
     /// Attention backend, by registered name: `tiled` (default), `reference`,
     /// `cuda` (registered by `minikv-kernels`).
-    #[serde(default = "default_backend")]
     pub backend: String,
     /// The KV cache.
-    #[serde(default)]
     pub cache: CacheConfig,
-}
-
-fn default_backend() -> String {
-    "tiled".into()
 }
 
 impl Default for RunConfig {
     fn default() -> Self {
         Self {
             seed: 0,
-            backend: default_backend(),
+            backend: "tiled".into(),
             cache: CacheConfig::default(),
         }
     }
@@ -86,24 +79,29 @@ pub enum ResidualMode {
 
 /// Low-bit storage of the kept tokens.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct QuantConfig {
     /// Quantizer for keys (none: keys stay fp16).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub keys: Option<Box<dyn Quantizer>>,
     /// Quantizer for values (none: values stay fp16).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub values: Option<Box<dyn Quantizer>>,
     /// Full-precision residual length `R` (must be a multiple of channel-axis groups).
-    #[serde(default = "default_residual")]
     pub residual: usize,
     /// Residual streaming semantics.
-    #[serde(default)]
     pub residual_mode: ResidualMode,
 }
 
-fn default_residual() -> usize {
-    128
+impl Default for QuantConfig {
+    fn default() -> Self {
+        Self {
+            keys: None,
+            values: None,
+            residual: 128,
+            residual_mode: ResidualMode::default(),
+        }
+    }
 }
 
 /// The KV cache: which tokens are kept (selection) and how they are stored (quant).
@@ -111,71 +109,57 @@ fn default_residual() -> usize {
 /// Without `scorer` nothing is evicted; without `quant` K/V are stored as fp16:
 /// the default config is the full fp16 cache of the papers.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct CacheConfig {
     /// Heads stored: per KV head (default) or per query head.
-    #[serde(default)]
     pub heads: HeadMode,
     /// Reduction of query-head scores into KV-head scores.
-    #[serde(default)]
     pub gqa_reduce: GqaReduce,
     /// Heavy-hitter budget as a ratio of the prompt length, in `[0, 1]`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub heavy: Option<f64>,
     /// Heavy-hitter budget in tokens (instead of `heavy`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub heavy_tokens: Option<usize>,
     /// Recent window as a ratio of the prompt length, in `[0, 1]`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub recent: Option<f64>,
     /// Recent window in tokens (instead of `recent`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub recent_tokens: Option<usize>,
     /// Attention sinks: the first `sinks` tokens are always kept.
-    #[serde(default)]
     pub sinks: usize,
     /// Frozen selection or decode-time eviction.
-    #[serde(default)]
     pub decode: DecodeMode,
     /// With `decode = "evict"`: evict down to the budget every this many
     /// decode steps (the store holds up to `evict_every - 1` extra tokens).
-    #[serde(default = "default_evict_every")]
     pub evict_every: usize,
     /// Storage grows in pages of this many tokens per head (allocation slack
     /// is below one page per store; appending allocates once per page).
-    #[serde(default = "default_page_tokens")]
     pub page_tokens: usize,
     /// Token scorer; none means no eviction.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub scorer: Option<Box<dyn TokenScorer>>,
     /// Layer budget policy (default `uniform`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub policy: Option<Box<dyn SelectionPolicy>>,
     /// Selector (default `top_k`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub selector: Option<Box<dyn Selector>>,
     /// Quantized storage; none means fp16.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub quant: Option<QuantConfig>,
     /// Compensation for evicted tokens (e.g. `type = "reskv"`); none means
     /// they are dropped.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub compensator: Option<Box<dyn crate::Compensator>>,
     /// Key-channel pruning (e.g. `type = "think"`); none keeps every channel.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub channels: Option<Box<dyn crate::ChannelPruner>>,
     /// Quest's query-aware page selection at decode (every token stored, the
     /// top pages read); none reads every stored token.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub quest: Option<crate::layered::QuestConfig>,
-}
-
-fn default_evict_every() -> usize {
-    1
-}
-
-fn default_page_tokens() -> usize {
-    256
 }
 
 impl Default for CacheConfig {
@@ -189,8 +173,8 @@ impl Default for CacheConfig {
             recent_tokens: None,
             sinks: 0,
             decode: DecodeMode::default(),
-            evict_every: default_evict_every(),
-            page_tokens: default_page_tokens(),
+            evict_every: 1,
+            page_tokens: 256,
             scorer: None,
             policy: None,
             selector: None,
@@ -230,6 +214,20 @@ pub fn check_finite_fields<T: Serialize>(prefix: &str, value: &T) -> Result<()> 
     walk(prefix, &v)
 }
 
+/// A budget given as a ratio of a `prompt`-token prompt, in tokens:
+/// `floor(prompt x ratio)`, at least one token for a non-zero ratio of a
+/// non-empty prompt (a short prompt never rounds a budget the config asked
+/// for down to nothing). The one ratio-to-tokens conversion: the cache, its
+/// memory projection, layer policies and `minikv budgets` use it.
+pub fn ratio_tokens(prompt: usize, ratio: f64) -> usize {
+    let t = (prompt as f64 * ratio).floor() as usize;
+    if ratio > 0.0 && prompt > 0 {
+        t.max(1)
+    } else {
+        t
+    }
+}
+
 fn check_ratio(field: &str, v: Option<f64>, tokens: Option<usize>) -> Result<()> {
     if let Some(r) = v {
         if !(0.0..=1.0).contains(&r) || r.is_nan() {
@@ -255,11 +253,7 @@ impl CacheConfig {
     /// rounds a budget the config asked for down to an empty cache).
     pub fn token_budgets(&self, prompt: usize) -> (usize, usize) {
         let of = |tokens: Option<usize>, ratio: Option<f64>| {
-            tokens.unwrap_or_else(|| {
-                let r = ratio.unwrap_or(0.0);
-                let t = (prompt as f64 * r).floor() as usize;
-                if r > 0.0 && prompt > 0 { t.max(1) } else { t }
-            })
+            tokens.unwrap_or_else(|| ratio_tokens(prompt, ratio.unwrap_or(0.0)))
         };
         (
             of(self.heavy_tokens, self.heavy),

@@ -61,6 +61,7 @@ mod f16x86;
 pub mod files;
 pub mod hybrid;
 pub mod layered;
+pub mod plan;
 pub mod probe;
 pub mod quant;
 pub mod scoring;
@@ -85,6 +86,7 @@ pub use config::{
     CacheConfig, DecodeMode, HeadMode, QuantConfig, ResidualMode, RunConfig, check_finite_fields,
 };
 pub use error::{Error, Result, check_finite, check_len, check_range};
+pub use plan::{CachePlan, Selection};
 pub use probe::AttentionProbe;
 pub use quant::{Axis, MinMaxSpec, QuantBytes, QuantStore, Quantizer};
 pub use scoring::{

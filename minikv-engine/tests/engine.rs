@@ -4,36 +4,16 @@
 //! bounds what its cache holds, cancellation frees bytes, bad requests are
 //! refused with the reason.
 
-use minikv_core::{CacheBuilder, CacheConfig, RunConfig};
+use minikv_core::{CacheBuilder, CacheConfig};
 use minikv_engine::{Engine, EngineConfig, Event, Finish, Finished, Request};
 use minikv_models::{LanguageModel, SamplingConfig, Tokenizer, generate};
 use minikv_policies as _;
 use minikv_quant as _;
-use std::path::{Path, PathBuf};
+use minikv_test_support::{preset, root, smollm2 as model};
 use std::sync::OnceLock;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn model() -> (&'static dyn LanguageModel, &'static Tokenizer) {
-    static M: OnceLock<(Box<dyn LanguageModel>, Tokenizer)> = OnceLock::new();
-    let (m, t) = M.get_or_init(|| {
-        let p = root().join("assets/SmolLM2-135M-Instruct.Q4_1.gguf");
-        assert!(
-            p.is_file(),
-            "{} missing: run scripts/fetch-assets.sh",
-            p.display()
-        );
-        minikv_models::load(&p).expect("model loads")
-    });
-    (m.as_ref(), t)
-}
-
 fn config(name: &str) -> CacheConfig {
-    let mut c = RunConfig::load(&root().join("configs").join(name)).unwrap();
-    c.resolve().unwrap();
-    c.cache
+    preset(name).cache
 }
 
 fn prompts(n: usize, len: usize) -> Vec<Vec<u32>> {

@@ -10,21 +10,8 @@ use minikv_models::{
 };
 use minikv_policies as _;
 use minikv_quant as _;
+use minikv_test_support::{load_model as load, root};
 use std::path::{Path, PathBuf};
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn load(name: &str) -> (Box<dyn LanguageModel>, Tokenizer) {
-    let p = root().join("assets").join(name);
-    assert!(
-        p.is_file(),
-        "{} missing: run scripts/fetch-assets.sh",
-        p.display()
-    );
-    minikv_models::load(&p).expect("model loads")
-}
 
 fn cache(m: &dyn LanguageModel, cfg: &Path) -> Box<dyn KvCache> {
     let mut c = RunConfig::load(cfg).unwrap_or_else(|e| panic!("{}: {e}", cfg.display()));

@@ -3,28 +3,19 @@
 //! continuations (`scripts/gemma3-reference.sh`), gguf-py's dequantization
 //! and a float64 numpy forward (`reference/gemma3/*.py`).
 
-use minikv_core::{CacheBuilder, CacheConfig, KvCache, RunConfig};
+use minikv_core::{CacheBuilder, CacheConfig, RunConfig};
 use minikv_models::blocks::dequantize_row;
 use minikv_models::gguf::Gguf;
 use minikv_models::{LanguageModel, Logits, SamplingConfig, Tokenizer, Workspace};
 use minikv_policies as _;
 use minikv_quant as _;
+use minikv_test_support::{asset, full_cache, root};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::OnceLock;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 fn model_path() -> PathBuf {
-    let p = root().join("assets/gemma-3-270m-q4_k_m.gguf");
-    assert!(
-        p.is_file(),
-        "{} missing: run scripts/fetch-assets.sh",
-        p.display()
-    );
-    p
+    asset("gemma-3-270m-q4_k_m.gguf")
 }
 
 fn model() -> (&'static dyn LanguageModel, &'static Tokenizer) {
@@ -44,12 +35,6 @@ fn ids(v: &Value) -> Vec<u32> {
         .iter()
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
-}
-
-fn full_cache(m: &dyn LanguageModel) -> Box<dyn KvCache> {
-    CacheBuilder::new(m.spec())
-        .build(&CacheConfig::default())
-        .unwrap()
 }
 
 #[test]

@@ -2,52 +2,19 @@
 //! against reference/smollm2_reference.json, produced by an independent numpy
 //! implementation (reference/reference_logits.py).
 
-use minikv_core::{CacheBuilder, CacheConfig, KvCache, RunConfig};
-use minikv_models::{
-    LanguageModel, Llama, Logits, SamplingConfig, Tokenizer, Workspace, generate, perplexity,
-};
+use minikv_core::KvCache;
+use minikv_models::{Llama, Logits, SamplingConfig, Workspace, generate, perplexity};
 use minikv_policies as _;
 use minikv_quant as _;
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn model_path() -> PathBuf {
-    let p = root().join("assets/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.is_file(),
-        "{} missing: run scripts/fetch-assets.sh",
-        p.display()
-    );
-    p
-}
-
-fn model() -> (&'static dyn LanguageModel, &'static Tokenizer) {
-    static M: OnceLock<(Box<dyn LanguageModel>, Tokenizer)> = OnceLock::new();
-    let (m, t) = M.get_or_init(|| minikv_models::load(&model_path()).expect("model loads"));
-    (m.as_ref(), t)
-}
+use minikv_test_support::{
+    cache_from, full_cache, root, smollm2 as model, smollm2_path as model_path,
+};
 
 fn reference() -> serde_json::Value {
     serde_json::from_str(
         &std::fs::read_to_string(root().join("reference/smollm2_reference.json")).unwrap(),
     )
     .unwrap()
-}
-
-fn full_cache(m: &dyn LanguageModel) -> Box<dyn KvCache> {
-    CacheBuilder::new(m.spec())
-        .build(&CacheConfig::default())
-        .unwrap()
-}
-
-fn cache_from(m: &dyn LanguageModel, toml: &str) -> Box<dyn KvCache> {
-    let mut cfg = RunConfig::parse(toml, false).unwrap();
-    cfg.resolve().unwrap();
-    CacheBuilder::new(m.spec()).build(&cfg.cache).unwrap()
 }
 
 #[test]

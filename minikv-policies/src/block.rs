@@ -19,28 +19,19 @@ use serde::{Deserialize, Serialize};
 
 /// Block-wise selection wrapper (kvpress default: blocks of 128).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Block {
     /// Tokens per block (128).
-    #[serde(default = "d_block")]
     pub block: usize,
     /// The scorer run on each block (keys and values only; default KeyDiff).
-    #[serde(default = "d_inner")]
     pub scorer: Box<dyn TokenScorer>,
-}
-
-fn d_block() -> usize {
-    128
-}
-fn d_inner() -> Box<dyn TokenScorer> {
-    Box::new(crate::KeyDiff {})
 }
 
 impl Default for Block {
     fn default() -> Self {
         Self {
-            block: d_block(),
-            scorer: d_inner(),
+            block: 128,
+            scorer: Box::new(crate::KeyDiff {}),
         }
     }
 }

@@ -42,14 +42,10 @@ register!(
 /// layers get more. Integer counts by largest remainder: the sum is exactly
 /// `L * mean` (unless capped by the prompt).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Pyramid {
     /// Depth `delta` (MiniKV default 7).
-    #[serde(default = "d_depth")]
     pub depth: f64,
-}
-fn d_depth() -> f64 {
-    7.0
 }
 impl Default for Pyramid {
     fn default() -> Self {
@@ -98,14 +94,10 @@ register!(
 /// `min = (C-W)//beta`, `max = 2(C-W) - min` clamped to `T - W`, integer steps.
 /// Its floors make the total exceed uniform by at most `L(L-1)/2` tokens.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct PyramidKv {
     /// `beta` (PyramidKV default 20).
-    #[serde(default = "d_beta")]
     pub beta: usize,
-}
-fn d_beta() -> usize {
-    20
 }
 impl Default for PyramidKv {
     fn default() -> Self {
@@ -161,17 +153,12 @@ register!(
 /// tokens, window included. Use with `recent_tokens = 0` and a scorer that
 /// ranks its window first (SnapKV does), as kvpress does.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct PyramidKvPress {
     /// `beta` (20).
-    #[serde(default = "d_beta")]
     pub beta: usize,
     /// The window `W` of the schedule (kvpress's `window_size`, 64).
-    #[serde(default = "d_press_window")]
     pub window: usize,
-}
-fn d_press_window() -> usize {
-    64
 }
 impl Default for PyramidKvPress {
     fn default() -> Self {
@@ -446,7 +433,7 @@ impl SelectionPolicy for PerLayer {
         } else {
             self.heavy
                 .iter()
-                .map(|r| ((r * req.prompt_len as f64).floor() as usize).min(cap))
+                .map(|&r| minikv_core::config::ratio_tokens(req.prompt_len, r).min(cap))
                 .collect()
         };
         Ok(with_recent(h, req))

@@ -21,35 +21,24 @@ use serde::{Deserialize, Serialize};
 
 /// CaM merge compensator.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct CamMerge {
     /// Kept neighbours each evicted value is spread over (kvpress: 32).
-    #[serde(default = "d_budget")]
     pub merge_budget: usize,
     /// Share of the evicted tokens merged, highest-scored first (1 = all;
     /// CaM merges at each eviction, kvpress merges the top-scored evicted
     /// tokens of each compression).
-    #[serde(default = "d_fraction")]
     pub merge_fraction: f64,
     /// Divide each kept value by its total merge weight (a weighted mean of
     /// itself and what it received) instead of CaM's plain sum.
-    #[serde(default)]
     pub normalize: bool,
-}
-
-fn d_fraction() -> f64 {
-    1.0
-}
-
-fn d_budget() -> usize {
-    32
 }
 
 impl Default for CamMerge {
     fn default() -> Self {
         Self {
-            merge_budget: d_budget(),
-            merge_fraction: d_fraction(),
+            merge_budget: 32,
+            merge_fraction: 1.0,
             normalize: false,
         }
     }

@@ -14,42 +14,25 @@ use serde::{Deserialize, Serialize};
 
 /// CAPKV scorer (kvpress defaults).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Cap {
     /// Temperature of the query-key alignment weights (5).
-    #[serde(default = "d_tau")]
     pub tau: f32,
     /// Future positions the RoPE rotation is averaged over (512).
-    #[serde(default = "d_future")]
     pub n_future_positions: usize,
     /// Leading tokens protected and left out of the statistics (4).
-    #[serde(default = "d_sink")]
     pub n_sink: usize,
     /// Added to the weights inside `A` (1e-6).
-    #[serde(default = "d_eps")]
     pub epsilon: f32,
-}
-
-fn d_tau() -> f32 {
-    5.0
-}
-fn d_future() -> usize {
-    512
-}
-fn d_sink() -> usize {
-    4
-}
-fn d_eps() -> f32 {
-    1e-6
 }
 
 impl Default for Cap {
     fn default() -> Self {
         Self {
-            tau: d_tau(),
-            n_future_positions: d_future(),
-            n_sink: d_sink(),
-            epsilon: d_eps(),
+            tau: 5.0,
+            n_future_positions: 512,
+            n_sink: 4,
+            epsilon: 1e-6,
         }
     }
 }

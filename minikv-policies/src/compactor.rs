@@ -14,48 +14,30 @@ use serde::{Deserialize, Serialize};
 
 /// Compactor scorer (kvpress defaults).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Compactor {
     /// Protected leading tokens (8).
-    #[serde(default = "d_start")]
     pub sinks_start: usize,
     /// Protected trailing tokens (4).
-    #[serde(default = "d_end")]
     pub sinks_end: usize,
     /// Chunk of the non-causal attention (256).
-    #[serde(default = "d_chunk")]
     pub chunk: usize,
     /// Columns of the leverage sketch (48).
-    #[serde(default = "d_sketch")]
     pub sketch: usize,
     /// Seed of the sketch.
-    #[serde(default)]
     pub seed: u64,
     /// Weight of the leverage term; absent: the evicted share of the prompt.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub blending: Option<f32>,
-}
-
-fn d_start() -> usize {
-    8
-}
-fn d_end() -> usize {
-    4
-}
-fn d_chunk() -> usize {
-    256
-}
-fn d_sketch() -> usize {
-    48
 }
 
 impl Default for Compactor {
     fn default() -> Self {
         Self {
-            sinks_start: d_start(),
-            sinks_end: d_end(),
-            chunk: d_chunk(),
-            sketch: d_sketch(),
+            sinks_start: 8,
+            sinks_end: 4,
+            chunk: 256,
+            sketch: 48,
             seed: 0,
             blending: None,
         }

@@ -18,35 +18,22 @@ use serde::{Deserialize, Serialize};
 
 /// CriticalKV wrapper (kvpress defaults: ε = 1e-4, first stage 0.5).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct CriticalKv {
     /// Share of the budget chosen by the inner scorer alone (0.5).
-    #[serde(default = "d_ratio")]
     pub first_stage_ratio: f64,
     /// Added to the inner score before the projection-norm product (1e-4).
-    #[serde(default = "d_eps")]
     pub epsilon: f32,
     /// The scorer refined.
-    #[serde(default = "d_inner")]
     pub scorer: Box<dyn TokenScorer>,
-}
-
-fn d_ratio() -> f64 {
-    0.5
-}
-fn d_eps() -> f32 {
-    1e-4
-}
-fn d_inner() -> Box<dyn TokenScorer> {
-    Box::new(crate::SnapKv::default())
 }
 
 impl Default for CriticalKv {
     fn default() -> Self {
         Self {
-            first_stage_ratio: d_ratio(),
-            epsilon: d_eps(),
-            scorer: d_inner(),
+            first_stage_ratio: 0.5,
+            epsilon: 1e-4,
+            scorer: Box::new(crate::SnapKv::default()),
         }
     }
 }

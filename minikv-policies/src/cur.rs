@@ -30,47 +30,31 @@ pub enum Leverage {
 
 /// CurDKV scorer (kvpress defaults).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Cur {
     /// Leading tokens that score 1 (4).
-    #[serde(default = "d_sinks")]
     pub sinks: usize,
     /// Which leverage is scored (`kv_product`).
-    #[serde(default)]
     pub leverage: Leverage,
     /// Project keys and values by a seeded Gaussian matrix first (false).
-    #[serde(default)]
     pub random_projection: bool,
     /// Seed of that projection.
-    #[serde(default)]
     pub seed: u64,
     /// Normalize within aligned windows (true).
-    #[serde(default = "d_true")]
     pub local: bool,
     /// Window of the local normalization (16).
-    #[serde(default = "d_window")]
     pub local_window: usize,
-}
-
-fn d_sinks() -> usize {
-    4
-}
-fn d_true() -> bool {
-    true
-}
-fn d_window() -> usize {
-    16
 }
 
 impl Default for Cur {
     fn default() -> Self {
         Self {
-            sinks: d_sinks(),
+            sinks: 4,
             leverage: Leverage::default(),
             random_projection: false,
             seed: 0,
             local: true,
-            local_window: d_window(),
+            local_window: 16,
         }
     }
 }

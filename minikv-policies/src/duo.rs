@@ -103,33 +103,24 @@ impl DuoPattern {
 
 /// DuoAttention selector.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct DuoAttention {
     /// Pattern file (from `minikv calibrate duo`). In a config file, a
     /// relative path is relative to the config file's folder (a path that
     /// exists only relative to the working directory is still taken, as
     /// before).
-    #[serde(default = "d_pattern")]
     pub pattern: String,
     /// Share of the model's KV heads that keep everything (0.5).
-    #[serde(default = "d_fraction")]
     pub retrieval_fraction: f64,
     #[serde(skip)]
     loaded: OnceLock<std::result::Result<Arc<Vec<Vec<bool>>>, String>>,
 }
 
-fn d_pattern() -> String {
-    "configs/patterns/smollm2-135m-instruct-q4_1.duo.json".into()
-}
-fn d_fraction() -> f64 {
-    0.5
-}
-
 impl Default for DuoAttention {
     fn default() -> Self {
         Self {
-            pattern: d_pattern(),
-            retrieval_fraction: d_fraction(),
+            pattern: "configs/patterns/smollm2-135m-instruct-q4_1.duo.json".into(),
+            retrieval_fraction: 0.5,
             loaded: OnceLock::new(),
         }
     }

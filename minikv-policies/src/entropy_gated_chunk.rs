@@ -21,35 +21,22 @@ use serde::{Deserialize, Serialize};
 
 /// Entropy-gated ChunkKV wrapper.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct EntropyGatedChunkKv {
     /// Tokens per chunk (10).
-    #[serde(default = "d_chunk")]
     pub chunk: usize,
     /// Tokens kept from a spiky chunk (4).
-    #[serde(default = "d_keep")]
     pub spiky_keep: usize,
     /// The scorer whose scores are gated.
-    #[serde(default = "d_inner")]
     pub scorer: Box<dyn TokenScorer>,
-}
-
-fn d_chunk() -> usize {
-    10
-}
-fn d_keep() -> usize {
-    4
-}
-fn d_inner() -> Box<dyn TokenScorer> {
-    Box::new(crate::SnapKv::default())
 }
 
 impl Default for EntropyGatedChunkKv {
     fn default() -> Self {
         Self {
-            chunk: d_chunk(),
-            spiky_keep: d_keep(),
-            scorer: d_inner(),
+            chunk: 10,
+            spiky_keep: 4,
+            scorer: Box::new(crate::SnapKv::default()),
         }
     }
 }

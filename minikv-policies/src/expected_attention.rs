@@ -18,41 +18,26 @@ use serde::{Deserialize, Serialize};
 
 /// Expected Attention scorer (kvpress defaults).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct ExpectedAttention {
     /// Future positions the RoPE rotation is averaged over (512).
-    #[serde(default = "d_future")]
     pub n_future_positions: usize,
     /// Leading tokens protected as attention sinks and left out of the query
     /// statistics (4).
-    #[serde(default = "d_sink")]
     pub n_sink: usize,
     /// Include the covariance term (true).
-    #[serde(default = "d_true")]
     pub use_covariance: bool,
     /// Multiply by the value norm (true).
-    #[serde(default = "d_true")]
     pub use_vnorm: bool,
     /// Added to the expected attention before the value-norm product (0).
-    #[serde(default)]
     pub epsilon: f32,
-}
-
-fn d_future() -> usize {
-    512
-}
-fn d_sink() -> usize {
-    4
-}
-fn d_true() -> bool {
-    true
 }
 
 impl Default for ExpectedAttention {
     fn default() -> Self {
         Self {
-            n_future_positions: d_future(),
-            n_sink: d_sink(),
+            n_future_positions: 512,
+            n_sink: 4,
             use_covariance: true,
             use_vnorm: true,
             epsilon: 0.0,

@@ -17,27 +17,18 @@ use serde::{Deserialize, Serialize};
 
 /// FINCH scorer.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Finch {
     /// Window of prompt queries (32).
-    #[serde(default = "d_window")]
     pub window: usize,
     /// Weight each window row by the keys it sees (FINCH's normalization; true).
-    #[serde(default = "d_true")]
     pub normalize: bool,
-}
-
-fn d_window() -> usize {
-    32
-}
-fn d_true() -> bool {
-    true
 }
 
 impl Default for Finch {
     fn default() -> Self {
         Self {
-            window: d_window(),
+            window: 32,
             normalize: true,
         }
     }

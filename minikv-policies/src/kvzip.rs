@@ -17,20 +17,15 @@ use serde::{Deserialize, Serialize};
 
 /// KVzip scorer (kvpress default: 4 sinks).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct KvZip {
     /// Leading tokens scored 1 and seen by the pass's scoring attention (4).
-    #[serde(default = "d_sink")]
     pub n_sink: usize,
-}
-
-fn d_sink() -> usize {
-    4
 }
 
 impl Default for KvZip {
     fn default() -> Self {
-        Self { n_sink: d_sink() }
+        Self { n_sink: 4 }
     }
 }
 

@@ -19,32 +19,22 @@ use serde::{Deserialize, Serialize};
 
 /// LagKV scorer (kvpress defaults: 4 sinks, partitions of 128).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct LagKv {
     /// Protected leading tokens (4).
-    #[serde(default = "d_sink")]
     pub n_sink: usize,
     /// Partition length (128).
-    #[serde(default = "d_lag")]
     pub lag_size: usize,
     /// Keep the softmaxed statistics as scores instead of in-partition ranks
     /// (comparable across partitions and heads, e.g. under Ada-KV).
-    #[serde(default)]
     pub cross_scoring: bool,
-}
-
-fn d_sink() -> usize {
-    4
-}
-fn d_lag() -> usize {
-    128
 }
 
 impl Default for LagKv {
     fn default() -> Self {
         Self {
-            n_sink: d_sink(),
-            lag_size: d_lag(),
+            n_sink: 4,
+            lag_size: 128,
             cross_scoring: false,
         }
     }

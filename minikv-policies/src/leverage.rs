@@ -19,24 +19,18 @@ use serde::{Deserialize, Serialize};
 
 /// Leverage-score scorer (kvpress default: sketch of 48 columns).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct LeverageScore {
     /// Columns `k` of the Gaussian sketch (48).
-    #[serde(default = "d_sketch")]
     pub sketch: usize,
     /// Seed of the sketch.
-    #[serde(default)]
     pub seed: u64,
-}
-
-fn d_sketch() -> usize {
-    48
 }
 
 impl Default for LeverageScore {
     fn default() -> Self {
         Self {
-            sketch: d_sketch(),
+            sketch: 48,
             seed: 0,
         }
     }

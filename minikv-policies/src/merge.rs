@@ -17,18 +17,12 @@ use serde::{Deserialize, Serialize};
 
 /// Similarity merge compensator (kvpress defaults).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct SimilarityMerge {
     /// Minimum cosine similarity for a merge (0).
-    #[serde(default)]
     pub similarity_threshold: f32,
     /// Share of the evicted tokens merged, most similar first (1).
-    #[serde(default = "d_fraction")]
     pub merge_fraction: f64,
-}
-
-fn d_fraction() -> f64 {
-    1.0
 }
 
 impl Default for SimilarityMerge {

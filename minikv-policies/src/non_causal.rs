@@ -22,20 +22,15 @@ use serde::{Deserialize, Serialize};
 
 /// Non-causal chunked attention scorer (kvpress default: chunks of 256).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct NonCausalAttention {
     /// Chunk length (256).
-    #[serde(default = "d_chunk")]
     pub chunk: usize,
-}
-
-fn d_chunk() -> usize {
-    256
 }
 
 impl Default for NonCausalAttention {
     fn default() -> Self {
-        Self { chunk: d_chunk() }
+        Self { chunk: 256 }
     }
 }
 

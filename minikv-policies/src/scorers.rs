@@ -97,28 +97,19 @@ pub enum Pooling {
 
 /// SnapKV: attention of the last `window` prompt queries, pooled.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct SnapKv {
     /// Observation window `W` (last prompt queries).
-    #[serde(default = "d_window")]
     pub window: usize,
     /// Pooling kernel `k` (odd); 1 disables pooling.
-    #[serde(default = "d_kernel")]
     pub kernel: usize,
     /// Pooling type.
-    #[serde(default)]
     pub pooling: Pooling,
     /// Average the window rows' attention (kvpress) instead of summing them
     /// (SnapKV's reference). The ranking is the same; a wrapper that adds a
     /// constant to the scores (CriticalKV's `epsilon`) sees the scale.
-    #[serde(default, skip_serializing_if = "is_false")]
+    #[serde(skip_serializing_if = "is_false")]
     pub average: bool,
-}
-fn d_window() -> usize {
-    32
-}
-fn d_kernel() -> usize {
-    7
 }
 impl Default for SnapKv {
     /// MiniKV's SnapKV settings: W = 32, k = 7, max pooling.
@@ -441,19 +432,17 @@ register!(
 /// `ChunkKVPress`, which also keeps whole chunks only (`⌊chunks·(1 - ratio)⌋`
 /// of them, so a few tokens fewer than the budget).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct ChunkKv {
     /// Tokens per chunk (ChunkKV's default: 10).
-    #[serde(default = "d_chunk")]
     pub chunk: usize,
     /// One selection for every head: scores summed over heads first.
-    #[serde(default, skip_serializing_if = "is_false")]
+    #[serde(skip_serializing_if = "is_false")]
     pub shared: bool,
     /// A chunk scores the mean of its tokens instead of their sum.
-    #[serde(default, skip_serializing_if = "is_false")]
+    #[serde(skip_serializing_if = "is_false")]
     pub mean: bool,
     /// The scorer whose scores are summed per chunk.
-    #[serde(default = "d_inner")]
     pub scorer: Box<dyn TokenScorer>,
 }
 
@@ -461,21 +450,13 @@ fn is_false(b: &bool) -> bool {
     !*b
 }
 
-fn d_chunk() -> usize {
-    10
-}
-
-fn d_inner() -> Box<dyn TokenScorer> {
-    Box::new(SnapKv::default())
-}
-
 impl Default for ChunkKv {
     fn default() -> Self {
         Self {
-            chunk: d_chunk(),
+            chunk: 10,
             shared: false,
             mean: false,
-            scorer: d_inner(),
+            scorer: Box::new(SnapKv::default()),
         }
     }
 }

@@ -58,14 +58,10 @@ register!(
 /// each head guaranteed `floor(alpha * heavy)`; heads end up with different
 /// lengths (stored ragged).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct AdaKv {
     /// Safeguard fraction of the mean budget every head keeps.
-    #[serde(default = "d_alpha")]
     pub alpha: f64,
-}
-fn d_alpha() -> f64 {
-    0.2
 }
 impl Default for AdaKv {
     fn default() -> Self {

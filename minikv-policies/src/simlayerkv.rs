@@ -18,36 +18,23 @@ use serde::{Deserialize, Serialize};
 
 /// SimLayerKV layer policy.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct SimLayerKv {
     /// Attention share above which a layer is lazy (0.9, the reference's
     /// recommendation for Llama 3; 1.0 never compresses).
-    #[serde(default = "d_threshold")]
     pub lazy_threshold: f64,
     /// Last prompt queries that decide (1).
-    #[serde(default = "d_last")]
     pub n_last: usize,
     /// Recent tokens a lazy layer keeps, plus `n_last` (1024).
-    #[serde(default = "d_recent")]
     pub n_recent: usize,
-}
-
-fn d_threshold() -> f64 {
-    0.9
-}
-fn d_last() -> usize {
-    1
-}
-fn d_recent() -> usize {
-    1024
 }
 
 impl Default for SimLayerKv {
     fn default() -> Self {
         Self {
-            lazy_threshold: d_threshold(),
-            n_last: d_last(),
-            n_recent: d_recent(),
+            lazy_threshold: 0.9,
+            n_last: 1,
+            n_recent: 1024,
         }
     }
 }

@@ -14,29 +14,20 @@ use serde::{Deserialize, Serialize};
 
 /// ThinK channel pruner.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct Think {
     /// Share of key channels removed (kvpress's
     /// `key_channel_compression_ratio`; ThinK's experiments use 0.4-0.5).
-    #[serde(default = "d_ratio")]
     pub ratio: f64,
     /// Last prompt queries the channel statistics use (32).
-    #[serde(default = "d_window")]
     pub window: usize,
-}
-
-fn d_ratio() -> f64 {
-    0.5
-}
-fn d_window() -> usize {
-    32
 }
 
 impl Default for Think {
     fn default() -> Self {
         Self {
-            ratio: d_ratio(),
-            window: d_window(),
+            ratio: 0.5,
+            window: 32,
         }
     }
 }

@@ -11,24 +11,10 @@ use minikv_models::{LanguageModel, Logits, SamplingConfig, Tokenizer, Workspace,
 use minikv_policies as _;
 use minikv_quant as _;
 use minikv_server::{Server, ServerConfig};
+use minikv_test_support::{preset, smollm2_path as model_path};
 use serde_json::{Value, json};
-use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn model_path() -> PathBuf {
-    let p = root().join("assets/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        p.is_file(),
-        "{} missing: run scripts/fetch-assets.sh",
-        p.display()
-    );
-    p
-}
 
 /// The reference: the model loaded on its own, outside the server.
 fn reference() -> &'static (Box<dyn LanguageModel>, Tokenizer) {
@@ -37,9 +23,7 @@ fn reference() -> &'static (Box<dyn LanguageModel>, Tokenizer) {
 }
 
 fn config(name: &str) -> RunConfig {
-    let mut c = RunConfig::load(&root().join("configs").join(name)).unwrap();
-    c.resolve().unwrap();
-    c
+    preset(name)
 }
 
 /// A full-cache budget for about `n` sequences of 300 tokens.

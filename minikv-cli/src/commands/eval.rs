@@ -5,7 +5,7 @@ use super::*;
 use crate::EvalArgs;
 use crate::provenance::provenance;
 use minikv_core::{Error, Result, RunConfig};
-use minikv_eval::tasks::Input;
+use minikv_eval::tasks::{Input, TaskMemory};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -277,16 +277,13 @@ pub fn run_task(
         out["context"] = serde_json::Value::Null;
         out["tokens"] = serde_json::Value::Null;
     }
-    match &r.memory {
-        Some(m) => out["memory"] = memory_json(m),
-        None => {
-            let (kv, full) = (
-                out["metrics"]["kv_bytes"].as_u64().unwrap_or(0),
-                out["metrics"]["full_fp16_bytes"].as_u64().unwrap_or(1),
-            );
-            out["memory"] = json!({"kv_bytes": kv, "full_fp16_bytes": full, "compression_ratio": kv as f64 / full as f64});
+    out["memory"] = match &r.memory {
+        TaskMemory::Report(m) => memory_json(m),
+        m => {
+            let (kv, full) = (m.kv_bytes(), m.full_fp16_bytes().max(1));
+            json!({"kv_bytes": kv, "full_fp16_bytes": full, "compression_ratio": kv as f64 / full as f64})
         }
-    }
+    };
     Ok(out)
 }
 
@@ -335,7 +332,7 @@ pub fn eval(a: &EvalArgs) -> Result<()> {
         ids: a.ids.clone(),
     };
     if let Some(path) = &a.export {
-        let Some(ruler) = minikv_eval::ruler::RulerTask::from_task(&spec.task) else {
+        let Some(ruler) = minikv_eval::ruler::find(&spec.task) else {
             return Err(Error::Input(format!(
                 "--export writes generated ruler-* tasks; `{}` is not one",
                 spec.task

@@ -66,6 +66,10 @@ pub fn components(json_out: bool) -> Result<()> {
         v.extend(backends.iter().map(|b| {
             json!({"point": "backend", "name": b.name, "config_key": "backend", "summary": b.summary, "default": b.name})
         }));
+        v.extend(minikv_eval::tasks::all().iter().map(|t| {
+            let m = t.metric();
+            json!({"point": "task", "name": t.name(), "config_key": "--task", "summary": t.summary(), "metric": m.name, "higher_is_better": m.higher_is_better, "family": t.family()})
+        }));
         print_json(&json!(v));
         return Ok(());
     }
@@ -93,6 +97,21 @@ pub fn components(json_out: bool) -> Result<()> {
         if !defaults.is_empty() {
             println!("  {:<22} defaults: {}", "", show(&defaults));
         }
+    }
+    println!("\nevaluation task (minikv eval --task):");
+    for t in minikv_eval::tasks::all() {
+        let m = t.metric();
+        let dir = if m.higher_is_better {
+            "higher"
+        } else {
+            "lower"
+        };
+        println!(
+            "  {:<25} {} [{}, {dir} is better]",
+            t.name(),
+            t.summary(),
+            m.name
+        );
     }
     Ok(())
 }

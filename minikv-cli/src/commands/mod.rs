@@ -149,6 +149,39 @@ pub fn first_tokens(tok: &Tokenizer, text: &str, n: usize, what: &Path) -> Resul
     Ok(ids[..n].to_vec())
 }
 
+/// Prompts for load generators (`bench throughput`, `bench serve`): a
+/// text's tokens, from which request `i` reads its own stretch.
+pub struct PromptSource {
+    ids: Vec<u32>,
+}
+
+impl PromptSource {
+    /// Tokenizes `path` (a text file or a directory of them; default
+    /// [`default_text`]); an empty text is an error.
+    pub fn load(tok: &minikv_models::Tokenizer, path: Option<&Path>) -> Result<Self> {
+        let path = path.map_or_else(default_text, Path::to_path_buf);
+        let ids = tok.encode(&read_text(&path)?)?;
+        if ids.is_empty() {
+            return Err(Error::Input(format!("{}: no tokens", path.display())));
+        }
+        Ok(Self { ids })
+    }
+
+    /// Request `i`'s prompt of `len` tokens: the text from offset
+    /// `997 i` (a prime stride, so requests start at different places),
+    /// cycled when the text is shorter.
+    pub fn prompt(&self, i: usize, len: usize) -> Vec<u32> {
+        let off = (i * 997) % self.ids.len();
+        self.ids
+            .iter()
+            .copied()
+            .cycle()
+            .skip(off)
+            .take(len)
+            .collect()
+    }
+}
+
 pub fn default_text() -> PathBuf {
     assets_dir().join("paul_graham")
 }

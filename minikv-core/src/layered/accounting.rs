@@ -149,4 +149,50 @@ impl LayeredCache {
         };
         Some((comp.typetag_name().to_string(), stats))
     }
+    /// Quest: bytes read per decoded token (all layers) next to bytes held.
+    fn quest_diagnostics(&self) -> crate::Stats {
+        let q = &self.quest_stats;
+        let steps = q.steps.max(1) as f64;
+        let read = if q.bytes_all == 0 {
+            1.0
+        } else {
+            q.bytes_read as f64 / q.bytes_all as f64
+        };
+        let values = [
+            ("decode_steps", q.steps as f64),
+            ("bytes_read_per_token", q.bytes_read as f64 / steps),
+            ("bytes_held_per_token", q.bytes_all as f64 / steps),
+            ("read_fraction", read),
+        ];
+        crate::Stats {
+            values: values.into_iter().map(|(k, v)| (k.into(), v)).collect(),
+            per_layer: Vec::new(),
+        }
+    }
+
+    /// Every part that measured something, side by side.
+    pub(super) fn diagnostics_report(&self) -> crate::Diagnostics {
+        // Every part that measured something, side by side.
+        let mut d = crate::Diagnostics::new();
+        if self.cfg.quest.is_some() {
+            d.insert("quest".into(), self.quest_diagnostics());
+        }
+        if self.needs.reconstruction.is_some() {
+            // Per layer tokens are counted once.
+            let values = [
+                (
+                    "pass_tokens".to_string(),
+                    (self.pass_stats.0 / self.spec.n_layers.max(1)) as f64,
+                ),
+                ("pass_seconds".to_string(), self.pass_stats.1),
+            ];
+            let s = crate::Stats {
+                values: values.into_iter().collect(),
+                per_layer: Vec::new(),
+            };
+            d.insert("reconstruction".into(), s);
+        }
+        d.extend(self.compensator_diagnostics());
+        d
+    }
 }

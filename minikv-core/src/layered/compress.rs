@@ -6,6 +6,7 @@ use super::quest::QuestHead;
 use super::{Layer, LayeredCache};
 use crate::compensate::{CompensateInput, Compensation};
 use crate::config::HeadMode;
+use crate::plan::Selection;
 use crate::scoring::{LayerSignals, reduce_gqa};
 use crate::select::SelectionInput;
 use crate::{BudgetRequest, Error, LayerBudget, Phase, Result, check_len};
@@ -29,43 +30,45 @@ impl LayeredCache {
                 "differing lengths",
             ));
         }
-        let all: Vec<u32> = (0..t as u32).collect();
-        if self.cfg.scorer.is_none() {
-            for layer in 0..self.spec.n_layers {
-                let comps = (0..self.n_store)
-                    .map(|_| Compensation::keep(all.clone()))
-                    .collect();
-                let budget = LayerBudget {
-                    heavy: t,
-                    recent: 0,
-                };
-                self.store_layer(
-                    layer,
-                    Plan {
-                        comps,
-                        scores: None,
-                    },
-                    budget,
-                )?;
-            }
-            self.phase = Phase::Decode;
-            return Ok(());
-        }
-        let budgets = self.layer_budgets(t)?;
+        let Some(sel) = self.selection.clone() else {
+            return self.keep_all(t);
+        };
+        let budgets = self.layer_budgets(&sel, t)?;
         for (layer, &budget) in budgets.iter().enumerate() {
-            let plan = self.plan_layer(layer, t, budget)?;
-            self.store_layer(layer, plan, budget)?;
+            let plan = self.plan_layer(&sel, layer, t, budget)?;
+            self.store_layer(layer, plan, budget, Some(&sel))?;
         }
         self.budgets = budgets;
         self.phase = Phase::Decode;
         Ok(())
     }
 
+    /// Without a selection: every token of every layer to the stores.
+    fn keep_all(&mut self, t: usize) -> Result<()> {
+        let all: Vec<u32> = (0..t as u32).collect();
+        for layer in 0..self.spec.n_layers {
+            let comps = (0..self.n_store)
+                .map(|_| Compensation::keep(all.clone()))
+                .collect();
+            let budget = LayerBudget {
+                heavy: t,
+                recent: 0,
+            };
+            let plan = Plan {
+                comps,
+                scores: None,
+            };
+            self.store_layer(layer, plan, budget, None)?;
+        }
+        self.phase = Phase::Decode;
+        Ok(())
+    }
+
     /// The policy's per-layer budgets, from the layer signals it asked for.
-    fn layer_budgets(&self, t: usize) -> Result<Vec<LayerBudget>> {
+    fn layer_budgets(&self, sel: &Selection, t: usize) -> Result<Vec<LayerBudget>> {
         let spec = &self.spec;
         let (heavy, recent) = self.cfg.token_budgets(t);
-        let policy = self.cfg.policy.as_ref().expect("resolved");
+        let policy = &sel.policy;
         let pw = policy.needs().query_window;
         let views: Vec<_> = self
             .layers
@@ -94,12 +97,18 @@ impl LayeredCache {
     }
 
     /// Scores, selection and compensation of one layer.
-    fn plan_layer(&self, layer: usize, t: usize, budget: LayerBudget) -> Result<Plan> {
+    fn plan_layer(
+        &self,
+        sel: &Selection,
+        layer: usize,
+        t: usize,
+        budget: LayerBudget,
+    ) -> Result<Plan> {
         use rayon::prelude::*;
         let spec = &self.spec;
         let (hq, hkv) = (spec.n_q_heads, spec.n_kv_heads);
         let l = &self.layers[layer];
-        let scorer = self.cfg.scorer.as_ref().expect("checked");
+        let scorer = &sel.scorer;
         let w = l
             .staging
             .staged_queries(spec)
@@ -119,7 +128,7 @@ impl LayeredCache {
             HeadMode::PerQuery => sq,
         };
         let mut kept = Vec::new();
-        self.cfg.selector.as_ref().expect("resolved").select(
+        sel.selector.select(
             &SelectionInput {
                 scores: &scores,
                 n_heads: self.n_store,
@@ -217,7 +226,13 @@ impl LayeredCache {
     }
 
     /// Moves one layer's kept rows into its stores and frees its staging.
-    fn store_layer(&mut self, layer: usize, plan: Plan, budget: LayerBudget) -> Result<()> {
+    fn store_layer(
+        &mut self,
+        layer: usize,
+        plan: Plan,
+        budget: LayerBudget,
+        sel: Option<&Selection>,
+    ) -> Result<()> {
         let d = self.spec.head_dim;
         let t = self.layers[layer].seen;
         let channels = self.plan_channels(layer, t)?;
@@ -252,11 +267,10 @@ impl LayeredCache {
         if !stats.is_empty() {
             self.comp_stats.push(stats);
         }
-        if self.cfg.decode == crate::DecodeMode::Evict {
-            let scorer = self.cfg.scorer.as_deref().expect("validated");
+        if let (crate::DecodeMode::Evict, Some(sel)) = (self.cfg.decode, sel) {
             let ev = Evictor::new(
                 &self.spec,
-                scorer,
+                sel.scorer.clone(),
                 kept_all,
                 plan.scores.as_deref(),
                 t,

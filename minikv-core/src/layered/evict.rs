@@ -27,6 +27,8 @@ struct EvictHead {
 /// Decode-time eviction state of one layer.
 #[derive(Debug)]
 pub(crate) struct Evictor {
+    /// The scorer whose decode-time rule (or re-scoring) drives eviction.
+    scorer: Box<dyn TokenScorer>,
     heads: Vec<EvictHead>,
     /// Per query head, this step's attention over its storage head's rows.
     pub probs: Vec<Vec<f32>>,
@@ -52,7 +54,6 @@ pub(crate) struct Evictor {
 /// What the evictor needs from the cache's config.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct EvictParams<'a> {
-    pub scorer: &'a dyn TokenScorer,
     pub spec: &'a ModelSpec,
     pub layer: usize,
     pub sinks: usize,
@@ -76,7 +77,7 @@ impl Evictor {
     /// their prefill scores (`scores[s * t + p]`, or 0 without scores).
     pub fn new(
         spec: &ModelSpec,
-        scorer: &dyn TokenScorer,
+        scorer: Box<dyn TokenScorer>,
         kept: Vec<Vec<u32>>,
         scores: Option<&[f32]>,
         t: usize,
@@ -114,6 +115,7 @@ impl Evictor {
             0
         };
         Self {
+            scorer,
             heads,
             probs: vec![Vec::new(); spec.n_q_heads],
             reduced: Vec::new(),
@@ -140,8 +142,8 @@ impl Evictor {
     }
 
     /// Records a decoded token's row in every head.
-    pub fn push(&mut self, pos: u32, scorer: &dyn TokenScorer) {
-        let rule = scorer.decode_score();
+    pub fn push(&mut self, pos: u32) {
+        let rule = self.scorer.decode_score();
         for h in &mut self.heads {
             h.pos.push(pos);
             h.score.push(rule.map_or(0.0, |r| r.initial(pos, 0.0)));
@@ -168,7 +170,8 @@ impl Evictor {
     pub fn step(&mut self, stores: &mut [HeadStore], p: &EvictParams<'_>) -> Result<()> {
         let hq = p.spec.n_q_heads;
         let g = hq / stores.len();
-        let rule = p.scorer.decode_score();
+        let rule = self.scorer.decode_score();
+        let rescore = rule.is_none();
         self.steps += 1;
         let due = self.steps.is_multiple_of(p.every);
         if let Some(rule) = rule {
@@ -208,7 +211,7 @@ impl Evictor {
             if self.heads[s].pos.len() <= self.heads[s].cap {
                 continue;
             }
-            if rule.is_none() {
+            if rescore {
                 self.rescore(s, store, g, p)?;
             }
             let recent_start = p.seen.saturating_sub(self.heads[s].recent);
@@ -315,7 +318,7 @@ impl Evictor {
             rope: None,
         };
         self.sbuf.resize(g * n, 0.0);
-        p.scorer.score(&inputs, &mut self.sbuf)?;
+        self.scorer.score(&inputs, &mut self.sbuf)?;
         for (j, &i) in self.order.iter().enumerate() {
             let col = (0..g).map(|k| self.sbuf[k * n + j]);
             h.score[i as usize] = match p.reduce {

@@ -6,27 +6,33 @@
 //!   compensation) wiring the components of the config;
 //! * `store`: per storage head, the quantized part, the fp16 residual with
 //!   its streaming rule, and extra entries;
-//! * `evict`: decode-time eviction over any scorer.
+//! * `decode`: one decode step (append, attend, residual rule, eviction);
+//! * `evict`: decode-time eviction over any scorer;
+//! * `quest`: Quest's page bounds and per-step page reads;
+//! * `passes`: context-reconstruction passes during prefill;
+//! * `accounting`: the memory report, its projection and the diagnostics.
 //!
 //! Heads hold ragged lengths: per-head budgets really free memory.
 //! [`KvCache::memory`] is the sum of each part's own accounting.
 
 mod accounting;
 mod compress;
+mod decode;
 mod evict;
+mod passes;
 mod quest;
 pub(crate) mod staging;
 mod store;
 
-use crate::attention::{AttentionBackend, DecodeArgs, HeadView};
+use crate::attention::AttentionBackend;
 use crate::cache::{KvCache, MemoryReport, ModelWants, Observation, Phase};
 use crate::compensate::LogitGate;
-use crate::config::{CacheConfig, HeadMode};
+use crate::config::CacheConfig;
+use crate::plan::{CachePlan, Selection};
 use crate::{Error, LayerBudget, ModelSpec, Needs, Result, check_finite, check_len};
-use evict::{EvictParams, Evictor};
+use evict::Evictor;
 pub use quest::QuestConfig;
-use quest::QuestHead;
-use smallvec::SmallVec;
+use quest::{QuestHead, QuestStats};
 use staging::Staging;
 use std::sync::Arc;
 use store::{HeadStore, ResidualRule};
@@ -42,19 +48,13 @@ struct Layer {
     quest: Vec<QuestHead>,
 }
 
-/// Quest's running byte counts.
-#[derive(Debug, Default, Clone, Copy)]
-struct QuestStats {
-    steps: u64,
-    bytes_read: u64,
-    bytes_all: u64,
-}
-
 /// The cache built from a [`CacheConfig`].
 #[derive(Debug)]
 pub struct LayeredCache {
     spec: ModelSpec,
     cfg: CacheConfig,
+    /// Token selection (`None`: every token kept).
+    selection: Option<Selection>,
     backend: Arc<dyn AttentionBackend>,
     needs: Needs,
     phase: Phase,
@@ -74,37 +74,35 @@ pub struct LayeredCache {
 }
 
 impl LayeredCache {
-    /// Builds an empty cache. `cfg` is resolved and validated here.
+    /// Builds an empty cache. `cfg` is resolved and validated here
+    /// ([`CachePlan::new`]).
     pub fn new(
-        mut cfg: CacheConfig,
+        cfg: CacheConfig,
         spec: ModelSpec,
         backend: Arc<dyn AttentionBackend>,
     ) -> Result<Self> {
-        spec.validate()?;
-        cfg.resolve()?;
-        cfg.validate(Some(&spec))?;
-        let mut needs = Needs::default();
-        if let Some(s) = &cfg.scorer {
-            needs = needs.union(s.needs());
-        }
-        if let Some(p) = &cfg.policy {
-            needs = needs.union(p.needs());
-        }
-        if let Some(c) = &cfg.compensator {
-            needs = needs.union(c.needs());
-        }
-        if let Some(c) = &cfg.channels {
-            needs = needs.union(c.needs());
-        }
-        let n_store = match cfg.heads {
-            HeadMode::PerKv => spec.n_kv_heads,
-            HeadMode::PerQuery => spec.n_q_heads,
-        };
+        let plan = CachePlan::new(cfg, &spec)?;
+        Self::from_plan(plan, spec, backend)
+    }
+
+    /// Builds an empty cache from a plan made for `spec`.
+    pub fn from_plan(
+        plan: CachePlan,
+        spec: ModelSpec,
+        backend: Arc<dyn AttentionBackend>,
+    ) -> Result<Self> {
+        let CachePlan {
+            config: cfg,
+            selection,
+            needs,
+            n_store,
+        } = plan;
         let mut c = Self {
             spec,
             residual: ResidualRule::new(&cfg),
             gate: cfg.compensator.as_ref().and_then(|c| c.gate()),
             cfg,
+            selection,
             backend,
             needs,
             phase: Phase::Prefill,
@@ -119,27 +117,6 @@ impl LayeredCache {
         };
         c.reset_layers()?;
         Ok(c)
-    }
-
-    /// Quest: bytes read per decoded token (all layers) next to bytes held.
-    fn quest_diagnostics(&self) -> crate::Stats {
-        let q = &self.quest_stats;
-        let steps = q.steps.max(1) as f64;
-        let read = if q.bytes_all == 0 {
-            1.0
-        } else {
-            q.bytes_read as f64 / q.bytes_all as f64
-        };
-        let values = [
-            ("decode_steps", q.steps as f64),
-            ("bytes_read_per_token", q.bytes_read as f64 / steps),
-            ("bytes_held_per_token", q.bytes_all as f64 / steps),
-            ("read_fraction", read),
-        ];
-        crate::Stats {
-            values: values.into_iter().map(|(k, v)| (k.into(), v)).collect(),
-            per_layer: Vec::new(),
-        }
     }
 
     /// The resolved config.
@@ -183,84 +160,6 @@ impl LayeredCache {
                 format!("< {}", self.spec.n_layers),
                 layer,
             ));
-        }
-        Ok(())
-    }
-
-    fn decode_append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<()> {
-        let d = self.spec.head_dim;
-        let (n_store, hkv) = (self.n_store, self.spec.n_kv_heads);
-        let l = &mut self.layers[layer];
-        for (s, h) in l.heads.iter_mut().enumerate() {
-            let kv = s * hkv / n_store;
-            let (k, v) = (&k[kv * d..(kv + 1) * d], &v[kv * d..(kv + 1) * d]);
-            h.push(k, v, &self.residual, &mut self.scratch)?;
-        }
-        for (s, qh) in l.quest.iter_mut().enumerate() {
-            let kv = s * hkv / n_store;
-            qh.add_rows(&k[kv * d..(kv + 1) * d]);
-        }
-        if let Some(ev) = l.evict.as_mut() {
-            ev.push(
-                l.seen as u32,
-                self.cfg.scorer.as_deref().expect("validated"),
-            );
-        }
-        l.seen += 1;
-        Ok(())
-    }
-
-    fn decode_attend(&mut self, layer: usize, q: &[f32], out: &mut [f32]) -> Result<()> {
-        let l = &mut self.layers[layer];
-        let gate = self.gate.as_deref();
-        if let Some(qc) = &self.cfg.quest {
-            let (d, g) = (self.spec.head_dim, self.spec.n_q_heads / self.n_store);
-            for (s, qh) in l.quest.iter_mut().enumerate() {
-                let read = qh.select(&l.heads[s], &q[s * g * d..(s + 1) * g * d], qc.token_budget);
-                self.quest_stats.bytes_read += read as u64;
-                self.quest_stats.bytes_all += qh.held_bytes() as u64;
-            }
-            if layer == 0 {
-                self.quest_stats.steps += 1;
-            }
-        }
-        {
-            let views: SmallVec<[HeadView<'_>; 16]> = l
-                .heads
-                .iter()
-                .enumerate()
-                .map(|(s, h)| {
-                    let mut v = h.view(gate);
-                    if let Some(qh) = l.quest.get(s).filter(|qh| qh.selected) {
-                        v.fp_keys = qh.sel_k.as_ref();
-                        v.fp_values = qh.sel_v.as_ref();
-                    }
-                    v
-                })
-                .collect();
-            self.backend.decode(DecodeArgs {
-                q,
-                heads: &views,
-                head_dim: self.spec.head_dim,
-                out,
-                probs: l.evict.as_mut().map(|e| &mut e.probs[..]),
-            })?;
-        }
-        for h in &mut l.heads {
-            h.after_attend(&self.residual, &mut self.scratch)?;
-        }
-        if let Some(ev) = l.evict.as_mut() {
-            ev.push_query(q);
-            let p = EvictParams {
-                scorer: self.cfg.scorer.as_deref().expect("validated"),
-                spec: &self.spec,
-                layer,
-                sinks: self.cfg.sinks,
-                every: self.cfg.evict_every,
-                reduce: EvictParams::reduce_of(&self.cfg),
-                seen: l.seen,
-            };
-            ev.step(&mut l.heads, &p)?;
         }
         Ok(())
     }
@@ -313,35 +212,7 @@ impl KvCache for LayeredCache {
         check_len("attend queries", n * row, q.len())?;
         check_len("attend output", n * row, out.len())?;
         match self.phase {
-            Phase::Prefill => {
-                let l = &mut self.layers[layer];
-                let t = l.seen;
-                match &self.pass {
-                    None => l.staging.attend(
-                        self.backend.as_ref(),
-                        &self.spec,
-                        self.needs,
-                        t,
-                        q,
-                        n,
-                        out,
-                    ),
-                    Some((pass, _)) => {
-                        // A pass's tokens feed no other signal.
-                        l.staging.attend(
-                            self.backend.as_ref(),
-                            &self.spec,
-                            Needs::default(),
-                            t,
-                            q,
-                            n,
-                            out,
-                        )?;
-                        l.staging.pass_scores(&self.spec, pass, q, n, t);
-                        Ok(())
-                    }
-                }
-            }
+            Phase::Prefill => self.prefill_attend(layer, q, n, out),
             Phase::Decode if n != 1 => Err(Error::Unsupported(
                 "decode attends one query per head".into(),
             )),
@@ -370,43 +241,11 @@ impl KvCache for LayeredCache {
     }
 
     fn begin_pass(&mut self, context: std::ops::Range<usize>) -> Result<()> {
-        let Some(sink) = self.needs.reconstruction else {
-            return Err(Error::Unsupported(
-                "no component of this cache asked for a reconstruction pass".into(),
-            ));
-        };
-        if self.phase != Phase::Prefill || self.pass.is_some() {
-            return Err(Error::Unsupported(
-                "a reconstruction pass starts during prefill, one at a time".into(),
-            ));
-        }
-        let t0 = self.layers[0].seen;
-        if self.layers.iter().any(|l| l.seen != t0)
-            || context.start >= context.end
-            || context.end > t0
-        {
-            return Err(Error::Input(format!(
-                "reconstruction pass over {context:?}: the prompt holds {t0} tokens in every layer"
-            )));
-        }
-        self.pass = Some((
-            staging::Pass { context, t0, sink },
-            std::time::Instant::now(),
-        ));
-        Ok(())
+        self.start_pass(context)
     }
 
     fn end_pass(&mut self) -> Result<()> {
-        let Some((pass, t)) = self.pass.take() else {
-            return Err(Error::Unsupported("end_pass without begin_pass".into()));
-        };
-        for l in &mut self.layers {
-            self.pass_stats.0 += l.seen - pass.t0;
-            l.staging.truncate(&self.spec, pass.t0);
-            l.seen = pass.t0;
-        }
-        self.pass_stats.1 += t.elapsed().as_secs_f64();
-        Ok(())
+        self.finish_pass()
     }
 
     fn observe(&mut self, layer: usize, obs: Observation<'_>) -> Result<()> {
@@ -430,31 +269,10 @@ impl KvCache for LayeredCache {
         self.budgets.clone()
     }
 
-    /// With a compensator: its per-head statistics averaged per layer and
-    /// overall, under the compensator's type name.
+    /// Every part that measured something, side by side: Quest's reads, the
+    /// reconstruction passes, the compensator's per-head statistics.
     fn diagnostics(&self) -> crate::Diagnostics {
-        // Every part that measured something, side by side.
-        let mut d = crate::Diagnostics::new();
-        if self.cfg.quest.is_some() {
-            d.insert("quest".into(), self.quest_diagnostics());
-        }
-        if self.needs.reconstruction.is_some() {
-            // Per layer tokens are counted once.
-            let values = [
-                (
-                    "pass_tokens".to_string(),
-                    (self.pass_stats.0 / self.spec.n_layers.max(1)) as f64,
-                ),
-                ("pass_seconds".to_string(), self.pass_stats.1),
-            ];
-            let s = crate::Stats {
-                values: values.into_iter().collect(),
-                per_layer: Vec::new(),
-            };
-            d.insert("reconstruction".into(), s);
-        }
-        d.extend(self.compensator_diagnostics());
-        d
+        self.diagnostics_report()
     }
 
     fn reset(&mut self) {

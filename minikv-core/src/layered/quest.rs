@@ -15,29 +15,20 @@ use serde::{Deserialize, Serialize};
 
 /// `[cache.quest]`: Quest's page size and token budget.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct QuestConfig {
     /// Rows per page (Quest's default 16).
-    #[serde(default = "d_page")]
     pub page_size: usize,
     /// Rows read per decode step and head (whole pages; Quest's budgets are
     /// 256-4096 tokens).
-    #[serde(default = "d_budget")]
     pub token_budget: usize,
-}
-
-fn d_page() -> usize {
-    16
-}
-fn d_budget() -> usize {
-    512
 }
 
 impl Default for QuestConfig {
     fn default() -> Self {
         Self {
-            page_size: d_page(),
-            token_budget: d_budget(),
+            page_size: 16,
+            token_budget: 512,
         }
     }
 }
@@ -62,6 +53,14 @@ impl QuestConfig {
         }
         Ok(())
     }
+}
+
+/// Quest's running byte counts.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct QuestStats {
+    pub steps: u64,
+    pub bytes_read: u64,
+    pub bytes_all: u64,
 }
 
 /// One storage head's page bounds and the rows selected for this step.

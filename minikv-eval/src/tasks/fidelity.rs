@@ -1,7 +1,7 @@
 //! `fidelity`: next-token agreement (KL, top-1) of the compressed cache with
 //! the full cache on the same tokens.
 
-use super::{EvalTask, Input, Outcomes, TaskContext, TaskMetric, TaskOutput, Trial, to_json};
+use super::{EvalTask, Input, Outcomes, TaskContext, TaskMetric, TaskOutput};
 use minikv_core::Result;
 
 /// KL(full || compressed) of the next-token distributions after the context.
@@ -25,18 +25,11 @@ impl EvalTask for Fidelity {
         Input::Windows
     }
     fn run(&self, cx: &TaskContext<'_>) -> Result<TaskOutput> {
-        cx.each_window(|ids| {
-            let mut comp = (cx.cache)()?;
+        cx.each_window_with_cache(|comp, ids| {
             // The full cache's logits of this window, shared by every config
             // the caller runs on it.
             let reference = (cx.reference)(ids)?;
-            let r =
-                crate::fidelity_against(cx.model, comp.as_mut(), ids, cx.spec.context, &reference)?;
-            Ok(Trial {
-                metrics: to_json(&r),
-                memory: comp.memory(),
-                diagnostics: comp.diagnostics(),
-            })
+            crate::fidelity_against(cx.model, comp, ids, cx.spec.context, &reference)
         })
     }
 }

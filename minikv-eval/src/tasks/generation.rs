@@ -1,7 +1,7 @@
 //! `generation`: greedy generation from the compressed cache compared with
 //! the full cache's.
 
-use super::{EvalTask, Input, Outcomes, TaskContext, TaskMetric, TaskOutput, Trial, to_json};
+use super::{EvalTask, Input, Outcomes, TaskContext, TaskMetric, TaskOutput};
 use minikv_core::Result;
 
 /// Token F1 (and exact prefix) of greedy continuations, compressed vs full.
@@ -25,21 +25,15 @@ impl EvalTask for Generation {
         Input::Windows
     }
     fn run(&self, cx: &TaskContext<'_>) -> Result<TaskOutput> {
-        cx.each_window(|ids| {
-            let mut comp = (cx.cache)()?;
-            let r = crate::generation_agreement(
+        cx.each_window_with_cache(|comp, ids| {
+            crate::generation_agreement(
                 cx.model,
                 cx.tok,
                 (cx.full_cache)()?.as_mut(),
-                comp.as_mut(),
+                comp,
                 &ids[..cx.spec.context],
                 cx.spec.tokens,
-            )?;
-            Ok(Trial {
-                metrics: to_json(&r),
-                memory: comp.memory(),
-                diagnostics: comp.diagnostics(),
-            })
+            )
         })
     }
 }

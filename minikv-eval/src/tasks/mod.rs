@@ -20,7 +20,7 @@ mod perplexity;
 mod questions;
 mod retrieval;
 
-pub use questions::{QuestionSet, ruler_rows};
+pub use questions::{Dataset, RulerQuestions, ruler_rows};
 
 use minikv_core::{Diagnostics, Error, KvCache, MemoryReport, Result};
 use minikv_models::{LanguageModel, Tokenizer};
@@ -168,10 +168,43 @@ pub struct TaskContext<'a> {
 pub struct TaskOutput {
     /// The task's metrics (JSON object; the primary metric among them).
     pub metrics: serde_json::Value,
-    /// The compressed cache's memory after the last trial, when the task
-    /// measured one cache ([`Input::Windows`]); otherwise the metrics carry
-    /// `kv_bytes` and `full_fp16_bytes`.
-    pub memory: Option<MemoryReport>,
+    /// The memory of the cache under test.
+    pub memory: TaskMemory,
+}
+
+/// The memory a task reports for the cache under test.
+#[derive(Debug, Clone)]
+pub enum TaskMemory {
+    /// The whole report of the cache measured in the last trial (window
+    /// tasks measure one cache per trial).
+    Report(MemoryReport),
+    /// Bytes held by the cache of the last prompt, and the full fp16 cache's
+    /// bytes for the same tokens (tasks that build a cache per question).
+    Bytes {
+        /// Bytes the compressed cache holds.
+        kv_bytes: usize,
+        /// Bytes a full fp16 cache would hold.
+        full_fp16_bytes: usize,
+    },
+}
+
+impl TaskMemory {
+    /// Bytes held by the cache under test.
+    pub fn kv_bytes(&self) -> usize {
+        match self {
+            Self::Report(m) => m.used_bytes(),
+            Self::Bytes { kv_bytes, .. } => *kv_bytes,
+        }
+    }
+    /// Bytes a full fp16 cache would hold for the same tokens.
+    pub fn full_fp16_bytes(&self) -> usize {
+        match self {
+            Self::Report(m) => m.full_fp16_bytes,
+            Self::Bytes {
+                full_fp16_bytes, ..
+            } => *full_fp16_bytes,
+        }
+    }
 }
 
 /// One window's measurement ([`TaskContext::each_window`]).
@@ -209,9 +242,31 @@ impl TaskContext<'_> {
             memory = Some(t.memory);
             rows.push(v);
         }
+        let Some(memory) = memory else {
+            return Err(Error::Input("trials must be positive".into()));
+        };
         Ok(TaskOutput {
             metrics: mean_rows(&rows),
-            memory,
+            memory: TaskMemory::Report(memory),
+        })
+    }
+
+    /// [`each_window`](Self::each_window) with a fresh cache of the config
+    /// under test per window: `f` measures it on the window's tokens and
+    /// returns the window's metrics; the cache's memory and diagnostics are
+    /// taken after `f`.
+    pub fn each_window_with_cache<M: Serialize>(
+        &self,
+        mut f: impl FnMut(&mut dyn KvCache, &[u32]) -> Result<M>,
+    ) -> Result<TaskOutput> {
+        self.each_window(|ids| {
+            let mut comp = (self.cache)()?;
+            let metrics = to_json(&f(comp.as_mut(), ids)?);
+            Ok(Trial {
+                metrics,
+                memory: comp.memory(),
+                diagnostics: comp.diagnostics(),
+            })
         })
     }
 }

@@ -1,7 +1,7 @@
 //! `perplexity`: perplexity of each window's continuation after the context
 //! is prefilled and compressed.
 
-use super::{EvalTask, Input, Outcomes, TaskContext, TaskMetric, TaskOutput, Trial, to_json};
+use super::{EvalTask, Input, Outcomes, TaskContext, TaskMetric, TaskOutput};
 use minikv_core::Result;
 
 /// Teacher-forced perplexity of the tokens after the compressed context.
@@ -25,15 +25,8 @@ impl EvalTask for Perplexity {
         Input::Windows
     }
     fn run(&self, cx: &TaskContext<'_>) -> Result<TaskOutput> {
-        cx.each_window(|ids| {
-            let mut comp = (cx.cache)()?;
-            let r =
-                minikv_models::perplexity(cx.model, comp.as_mut(), ids, cx.spec.context, |_| {})?;
-            Ok(Trial {
-                metrics: to_json(&r),
-                memory: comp.memory(),
-                diagnostics: comp.diagnostics(),
-            })
+        cx.each_window_with_cache(|comp, ids| {
+            minikv_models::perplexity(cx.model, comp, ids, cx.spec.context, |_| {})
         })
     }
 }

@@ -1,15 +1,15 @@
 //! Question tasks: the RULER-style `ruler-*` tasks (questions generated
-//! with the text as haystack) and `dataset` (rows from a JSONL file), scored
-//! by `qa::evaluate` in the task's query mode.
+//! with the text as haystack, one [`RulerGenerator`] each) and `dataset`
+//! (rows from a JSONL file), scored by `qa::evaluate` in the task's query
+//! mode.
 
-use super::{EvalTask, Input, Outcomes, TaskContext, TaskMetric, TaskOutput, TaskSpec, to_json};
+use super::{
+    EvalTask, Input, Outcomes, TaskContext, TaskMemory, TaskMetric, TaskOutput, TaskSpec, to_json,
+};
 use crate::qa::{self, QaRow};
-use crate::ruler::{self, RulerTask};
+use crate::ruler::{self, RulerGenerator};
 use minikv_core::{Error, Result};
 use minikv_models::Tokenizer;
-
-/// A set of question rows: generated RULER-style, or read from `--dataset`.
-pub struct QuestionSet(pub Option<RulerTask>);
 
 const SCORE: TaskMetric = TaskMetric {
     name: "score",
@@ -20,7 +20,7 @@ const SCORE: TaskMetric = TaskMetric {
 /// The rows of a RULER-style task, generated with `text` as the haystack
 /// (also what `minikv eval --export` writes).
 pub fn ruler_rows(
-    task: RulerTask,
+    task: &dyn RulerGenerator,
     spec: &TaskSpec,
     tok: &Tokenizer,
     seed: u64,
@@ -39,53 +39,67 @@ pub fn ruler_rows(
     )
 }
 
-impl EvalTask for QuestionSet {
+/// Scores question rows in the task's query mode.
+fn score(cx: &TaskContext<'_>, rows: &[QaRow]) -> Result<TaskOutput> {
+    let r = qa::evaluate(cx.model, cx.tok, rows, cx.spec.query, cx.cache)?;
+    Ok(TaskOutput {
+        memory: TaskMemory::Bytes {
+            kv_bytes: r.kv_bytes,
+            full_fp16_bytes: r.full_fp16_bytes,
+        },
+        metrics: to_json(&r),
+    })
+}
+
+/// A RULER-style task: its generator's rows, scored (registered by
+/// [`crate::register_ruler!`]).
+pub struct RulerQuestions(pub &'static dyn RulerGenerator);
+
+impl EvalTask for RulerQuestions {
     fn name(&self) -> &'static str {
-        self.0.map_or("dataset", RulerTask::name)
+        self.0.name()
     }
     fn summary(&self) -> &'static str {
-        match self.0 {
-            None => "question rows of a JSONL file (--dataset), each with its context",
-            Some(_) => "RULER-style questions generated with the text as haystack",
-        }
+        self.0.summary()
     }
     fn metric(&self) -> TaskMetric {
         SCORE
     }
     fn input(&self) -> Input {
-        match self.0 {
-            None => Input::Dataset,
-            Some(_) => Input::Questions,
-        }
+        Input::Questions
     }
     fn family(&self) -> Option<&'static str> {
-        self.0.map(|_| "ruler")
+        Some("ruler")
     }
     fn run(&self, cx: &TaskContext<'_>) -> Result<TaskOutput> {
-        let rows = match self.0 {
-            Some(t) => ruler_rows(t, cx.spec, cx.tok, cx.seed, cx.text)?,
-            None => {
-                let p = cx.spec.dataset.as_ref().ok_or_else(|| {
-                    Error::Input("task `dataset` needs --dataset FILE.jsonl".into())
-                })?;
-                qa::read_dataset(p)?
-            }
-        };
-        let r = qa::evaluate(cx.model, cx.tok, &rows, cx.spec.query, cx.cache)?;
-        Ok(TaskOutput {
-            metrics: to_json(&r),
-            memory: None,
-        })
+        score(cx, &ruler_rows(self.0, cx.spec, cx.tok, cx.seed, cx.text)?)
     }
 }
 
-crate::register_task!(QuestionSet(None));
-crate::register_task!(QuestionSet(Some(RulerTask::NiahSingleNumber)));
-crate::register_task!(QuestionSet(Some(RulerTask::NiahSingleWord)));
-crate::register_task!(QuestionSet(Some(RulerTask::NiahSingleUuid)));
-crate::register_task!(QuestionSet(Some(RulerTask::NiahMultikey)));
-crate::register_task!(QuestionSet(Some(RulerTask::NiahMultivalue)));
-crate::register_task!(QuestionSet(Some(RulerTask::NiahMultiquery)));
-crate::register_task!(QuestionSet(Some(RulerTask::VariableTracking)));
-crate::register_task!(QuestionSet(Some(RulerTask::CommonWords)));
-crate::register_task!(QuestionSet(Some(RulerTask::FrequentWords)));
+/// Question rows read from `--dataset`, each with its context.
+pub struct Dataset;
+
+impl EvalTask for Dataset {
+    fn name(&self) -> &'static str {
+        "dataset"
+    }
+    fn summary(&self) -> &'static str {
+        "question rows of a JSONL file (--dataset), each with its context"
+    }
+    fn metric(&self) -> TaskMetric {
+        SCORE
+    }
+    fn input(&self) -> Input {
+        Input::Dataset
+    }
+    fn run(&self, cx: &TaskContext<'_>) -> Result<TaskOutput> {
+        let p = cx
+            .spec
+            .dataset
+            .as_ref()
+            .ok_or_else(|| Error::Input("task `dataset` needs --dataset FILE.jsonl".into()))?;
+        score(cx, &qa::read_dataset(p)?)
+    }
+}
+
+crate::register_task!(Dataset);

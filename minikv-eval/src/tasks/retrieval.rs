@@ -1,7 +1,7 @@
 //! `passkey`, `needle`, `kv-retrieval`: a fact hidden in essay filler at a
 //! depth, asked for after compression; greedy answers, exact match.
 
-use super::{EvalTask, Input, Outcomes, TaskContext, TaskMetric, TaskOutput, to_json};
+use super::{EvalTask, Input, Outcomes, TaskContext, TaskMemory, TaskMetric, TaskOutput, to_json};
 use crate::Retrieval;
 use minikv_core::Result;
 
@@ -42,8 +42,11 @@ impl EvalTask for RetrievalTask {
         };
         let r = crate::retrieval(self.0, cx.model, cx.tok, cx.tokens, spec, cx.cache)?;
         Ok(TaskOutput {
+            memory: TaskMemory::Bytes {
+                kv_bytes: r.kv_bytes,
+                full_fp16_bytes: r.full_fp16_bytes,
+            },
             metrics: to_json(&r),
-            memory: None,
         })
     }
 }

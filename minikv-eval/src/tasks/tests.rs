@@ -23,7 +23,16 @@ fn every_task_is_registered_once_with_its_metric() {
     ] {
         assert!(find(n).is_some(), "{n} registered");
     }
-    assert_eq!(names.len(), 8 + crate::ruler::RulerTask::ALL.len());
+    // Every RULER-style generator is a task of the `ruler` family, and only they.
+    let ruler: Vec<&str> = crate::ruler::all().iter().map(|g| g.name()).collect();
+    assert_eq!(ruler.len(), 9);
+    let family: Vec<&str> = all()
+        .into_iter()
+        .filter(|t| t.family() == Some("ruler"))
+        .map(|t| t.name())
+        .collect();
+    assert_eq!(ruler, family);
+    assert_eq!(names.len(), 8 + ruler.len());
     let m = |n: &str| find(n).unwrap().metric();
     assert_eq!(
         (m("fidelity").name, m("fidelity").higher_is_better),

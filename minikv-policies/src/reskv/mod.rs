@@ -56,73 +56,49 @@ pub enum GateMeasure {
     None,
 }
 
-fn d_ratio() -> f64 {
-    0.1
-}
-fn d_iters() -> usize {
-    5
-}
-fn d_beta() -> f32 {
-    1.0
-}
-fn d_tau() -> f32 {
-    0.25
-}
-fn d_alpha() -> f32 {
-    12.0
-}
-fn d_held() -> usize {
-    32
-}
-fn d_candidates() -> Vec<f64> {
-    vec![0.0, 0.05, 0.10, 0.15, 0.20]
-}
-fn d_delta() -> f64 {
-    0.01
-}
-
 /// `[cache.compensator] type = "reskv"`: residual clusters of evicted tokens.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct ResKvConfig {
     /// Share `r / b` of each head's budget given to cluster entries, in `[0, 1)`.
-    #[serde(default = "d_ratio")]
     pub ratio: f64,
     /// `fixed` (use `ratio`) or `proxy` (pick per head from `candidates`).
-    #[serde(default)]
     pub select: RatioSelect,
     /// Candidate ratios of the proxy.
-    #[serde(default = "d_candidates")]
     pub candidates: Vec<f64>,
     /// Relative improvement the proxy needs over `r = 0`.
-    #[serde(default = "d_delta")]
     pub delta: f64,
     /// Lloyd iterations.
-    #[serde(default = "d_iters")]
     pub iters: usize,
     /// Weight of `log(count)` in the cluster logit.
-    #[serde(default = "d_beta")]
     pub beta: f32,
     /// Gate sharpness measure.
-    #[serde(default)]
     pub gate: GateMeasure,
     /// Gate threshold on the sharpness.
-    #[serde(default = "d_tau")]
     pub tau: f32,
     /// Gate sigmoid slope.
-    #[serde(default = "d_alpha")]
     pub alpha: f32,
     /// Gate floor.
-    #[serde(default)]
     pub g_min: f32,
     /// Last prompt queries held out for the proxy and the diagnostics.
-    #[serde(default = "d_held")]
     pub held_out: usize,
 }
 
 impl Default for ResKvConfig {
     fn default() -> Self {
-        serde_json::from_value(serde_json::json!({})).expect("defaults")
+        Self {
+            ratio: 0.1,
+            select: RatioSelect::default(),
+            candidates: vec![0.0, 0.05, 0.10, 0.15, 0.20],
+            delta: 0.01,
+            iters: 5,
+            beta: 1.0,
+            gate: GateMeasure::default(),
+            tau: 0.25,
+            alpha: 12.0,
+            g_min: 0.0,
+            held_out: 32,
+        }
     }
 }
 

@@ -1,5 +1,6 @@
-//! Unit tests of `ruler.rs`.
+//! Unit tests of the RULER generators' helpers.
 
+use super::niah::niah_question;
 use super::*;
 
 #[test]
