@@ -101,11 +101,14 @@ lowered = sorted({(r["depth"], r["depth_used"]) for r in mk["results"] if r["dep
 print(f"Decode tokens/s ({threads} threads, {mk['model']}, minikv {mk['git_rev']}; median of runs, minikv spread in brackets; llama.cpp at the faster of flash attention off and on per cell, `fa` says which; ratio = minikv / llama.cpp f16 at its fastest):\n")
 print("| depth | llama.cpp f16 KV | llama.cpp q4_0 KV | " + " | ".join(f"minikv {c}" for c in cfgs) + " |")
 print("|---|---|---|" + "---|" * len(cfgs))
-for d in sorted(f16):
+# Every depth either side measured: a side that failed leaves "-" cells and
+# no ratio, never a missing row.
+for d in sorted(set(f16) | {k[1] for k in dec}):
     cells = []
     for c in cfgs:
         r = dec.get((c, d))
-        cells.append("-" if r is None else f"{r['tokens_per_s']:.1f} [{r['min']:.1f}, {r['max']:.1f}] (x{r['tokens_per_s'] / f16.ts(d):.2f})")
+        ratio = f" (x{r['tokens_per_s'] / f16.ts(d):.2f})" if r is not None and d in f16 else ""
+        cells.append("-" if r is None else f"{r['tokens_per_s']:.1f} [{r['min']:.1f}, {r['max']:.1f}]{ratio}")
     print(f"| {d} | {f16.cell(d)} | {q4.cell(d)} | " + " | ".join(cells) + " |")
 name_of = {"f16 KV": "llamacpp-decode-f16", "q4_0 KV": "llamacpp-decode-q4_0", "prefill": "llamacpp-prefill"}
 for name, b in (("f16 KV", f16), ("q4_0 KV", q4), ("prefill", pre)):
@@ -120,7 +123,7 @@ for r in mkp["results"]:
 pr = {(r["config"], r["tokens"]): r for r in mkp["results"]}
 print("| prompt | llama.cpp | " + " | ".join(f"minikv {c}" for c in pcfg) + " |")
 print("|---|---|" + "---|" * len(pcfg))
-for n in sorted(pre):
-    cells = [f"{pr[(c, n)]['tokens_per_s']:.1f} (x{pr[(c, n)]['tokens_per_s'] / pre.ts(n):.2f})" if (c, n) in pr else "-" for c in pcfg]
+for n in sorted(set(pre) | {k[1] for k in pr}):
+    cells = [f"{pr[(c, n)]['tokens_per_s']:.1f}" + (f" (x{pr[(c, n)]['tokens_per_s'] / pre.ts(n):.2f})" if n in pre else "") if (c, n) in pr else "-" for c in pcfg]
     print(f"| {n} | {pre.cell(n)} | " + " | ".join(cells) + " |")
 PY

@@ -14,7 +14,10 @@ SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 DIR=third_party/llama.cpp
 BIN="$DIR/build/bin"
 TARGETS=(llama-bench llama-batched-bench llama-perplexity llama-tokenize llama-completion llama-quantize llama-server)
-if [ -f "$DIR/.built-$VERSION" ] && [ -x "$BIN/llama-quantize" ] && [ -x "$BIN/llama-batched-bench" ] && [ -x "$BIN/llama-server" ]; then
+# The build's flags are part of its marker: a build made with other flags is
+# redone.
+STAMP="$DIR/.built-$VERSION-noamx"
+if [ -f "$STAMP" ] && [ -x "$BIN/llama-quantize" ] && [ -x "$BIN/llama-batched-bench" ] && [ -x "$BIN/llama-server" ]; then
   echo "$BIN"
   exit 0
 fi
@@ -38,9 +41,15 @@ if ! command -v cmake >/dev/null; then
   if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq cmake >/dev/null
   else sudo apt-get update -qq && sudo apt-get install -y -qq cmake >/dev/null; fi
 fi
+# Native code for this CPU, except Intel AMX: a virtual machine may report
+# AMX tiles in cpuid without enabling them (seen here: llama-bench died with
+# SIGILL on `tilezero` in its AMX matmul), and llama.cpp then has no
+# fallback. GCC's explicit -mno-* flags win over what -march=native implies.
+NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$DIR/src/llama.cpp" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DCMAKE_C_FLAGS="$NOAMX" -DCMAKE_CXX_FLAGS="$NOAMX" \
   -DLLAMA_BUILD_SERVER=ON >&2
 cmake --build "$DIR/build" -j "${JOBS:-$(nproc)}" --target "${TARGETS[@]}" >&2
-touch "$DIR/.built-$VERSION"
+touch "$STAMP"
 echo "$BIN"
