@@ -17,7 +17,8 @@ use crate::config::{CacheConfig, HeadMode};
 use crate::{Error, ModelSpec, Needs, Result, SelectionPolicy, Selector, TokenScorer};
 
 /// Token selection of a config that evicts: the scorer with the budget
-/// policy and selector that resolution gave it, and the budget.
+/// policy and selector that resolution gave it (the budget itself stays in
+/// the config: `CacheConfig::token_budgets`).
 #[derive(Debug, Clone)]
 pub struct Selection {
     /// Scores the prompt's tokens.
