@@ -368,7 +368,7 @@ fn kvpress_methods_on_the_real_model() {
     };
     let quest = cfg(
         "quest.toml",
-        "[cache.quest]\npage_size = 16\ntoken_budget = 128\n",
+        "[cache.pages]\npage_size = 16\ntoken_budget = 128\n",
     );
     let q = eval(&quest);
     let frac = q["metrics"]["quest_read_fraction"].as_f64().unwrap();

@@ -146,16 +146,28 @@ fn config_text(choice: &[usize]) -> String {
         (
             7,
             "decode",
-            &["\"frozen\"", "\"evict\"", "\"evict\""],
-            &["\"sometimes\""],
+            &[
+                "\"frozen\"",
+                "\"evict\"",
+                "{ type = \"evict\", every = 3 }",
+                "{ type = \"evict\", every = 64 }",
+            ],
+            &["\"sometimes\"", "{ type = \"evict\", every = 0 }"],
         ),
-        (8, "evict_every", &["1", "3", "64"], &["0"]),
+        (
+            8,
+            "pages",
+            &[
+                "{ page_size = 4, token_budget = 8 }",
+                "{ page_size = 16, token_budget = 16, score = { type = \"page_mean\" } }",
+            ],
+            &["{ page_size = 0 }", "{ page_size = 8, token_budget = 4 }"],
+        ),
         (9, "page_tokens", &["1", "7", "256"], &["0", "1e9"]),
     ] {
         let x = c(i) % 40;
         let exclusive = (key == "heavy_tokens" && s.contains("heavy ="))
-            || (key == "recent_tokens" && s.contains("recent ="))
-            || (key == "evict_every" && !s.contains("evict\""));
+            || (key == "recent_tokens" && s.contains("recent ="));
         let v = if x < 18 || (exclusive && x < 39) {
             None
         } else if x < 39 {

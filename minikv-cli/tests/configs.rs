@@ -202,9 +202,15 @@ fn every_registered_type_deserializes() {
         let back = serde_json::to_value(&cfg).unwrap();
         let got = match c.point {
             components::ExtensionPoint::Quantizer => &back["cache"]["quant"]["keys"],
+            components::ExtensionPoint::PageScore => &back["cache"]["pages"]["score"],
             _ => &back["cache"][field],
         };
-        assert_eq!(got, &v, "{}", c.name);
+        if got.is_string() {
+            // A decode regime at its defaults is written back as its name.
+            assert_eq!(got, &v["type"], "{}", c.name);
+        } else {
+            assert_eq!(got, &v, "{}", c.name);
+        }
     }
 }
 
@@ -254,4 +260,52 @@ fn budget_tables_of_presets() {
         table.insert(name(&p), serde_json::json!({"recent": b[0].recent, "sinks": c.sinks, "heavy": heavy, "heavy_total": heavy.iter().sum::<usize>()}));
     }
     insta::assert_json_snapshot!("budget_tables_30_layers_2048_tokens", table);
+}
+
+/// `cache.decode` is a name or a table, written back as the name when every
+/// parameter is at its default; the old `evict_every` says where it moved;
+/// `[cache.quest]` is read as `[cache.pages]`.
+#[test]
+fn decode_regime_and_pages_sections() {
+    let base = "[cache]\nheavy = 0.1\nscorer = { type = \"h2o\" }\n";
+    let named = RunConfig::parse(&format!("{base}decode = \"evict\""), false).unwrap();
+    assert!(named.to_toml().unwrap().contains("decode = \"evict\""));
+    let table = RunConfig::parse(
+        &format!("{base}decode = {{ type = \"evict\", every = 16 }}"),
+        false,
+    )
+    .unwrap();
+    let back = serde_json::to_value(&table).unwrap();
+    assert_eq!(
+        back["cache"]["decode"],
+        serde_json::json!({ "type": "evict", "every": 16 })
+    );
+    let again = RunConfig::parse(&table.to_toml().unwrap(), false).unwrap();
+    assert_eq!(serde_json::to_value(&again).unwrap(), back);
+    for (text, want) in [
+        (
+            format!("{base}decode = \"evict\"\nevict_every = 4"),
+            "every = N",
+        ),
+        (format!("{base}decode = \"sometimes\""), "sometimes"),
+        (
+            format!("{base}decode = {{ type = \"evict\", evry = 4 }}"),
+            "evry",
+        ),
+    ] {
+        let e = RunConfig::parse(&text, false).unwrap_err().to_string();
+        assert!(e.contains(want), "{e}");
+    }
+    let e = RunConfig::parse(
+        &format!("{base}decode = {{ type = \"evict\", every = 0 }}"),
+        false,
+    )
+    .unwrap()
+    .validate(None)
+    .unwrap_err();
+    assert!(e.to_string().contains("cache.decode.every"), "{e}");
+    let old = RunConfig::parse("[cache.quest]\npage_size = 8\ntoken_budget = 64", false).unwrap();
+    let new = RunConfig::parse("[cache.pages]\npage_size = 8\ntoken_budget = 64", false).unwrap();
+    assert_eq!(old.to_toml().unwrap(), new.to_toml().unwrap());
+    assert!(new.to_toml().unwrap().contains("[cache.pages.score]"));
 }

@@ -23,6 +23,11 @@ pub enum ExtensionPoint {
     Compensator,
     /// [`crate::ChannelPruner`]: which key channels are stored.
     Channels,
+    /// [`crate::DecodeRegime`]: what happens to the stored rows while decoding.
+    Decode,
+    /// [`crate::PageScore`]: how pages of keys are summarized and scored for
+    /// page selection at decode.
+    PageScore,
 }
 
 impl ExtensionPoint {
@@ -35,6 +40,8 @@ impl ExtensionPoint {
             ExtensionPoint::Quantizer => "cache.quant.keys / cache.quant.values",
             ExtensionPoint::Compensator => "cache.compensator",
             ExtensionPoint::Channels => "cache.channels",
+            ExtensionPoint::Decode => "cache.decode",
+            ExtensionPoint::PageScore => "cache.pages.score",
         }
     }
 }
@@ -48,6 +55,8 @@ impl fmt::Display for ExtensionPoint {
             ExtensionPoint::Quantizer => "quantizer",
             ExtensionPoint::Compensator => "compensator",
             ExtensionPoint::Channels => "channels",
+            ExtensionPoint::Decode => "decode",
+            ExtensionPoint::PageScore => "page_score",
         };
         f.write_str(s)
     }
@@ -79,7 +88,7 @@ pub fn all() -> Vec<&'static ComponentInfo> {
 /// `register!(Scorer, "snapkv", SnapKv, "summary")` requires `SnapKv: Default` and
 /// that its `#[typetag::serde(name = "snapkv")]` impl uses the same name. The
 /// extension point is one of `Scorer`, `Policy`, `Selector`, `Quantizer`,
-/// `Compensator`, `Channels`.
+/// `Compensator`, `Channels`, `Decode`, `PageScore`.
 #[macro_export]
 macro_rules! register {
     (Scorer, $name:literal, $ty:ty, $summary:literal) => {
@@ -99,6 +108,12 @@ macro_rules! register {
     };
     (Channels, $name:literal, $ty:ty, $summary:literal) => {
         $crate::register!(@inner Channels, ChannelPruner, $name, $ty, $summary);
+    };
+    (Decode, $name:literal, $ty:ty, $summary:literal) => {
+        $crate::register!(@inner Decode, DecodeRegime, $name, $ty, $summary);
+    };
+    (PageScore, $name:literal, $ty:ty, $summary:literal) => {
+        $crate::register!(@inner PageScore, PageScore, $name, $ty, $summary);
     };
     (@inner $point:ident, $tr:ident, $name:literal, $ty:ty, $summary:literal) => {
         $crate::__inventory::submit! {

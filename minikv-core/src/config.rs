@@ -51,19 +51,6 @@ pub enum HeadMode {
     PerQuery,
 }
 
-/// What happens to the selection during decode.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DecodeMode {
-    /// Selection made once at the end of prefill, then frozen; generated tokens
-    /// are appended (MiniKV, SnapKV, PyramidKV).
-    #[default]
-    Frozen,
-    /// Keep `sinks + heavy + recent` tokens by evicting during decode with the
-    /// scorer's dynamic rule (H2O, TOVA, StreamingLLM).
-    Evict,
-}
-
 /// How the full-precision residual is streamed into the quantized part (§2).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -129,11 +116,11 @@ pub struct CacheConfig {
     pub recent_tokens: Option<usize>,
     /// Attention sinks: the first `sinks` tokens are always kept.
     pub sinks: usize,
-    /// Frozen selection or decode-time eviction.
-    pub decode: DecodeMode,
-    /// With `decode = "evict"`: evict down to the budget every this many
-    /// decode steps (the store holds up to `evict_every - 1` extra tokens).
-    pub evict_every: usize,
+    /// The decode regime (default `frozen`; `evict` keeps evicting down to
+    /// the budget with the scorer's decode-time rule). A name
+    /// (`decode = "evict"`) or a table (`decode = { type = "evict", every = 16 }`).
+    #[serde(with = "crate::regime::serde_field")]
+    pub decode: Box<dyn crate::regime::DecodeRegime>,
     /// Storage grows in pages of this many tokens per head (allocation slack
     /// is below one page per store; appending allocates once per page).
     pub page_tokens: usize,
@@ -156,10 +143,11 @@ pub struct CacheConfig {
     /// Key-channel pruning (e.g. `type = "think"`); none keeps every channel.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub channels: Option<Box<dyn crate::ChannelPruner>>,
-    /// Quest's query-aware page selection at decode (every token stored, the
-    /// top pages read); none reads every stored token.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub quest: Option<crate::layered::QuestConfig>,
+    /// Query-aware page selection at decode (every token stored, the
+    /// top-scored pages read; Quest by default); none reads every stored
+    /// token. `[cache.quest]` is accepted as its first name.
+    #[serde(skip_serializing_if = "Option::is_none", alias = "quest")]
+    pub pages: Option<crate::pages::PagesConfig>,
 }
 
 impl Default for CacheConfig {
@@ -172,8 +160,7 @@ impl Default for CacheConfig {
             recent: None,
             recent_tokens: None,
             sinks: 0,
-            decode: DecodeMode::default(),
-            evict_every: 1,
+            decode: Box::new(crate::regime::Frozen::default()),
             page_tokens: 256,
             scorer: None,
             policy: None,
@@ -181,7 +168,7 @@ impl Default for CacheConfig {
             quant: None,
             compensator: None,
             channels: None,
-            quest: None,
+            pages: None,
         }
     }
 }
@@ -296,18 +283,6 @@ impl CacheConfig {
                 format!("must be in 1..=65536, got {}", self.page_tokens),
             ));
         }
-        if !(1..=1 << 16).contains(&self.evict_every) {
-            return Err(Error::config(
-                "cache.evict_every",
-                format!("must be in 1..=65536, got {}", self.evict_every),
-            ));
-        }
-        if self.evict_every != 1 && self.decode != DecodeMode::Evict {
-            return Err(Error::config(
-                "cache.evict_every",
-                "only meaningful with cache.decode = \"evict\"",
-            ));
-        }
         for (field, v) in [
             ("cache.heavy_tokens", self.heavy_tokens),
             ("cache.recent_tokens", self.recent_tokens),
@@ -362,9 +337,6 @@ impl CacheConfig {
                         "policy/selector given without a scorer",
                     ));
                 }
-                if self.decode == DecodeMode::Evict {
-                    return Err(Error::config("cache.decode", "`evict` needs a scorer"));
-                }
             }
             Some(s) => {
                 s.validate()?;
@@ -380,21 +352,9 @@ impl CacheConfig {
                 if let Some(p) = &self.selector {
                     p.validate()?;
                 }
-                if self.decode == DecodeMode::Evict {
-                    if s.decode_score().is_none() && s.needs().cumulative_attention {
-                        return Err(Error::Unsupported(
-                            "cache.decode = \"evict\" re-scores stored tokens from keys, values and the latest decode queries; this scorer needs prefill A_cumul and has no decode-time rule (use `h2o` for cumulative attention during decode)".into(),
-                        ));
-                    }
-                    if self.quant.is_some() {
-                        return Err(Error::Unsupported(
-                            "cache.decode = \"evict\" with cache.quant: decode-time eviction needs an unquantized cache"
-                                .into(),
-                        ));
-                    }
-                }
             }
         }
+        self.decode.validate(self)?;
         if let Some(r) = &self.compensator {
             r.validate()?;
             if self.scorer.is_none() {
@@ -403,27 +363,28 @@ impl CacheConfig {
                     "a compensator summarizes evicted tokens: set cache.scorer and a budget",
                 ));
             }
-            if self.decode == DecodeMode::Evict {
-                return Err(Error::Unsupported(
-                    "cache.compensator with cache.decode = \"evict\": compensation is computed at the end of prefill only".into(),
-                ));
+            if self.decode.evicts() {
+                return Err(Error::Unsupported(format!(
+                    "cache.compensator with cache.decode = \"{}\": compensation is computed at the end of prefill only",
+                    self.decode.typetag_name()
+                )));
             }
         }
         if let Some(c) = &self.channels {
             c.validate()?;
         }
-        if let Some(q) = &self.quest {
-            q.validate()?;
+        if let Some(p) = &self.pages {
+            p.validate()?;
             if self.quant.is_some() {
                 return Err(Error::Unsupported(
-                    "cache.quest with cache.quant: Quest's page bounds cover full-precision keys only".into(),
+                    "cache.pages with cache.quant: page selection reads full-precision keys and values only".into(),
                 ));
             }
-            if self.decode == DecodeMode::Evict {
-                return Err(Error::Unsupported(
-                    "cache.quest with cache.decode = \"evict\": pages need rows in position order"
-                        .into(),
-                ));
+            if self.decode.evicts() {
+                return Err(Error::Unsupported(format!(
+                    "cache.pages with cache.decode = \"{}\": pages need every row in position order",
+                    self.decode.typetag_name()
+                )));
             }
         }
         Ok(())
@@ -508,6 +469,11 @@ impl RunConfig {
     /// wrapper components would otherwise exhaust the stack).
     pub fn parse(text: &str, json: bool) -> Result<Self> {
         let short = |m: String| {
+            // A field that moved: say where to.
+            let m = match m.contains("unknown field `evict_every`") {
+                true => format!("{m} (it moved: decode = {{ type = \"evict\", every = N }})"),
+                false => m,
+            };
             let m = m.trim_end();
             let n = m.chars().count();
             if n > 1000 {

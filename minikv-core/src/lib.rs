@@ -10,11 +10,14 @@
 //! * The research extension points, object-safe and deserializable by `type`
 //!   name with `typetag`: [`TokenScorer`] (with its optional [`DecodeScore`]),
 //!   [`SelectionPolicy`] (reading [`LayerSignals`]), [`Selector`],
-//!   [`Quantizer`], [`Compensator`]. Implementations live in `minikv-policies`
-//!   and `minikv-quant`; backends are found by name in a registry
-//!   ([`make_backend`]).
+//!   [`Quantizer`], [`Compensator`], [`ChannelPruner`], [`DecodeRegime`]
+//!   (what happens to stored rows while decoding) and [`PageScore`] (page
+//!   selection at decode). Implementations live in `minikv-policies` and
+//!   `minikv-quant` (the defaults, `frozen` and `quest`, here); backends are
+//!   found by name in a registry ([`make_backend`]).
 //! * [`layered::LayeredCache`]: the cache every config builds, assembled from
-//!   parts with one job each (staging, head stores, decode-time evictor).
+//!   parts with one job each (staging, head stores, the decode regime's
+//!   state, page summaries).
 //! * [`RunConfig`] / [`CacheConfig`]: serde configs (TOML or JSON); a config
 //!   without compression is the full fp16 cache.
 //!
@@ -61,9 +64,11 @@ mod f16x86;
 pub mod files;
 pub mod hybrid;
 pub mod layered;
+pub mod pages;
 pub mod plan;
 pub mod probe;
 pub mod quant;
+pub mod regime;
 pub mod scoring;
 pub mod select;
 pub mod simd;
@@ -83,12 +88,14 @@ pub use cache::{
 pub use channels::{ChannelInput, ChannelPruner};
 pub use compensate::{CompensateInput, Compensation, Compensator, ExtraEntries, LogitGate};
 pub use config::{
-    CacheConfig, DecodeMode, HeadMode, QuantConfig, ResidualMode, RunConfig, check_finite_fields,
+    CacheConfig, HeadMode, QuantConfig, ResidualMode, RunConfig, check_finite_fields,
 };
 pub use error::{Error, Result, check_finite, check_len, check_range};
+pub use pages::{PageScore, PagesConfig};
 pub use plan::{CachePlan, Selection};
 pub use probe::AttentionProbe;
 pub use quant::{Axis, MinMaxSpec, QuantBytes, QuantStore, Quantizer};
+pub use regime::{DecodeRegime, RegimeLayer, RegimeStart, RegimeStep, StoredHeads};
 pub use scoring::{
     DecodeScore, DecodeStep, GqaReduce, LayerSignals, Needs, QueryStats, ScoreInputs, TokenScorer,
     broadcast_kv, reduce_gqa,

@@ -71,7 +71,7 @@ pub struct DecodeStep<'a> {
 ///
 /// A scorer without one still gets decode-time eviction: the cache then
 /// re-runs [`TokenScorer::score`] on the stored rows (in position order) with
-/// the latest decode queries as its query window, every `cache.evict_every`
+/// the latest decode queries as its query window, every `cache.decode.every`
 /// steps (the analogue of kvpress's decoding-time wrapper).
 pub trait DecodeScore: Send + Sync + Debug {
     /// Whether [`DecodeStep::layer_mean`] should be computed.

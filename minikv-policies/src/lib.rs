@@ -35,6 +35,7 @@ pub mod criticalkv;
 pub mod cur;
 pub mod duo;
 pub mod entropy_gated_chunk;
+pub mod evict;
 pub mod expected_attention;
 pub mod finch;
 pub mod kvzip;
@@ -42,6 +43,7 @@ pub mod lagkv;
 pub mod leverage;
 pub mod merge;
 pub mod non_causal;
+pub mod page_mean;
 pub mod random;
 pub mod reskv;
 pub mod scorers;
@@ -55,9 +57,11 @@ pub use budgets::{
 pub use cam::CamMerge;
 pub use criticalkv::CriticalKv;
 pub use duo::{DuoAttention, DuoPattern};
+pub use evict::Evict;
 pub use expected_attention::ExpectedAttention;
 pub use kvzip::KvZip;
 pub use lagkv::LagKv;
+pub use page_mean::PageMean;
 pub use reskv::ResKvConfig;
 pub use scorers::{
     Accumulate, ChunkKv, CumulativeAttention, H2o, KeyDiff, KeyNorm, LastQuery, Newest, Pooling,

@@ -72,7 +72,7 @@ const H2O: &str =
 const TOVA: &str = "[cache]\nheavy_tokens = 64\ndecode = \"evict\"\nscorer = { type = \"tova\" }\n";
 const STREAMING: &str = "[cache]\nsinks = 4\nheavy_tokens = 0\nrecent_tokens = 60\ndecode = \"evict\"\nscorer = { type = \"recency\" }\n";
 const RESKV: &str = "[cache]\nheavy = 0.2\nrecent_tokens = 8\nscorer = { type = \"snapkv\", window = 8, kernel = 3 }\n[cache.compensator]\ntype = \"reskv\"\nratio = 0.2\nheld_out = 8\n";
-const EVERY: &str = "[cache]\nheavy = 0.1\nrecent = 0.1\ndecode = \"evict\"\nevict_every = 8\nscorer = { type = \"h2o\" }\n";
+const EVERY: &str = "[cache]\nheavy = 0.1\nrecent = 0.1\ndecode = { type = \"evict\", every = 8 }\nscorer = { type = \"h2o\" }\n";
 
 fn noise(n: usize, s: usize) -> Vec<f32> {
     (0..n)

@@ -155,9 +155,23 @@ fn assert_kept_channels(
 ) {
     let d = c.spec().head_dim;
     let q: Vec<f32> = (0..hq * d).map(|i| 0.3 - 0.17 * i as f32).collect();
+    assert_kept_for(c, rows, ch, k, v, &q);
+}
+
+/// As [`assert_kept_channels`], for the decode query `q` (`[hq][d]`).
+fn assert_kept_for(
+    c: &mut dyn KvCache,
+    rows: &[usize],
+    ch: &[usize],
+    k: &[f32],
+    v: &[f32],
+    q: &[f32],
+) {
+    let d = c.spec().head_dim;
+    let hq = q.len() / d;
     let mut o = vec![0.0f32; hq * d];
     c.append(0, &k[..d], &v[..d], 1).unwrap();
-    c.attend(0, &q, 1, &mut o).unwrap();
+    c.attend(0, q, 1, &mut o).unwrap();
     let all: Vec<usize> = rows.iter().copied().chain([0]).collect();
     let f = |x: f32| half::f16::from_f32(x).to_f64();
     for h in 0..hq {
@@ -271,12 +285,47 @@ fn quest_worked_example() {
         "[cache]\nheavy_tokens = 4\ndecode = \"evict\"\nscorer = { type = \"h2o\" }",
     ] {
         let e = RunConfig::parse(
-            &format!("{extra}\n[cache.quest]\npage_size = 4\ntoken_budget = 8"),
+            &format!("{extra}\n[cache.pages]\npage_size = 4\ntoken_budget = 8"),
             false,
         )
         .and_then(|c| CacheBuilder::new(s.clone()).build(&c.cache))
         .unwrap_err();
-        assert!(e.to_string().contains("cache.quest"), "{e}");
+        assert!(e.to_string().contains("cache.pages"), "{e}");
+    }
+}
+
+/// Page score ablation, pages of 4, budget 8 rows, decode query
+/// `q_i = sin(0.7 i)`: a Python mirror of both scores over the fp16-stored
+/// keys gives Quest's bounds 5.0048 / 4.7579 / 4.5307 for pages 0-2 (page 0
+/// read) and the mean logits 0.7646 / 1.0084 / 1.4886 (page 2 read), so the
+/// two page scores read different rows of the same cache; the diagnostics
+/// carry the score's name.
+#[test]
+fn page_score_is_a_component() {
+    let s = spec(1, HQ, 1, D);
+    let (k, v, q) = (keys(), values(), queries());
+    let dq: Vec<f32> = (0..HQ * D).map(|i| (0.7 * i as f32).sin()).collect();
+    let all: Vec<usize> = (0..D).collect();
+    for (score, rows) in [("quest", [0, 1, 2, 3]), ("page_mean", [8, 9, 10, 11])] {
+        let text = format!(
+            "[cache.pages]\npage_size = 4\ntoken_budget = 8\nscore = {{ type = \"{score}\" }}"
+        );
+        let cfg = RunConfig::parse(&text, false).unwrap();
+        let mut c = CacheBuilder::new(s.clone()).build(&cfg.cache).unwrap();
+        let mut o = vec![0.0f32; T * HQ * D];
+        c.append(0, &k, &v, T).unwrap();
+        c.attend(0, &q, T, &mut o).unwrap();
+        c.end_prefill().unwrap();
+        assert_kept_for(c.as_mut(), &rows, &all, &k, &v, &dq);
+        let diag = c.diagnostics();
+        // 5 rows x 16 B read, plus every page's summary: Quest 2d floats,
+        // the mean d + 1.
+        let summary = if score == "quest" { 2 * D } else { D + 1 };
+        assert_eq!(
+            diag[score].values["bytes_read_per_token"],
+            (5 * 16 + 4 * 4 * summary) as f64,
+            "{score}"
+        );
     }
 }
 

@@ -467,7 +467,7 @@ fn reskv_config_errors() {
 }
 
 /// Decode-time eviction over a scorer that has no decode rule of its own
-/// (`key_norm`): every `evict_every` steps the cache re-scores its rows with
+/// (`key_norm`): every `every` steps the cache re-scores its rows with
 /// the scorer and evicts down to the budget, sinks and recent window
 /// protected. Every decode output equals attention over the rows an
 /// independent simulation of that rule keeps (computed here in f64).
@@ -500,7 +500,7 @@ fn decode_eviction_over_any_scorer_matches_a_simulation() {
         let mut c = tiny(
             spec.clone(),
             &format!(
-                "[cache]\nsinks = {sinks}\nheavy_tokens = {heavy}\nrecent_tokens = {recent}\ndecode = \"evict\"\nevict_every = {every}\nscorer = {{ type = \"key_norm\" }}"
+                "[cache]\nsinks = {sinks}\nheavy_tokens = {heavy}\nrecent_tokens = {recent}\ndecode = {{ type = \"evict\", every = {every} }}\nscorer = {{ type = \"key_norm\" }}"
             ),
         );
         let mut out = vec![0.0; t * 2 * d];

@@ -20,6 +20,8 @@ fn parses(point: minikv_core::components::ExtensionPoint, v: serde_json::Value) 
         P::Quantizer => serde_json::from_value::<Box<dyn minikv_core::Quantizer>>(v).is_ok(),
         P::Compensator => serde_json::from_value::<Box<dyn minikv_core::Compensator>>(v).is_ok(),
         P::Channels => serde_json::from_value::<Box<dyn minikv_core::ChannelPruner>>(v).is_ok(),
+        P::Decode => serde_json::from_value::<Box<dyn minikv_core::DecodeRegime>>(v).is_ok(),
+        P::PageScore => serde_json::from_value::<Box<dyn minikv_core::PageScore>>(v).is_ok(),
     }
 }
 

@@ -2,7 +2,6 @@
 //! and the compensator's statistics.
 
 use super::LayeredCache;
-use super::evict::Evictor;
 use crate::cache::{LayerMemory, MemoryReport};
 
 impl LayeredCache {
@@ -10,7 +9,7 @@ impl LayeredCache {
     /// built from the same config and storage is loaded with the head's mean
     /// kept count and decodes `max_new` tokens (so quantization groups,
     /// residual flushes and page growth are the real store's); its peak
-    /// bytes times the heads, plus what eviction and Quest index. Per-layer
+    /// bytes times the heads, plus what the decode regime and page selection index. Per-layer
     /// and per-head budgets redistribute a conserved total, and loaded stores
     /// are trimmed to fit, so the mean head stands for the ragged ones.
     pub(super) fn projected_bytes(&self, prompt: usize, max_new: usize) -> crate::Result<usize> {
@@ -23,35 +22,25 @@ impl LayeredCache {
             None => prompt,
             Some(_) => prompt.min(budget),
         };
-        let evicting = cfg.scorer.is_some() && cfg.decode == crate::config::DecodeMode::Evict;
-        // Decode-time eviction: a head whose selection kept the whole prompt
-        // may grow to the budget, any other holds its kept rows; both plus
-        // the rows that arrive between evictions (the evictor's own rule).
-        let (steps, cap) = match evicting {
-            true => {
-                // The policy clamps the heavy budget to the prompt, not the
-                // recent window.
-                let clamped =
-                    cfg.sinks + recent + heavy.min(prompt.saturating_sub(cfg.sinks + recent));
-                let cap = if kept < prompt {
-                    kept
-                } else {
-                    clamped.max(kept)
-                };
-                (
-                    max_new.min(cap - kept + cfg.evict_every),
-                    cap + cfg.evict_every,
-                )
-            }
-            false => (max_new, kept + max_new),
-        };
+        // The decode regime says how far a head grows (a frozen selection:
+        // by every decoded token; eviction: to its cap plus the rows that
+        // arrive between evictions).
+        let growth = cfg.decode.growth(&crate::regime::GrowthQuery {
+            prompt,
+            kept,
+            sinks: cfg.sinks,
+            heavy,
+            recent,
+            max_new,
+        });
+        let (steps, cap) = (growth.steps, growth.rows);
         let st = self.backend.storage();
         let mut twin = HeadStore::new(cfg, st, d)?;
         let zeros = vec![0.0f32; kept * d];
         twin.load(st, &zeros, &zeros, d, &self.residual, Default::default())?;
-        if evicting {
-            // As compression does: room for the evictor's most rows at once.
-            twin.reserve_fp(cap - kept);
+        if growth.bounded {
+            // As compression does: room for the most rows at once.
+            twin.reserve_fp(cap.saturating_sub(kept));
         }
         let mut peak = twin.memory().total();
         let (row, mut scratch) = (vec![0.0f32; d], Vec::new());
@@ -60,21 +49,15 @@ impl LayeredCache {
             twin.after_attend(&self.residual, &mut scratch)?;
             peak = peak.max(twin.memory().total());
         }
-        let mut per_head = peak;
-        if evicting {
-            // Positions and scores (u32 + f32) per held token; the vectors
-            // come from selection over the prompt and may grow to twice
-            // their length.
-            per_head += 2 * 8 * cap.max(prompt);
-        }
+        let mut per_head = peak + growth.index_bytes;
         if cfg.compensator.is_some() {
             // Extra entries take part of the budget: at most one per kept
             // token, fp16 key and value and an f32 bias each.
             per_head += kept * (4 * d + 4);
         }
-        if let Some(q) = &cfg.quest {
-            // Per page, f32 minimums and maximums of the keys (grown by doubling).
-            per_head += 2 * (cap.div_ceil(q.page_size.max(1)) + 1) * 8 * d;
+        if let Some(p) = &cfg.pages {
+            // Per page, the f32 summary of its keys (grown by doubling).
+            per_head += 2 * (cap.div_ceil(p.page_size.max(1)) + 1) * 4 * p.score.summary_len(d);
         }
         Ok(heads * per_head)
     }
@@ -91,14 +74,14 @@ impl LayeredCache {
                     .enumerate()
                     .map(|(s, h)| {
                         let mut m = h.memory();
-                        if let Some(ev) = &l.evict {
-                            let (alloc, used) = ev.head_bytes(s);
+                        if let Some(r) = &l.regime {
+                            let (alloc, used) = r.head_bytes(s);
                             m.indices = alloc;
                             m.used += used;
                         }
-                        if let Some(qh) = l.quest.get(s) {
-                            m.indices += qh.bytes().0;
-                            m.used += qh.bound_bytes_used();
+                        if let Some(ph) = l.pages.get(s) {
+                            m.indices += ph.bytes().0;
+                            m.used += ph.summary_bytes_used();
                         }
                         m
                     })
@@ -106,8 +89,8 @@ impl LayeredCache {
                 LayerMemory {
                     heads,
                     staging: l.staging.bytes(),
-                    work: l.evict.as_ref().map_or(0, Evictor::work_bytes)
-                        + l.quest.iter().map(|q| q.bytes().1).sum::<usize>(),
+                    work: l.regime.as_ref().map_or(0, |r| r.work_bytes())
+                        + l.pages.iter().map(|p| p.bytes().1).sum::<usize>(),
                     window: None,
                 }
             })
@@ -149,9 +132,10 @@ impl LayeredCache {
         };
         Some((comp.typetag_name().to_string(), stats))
     }
-    /// Quest: bytes read per decoded token (all layers) next to bytes held.
-    fn quest_diagnostics(&self) -> crate::Stats {
-        let q = &self.quest_stats;
+    /// Page selection: bytes read per decoded token (all layers) next to
+    /// bytes held.
+    fn page_diagnostics(&self) -> crate::Stats {
+        let q = &self.page_stats;
         let steps = q.steps.max(1) as f64;
         let read = if q.bytes_all == 0 {
             1.0
@@ -174,8 +158,9 @@ impl LayeredCache {
     pub(super) fn diagnostics_report(&self) -> crate::Diagnostics {
         // Every part that measured something, side by side.
         let mut d = crate::Diagnostics::new();
-        if self.cfg.quest.is_some() {
-            d.insert("quest".into(), self.quest_diagnostics());
+        if let Some(p) = &self.cfg.pages {
+            // Under the page score's name (`quest_read_fraction`).
+            d.insert(p.score.typetag_name().into(), self.page_diagnostics());
         }
         if self.needs.reconstruction.is_some() {
             // Per layer tokens are counted once.

@@ -1,8 +1,7 @@
 //! The end of prefill: signals -> layer budgets -> scores -> selection ->
 //! compensation -> stores. Each step is a component; this file only wires them.
 
-use super::evict::Evictor;
-use super::quest::QuestHead;
+use super::pages::PageHead;
 use super::{Layer, LayeredCache};
 use crate::compensate::{CompensateInput, Compensation};
 use crate::config::HeadMode;
@@ -267,40 +266,47 @@ impl LayeredCache {
         if !stats.is_empty() {
             self.comp_stats.push(stats);
         }
-        if let (crate::DecodeMode::Evict, Some(sel)) = (self.cfg.decode, sel) {
-            let ev = Evictor::new(
-                &self.spec,
-                sel.scorer.clone(),
-                kept_all,
-                plan.scores.as_deref(),
-                t,
-                self.cfg.sinks,
-                budget,
-            );
-            let l = &mut self.layers[layer];
+        let start = crate::regime::RegimeStart {
+            spec: &self.spec,
+            layer,
+            scorer: sel.map(|s| s.scorer.as_ref()),
+            kept: kept_all,
+            scores: plan.scores.as_deref(),
+            t,
+            sinks: self.cfg.sinks,
+            budget,
+            reduce: match self.cfg.heads {
+                HeadMode::PerKv => self.cfg.gqa_reduce,
+                HeadMode::PerQuery => crate::GqaReduce::Sum,
+            },
+        };
+        let regime = self.cfg.decode.start(start)?;
+        let l = &mut self.layers[layer];
+        if let Some(r) = &regime {
             for (s, h) in l.heads.iter_mut().enumerate() {
-                let max = ev.max_rows(s, self.cfg.evict_every);
-                h.reserve_fp(max.saturating_sub(h.len()));
+                if let Some(max) = r.max_rows(s) {
+                    // A bounded head never grows again: room for it at once.
+                    h.reserve_fp(max.saturating_sub(h.len()));
+                }
             }
-            l.evict = Some(ev);
         }
-        if let Some(qc) = &self.cfg.quest {
-            let l = &mut self.layers[layer];
-            l.quest = l
+        l.regime = regime;
+        if let Some(pc) = &self.cfg.pages {
+            l.pages = l
                 .heads
                 .iter()
                 .map(|h| {
                     let (fk, _) = h.fp();
-                    let mut qh = QuestHead::new(
-                        qc,
+                    let mut ph = PageHead::new(
+                        pc,
                         d,
-                        st.fp_store(d, qc.token_budget),
-                        st.fp_store(d, qc.token_budget),
+                        st.fp_store(d, pc.token_budget),
+                        st.fp_store(d, pc.token_budget),
                     );
                     let mut rows = vec![0.0f32; fk.len() * d];
                     fk.to_f32(&mut rows);
-                    qh.add_rows(&rows);
-                    qh
+                    ph.add_rows(&rows);
+                    ph
                 })
                 .collect();
         }

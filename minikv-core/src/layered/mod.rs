@@ -6,9 +6,9 @@
 //!   compensation) wiring the components of the config;
 //! * `store`: per storage head, the quantized part, the fp16 residual with
 //!   its streaming rule, and extra entries;
-//! * `decode`: one decode step (append, attend, residual rule, eviction);
-//! * `evict`: decode-time eviction over any scorer;
-//! * `quest`: Quest's page bounds and per-step page reads;
+//! * `decode`: one decode step (append, attend, residual rule, the decode
+//!   regime, [`crate::regime`]);
+//! * `pages`: page summaries and per-step page reads ([`crate::pages`]);
 //! * `passes`: context-reconstruction passes during prefill;
 //! * `accounting`: the memory report, its projection and the diagnostics.
 //!
@@ -18,11 +18,10 @@
 mod accounting;
 mod compress;
 mod decode;
-mod evict;
+mod pages;
 mod passes;
-mod quest;
 pub(crate) mod staging;
-mod store;
+pub(crate) mod store;
 
 use crate::attention::AttentionBackend;
 use crate::cache::{KvCache, MemoryReport, ModelWants, Observation, Phase};
@@ -30,9 +29,7 @@ use crate::compensate::LogitGate;
 use crate::config::CacheConfig;
 use crate::plan::{CachePlan, Selection};
 use crate::{Error, LayerBudget, ModelSpec, Needs, Result, check_finite, check_len};
-use evict::Evictor;
-pub use quest::QuestConfig;
-use quest::{QuestHead, QuestStats};
+use pages::{PageHead, PageStats};
 use staging::Staging;
 use std::sync::Arc;
 use store::{HeadStore, ResidualRule};
@@ -43,9 +40,10 @@ struct Layer {
     seen: usize,
     staging: Staging,
     heads: Vec<HeadStore>,
-    evict: Option<Evictor>,
-    /// Quest's page bounds per storage head (empty without `cache.quest`).
-    quest: Vec<QuestHead>,
+    /// The decode regime's state (`None`: frozen).
+    regime: Option<Box<dyn crate::regime::RegimeLayer>>,
+    /// Page summaries per storage head (empty without `cache.pages`).
+    pages: Vec<PageHead>,
 }
 
 /// The cache built from a [`CacheConfig`].
@@ -67,7 +65,7 @@ pub struct LayeredCache {
     scratch: Vec<f32>,
     /// Compensator statistics per layer and head.
     comp_stats: Vec<Vec<Vec<(&'static str, f64)>>>,
-    quest_stats: QuestStats,
+    page_stats: PageStats,
     /// The context-reconstruction pass in progress, and the passes' totals.
     pass: Option<(staging::Pass, std::time::Instant)>,
     pass_stats: (usize, f64),
@@ -111,7 +109,7 @@ impl LayeredCache {
             n_store,
             scratch: Vec::new(),
             comp_stats: Vec::new(),
-            quest_stats: QuestStats::default(),
+            page_stats: PageStats::default(),
             pass: None,
             pass_stats: (0, 0.0),
         };
@@ -135,14 +133,14 @@ impl LayeredCache {
                     heads: (0..self.n_store)
                         .map(|_| HeadStore::new(&self.cfg, st, d))
                         .collect::<Result<_>>()?,
-                    evict: None,
-                    quest: Vec::new(),
+                    regime: None,
+                    pages: Vec::new(),
                 })
             })
             .collect::<Result<_>>()?;
         self.budgets.clear();
         self.comp_stats.clear();
-        self.quest_stats = QuestStats::default();
+        self.page_stats = PageStats::default();
         self.pass = None;
         self.pass_stats = (0, 0.0);
         self.phase = Phase::Prefill;
@@ -269,7 +267,7 @@ impl KvCache for LayeredCache {
         self.budgets.clone()
     }
 
-    /// Every part that measured something, side by side: Quest's reads, the
+    /// Every part that measured something, side by side: page selection's reads, the
     /// reconstruction passes, the compensator's per-head statistics.
     fn diagnostics(&self) -> crate::Diagnostics {
         self.diagnostics_report()

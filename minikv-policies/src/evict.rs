@@ -1,17 +1,120 @@
-//! Decode-time eviction of one layer, over any scorer (the analogue of
-//! kvpress's decoding-time wrapper): each stored row has a position and a
-//! running score; every `evict_every` steps the lowest-scored rows outside
-//! the sinks and the recent window are evicted down to the head's capacity.
+//! Decode-time eviction over any scorer (`decode = "evict"`; the analogue
+//! of kvpress's decoding-time wrapper), a [`DecodeRegime`]: each stored row
+//! has a position and a running score; every `every` steps the
+//! lowest-scored rows outside the sinks and the recent window are evicted
+//! down to the head's capacity (`sinks + heavy + recent`; a head whose
+//! selection kept the whole prompt grows to it first).
 //!
 //! The running score follows the scorer's own decode-time rule
-//! ([`DecodeScore`]: H2O accumulates, TOVA takes the last query, StreamingLLM
-//! the position). A scorer without one is re-run on the stored rows (in
-//! position order) with the latest decode queries as its query window.
+//! ([`DecodeScore`](minikv_core::DecodeScore): H2O accumulates, TOVA takes
+//! the last query, StreamingLLM the position). A scorer without one is
+//! re-run on the stored rows (in position order) with the latest decode
+//! queries as its query window.
+//!
+//! ```
+//! use minikv_core::RunConfig;
+//! use minikv_policies as _; // links the `evict` regime
+//!
+//! let text = "[cache]\nheavy_tokens = 8\nrecent_tokens = 4\nscorer = { type = \"h2o\" }\ndecode = { type = \"evict\", every = 4 }";
+//! let cfg = RunConfig::parse(text, false)?;
+//! assert_eq!(cfg.cache.decode.typetag_name(), "evict");
+//! // Without a scorer there is nothing to rank rows by.
+//! let bad = RunConfig::parse("[cache]\ndecode = \"evict\"", false)?;
+//! assert!(bad.validate(None).unwrap_err().to_string().contains("needs a scorer"));
+//! # Ok::<(), minikv_core::Error>(())
+//! ```
 
-use super::store::HeadStore;
-use crate::config::{CacheConfig, HeadMode};
-use crate::scoring::{DecodeStep, GqaReduce, LayerSignals, TokenScorer};
-use crate::{LayerBudget, ModelSpec, Result};
+use minikv_core::regime::{
+    DecodeRegime, Growth, GrowthQuery, RegimeLayer, RegimeStart, RegimeStep, StoredHeads,
+};
+use minikv_core::scoring::{DecodeStep, GqaReduce, LayerSignals, TokenScorer};
+use minikv_core::{CacheConfig, Error, ModelSpec, Result};
+use serde::{Deserialize, Serialize};
+
+/// `decode = { type = "evict", every = N }`: evict down to the budget every
+/// `N` decode steps (a head holds up to `N - 1` extra rows in between).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Evict {
+    /// Decode steps between evictions (1: every step).
+    pub every: usize,
+}
+
+impl Default for Evict {
+    fn default() -> Self {
+        Self { every: 1 }
+    }
+}
+
+#[typetag::serde(name = "evict")]
+impl DecodeRegime for Evict {
+    fn validate(&self, cache: &CacheConfig) -> Result<()> {
+        if !(1..=1 << 16).contains(&self.every) {
+            return Err(Error::config(
+                "cache.decode.every",
+                format!("must be in 1..=65536, got {}", self.every),
+            ));
+        }
+        let Some(s) = &cache.scorer else {
+            return Err(Error::config("cache.decode", "`evict` needs a scorer"));
+        };
+        if s.decode_score().is_none() && s.needs().cumulative_attention {
+            return Err(Error::Unsupported(
+                "cache.decode = \"evict\" re-scores stored tokens from keys, values and the latest decode queries; this scorer needs prefill A_cumul and has no decode-time rule (use `h2o` for cumulative attention during decode)".into(),
+            ));
+        }
+        if cache.quant.is_some() {
+            return Err(Error::Unsupported(
+                "cache.decode = \"evict\" with cache.quant: decode-time eviction needs an unquantized cache"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn evicts(&self) -> bool {
+        true
+    }
+
+    fn start(&self, s: RegimeStart<'_>) -> Result<Option<Box<dyn RegimeLayer>>> {
+        let Some(scorer) = s.scorer else {
+            return Err(Error::config("cache.decode", "`evict` needs a scorer"));
+        };
+        Ok(Some(Box::new(Evictor::new(
+            &s,
+            dyn_clone::clone_box(scorer),
+            self.every,
+        ))))
+    }
+
+    fn growth(&self, q: &GrowthQuery) -> Growth {
+        // A head whose selection kept the whole prompt may grow to the
+        // budget (the policy clamps the heavy budget to the prompt, not the
+        // recent window), any other holds its kept rows; both plus the rows
+        // that arrive between evictions.
+        let clamped = q.sinks + q.recent + q.heavy.min(q.prompt.saturating_sub(q.sinks + q.recent));
+        let cap = if q.kept < q.prompt {
+            q.kept
+        } else {
+            clamped.max(q.kept)
+        };
+        Growth {
+            steps: q.max_new.min(cap - q.kept + self.every),
+            rows: cap + self.every,
+            bounded: true,
+            // Positions and scores (u32 + f32) per held row; the vectors come
+            // from selection over the prompt and may grow to twice their length.
+            index_bytes: 2 * 8 * cap.max(q.prompt),
+        }
+    }
+}
+
+minikv_core::register!(
+    Decode,
+    "evict",
+    Evict,
+    "evict down to the budget while decoding, by the scorer's decode-time rule or by re-scoring (H2O, TOVA, StreamingLLM)"
+);
 
 /// Positions and running scores of one storage head.
 #[derive(Debug, Default)]
@@ -26,12 +129,12 @@ struct EvictHead {
 
 /// Decode-time eviction state of one layer.
 #[derive(Debug)]
-pub(crate) struct Evictor {
+struct Evictor {
     /// The scorer whose decode-time rule (or re-scoring) drives eviction.
     scorer: Box<dyn TokenScorer>,
     heads: Vec<EvictHead>,
     /// Per query head, this step's attention over its storage head's rows.
-    pub probs: Vec<Vec<f32>>,
+    probs: Vec<Vec<f32>>,
     /// Work buffers, reused every step.
     reduced: Vec<f32>,
     mean: Vec<f32>,
@@ -49,44 +152,22 @@ pub(crate) struct Evictor {
     wq: Vec<f32>,
     sbuf: Vec<f32>,
     steps: usize,
-}
-
-/// What the evictor needs from the cache's config.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct EvictParams<'a> {
-    pub spec: &'a ModelSpec,
-    pub layer: usize,
-    pub sinks: usize,
-    pub every: usize,
-    pub reduce: GqaReduce,
-    /// Tokens seen by the layer (the next position).
-    pub seen: usize,
-}
-
-impl EvictParams<'_> {
-    pub fn reduce_of(cfg: &CacheConfig) -> GqaReduce {
-        match cfg.heads {
-            HeadMode::PerKv => cfg.gqa_reduce,
-            HeadMode::PerQuery => GqaReduce::Sum,
-        }
-    }
+    /// Steps between evictions, sinks, GQA reduction.
+    every: usize,
+    sinks: usize,
+    reduce: GqaReduce,
 }
 
 impl Evictor {
     /// State after compression: rows `kept[s]` of each storage head with
     /// their prefill scores (`scores[s * t + p]`, or 0 without scores).
-    pub fn new(
-        spec: &ModelSpec,
-        scorer: Box<dyn TokenScorer>,
-        kept: Vec<Vec<u32>>,
-        scores: Option<&[f32]>,
-        t: usize,
-        sinks: usize,
-        budget: LayerBudget,
-    ) -> Self {
+    fn new(st: &RegimeStart<'_>, scorer: Box<dyn TokenScorer>, every: usize) -> Self {
+        let (spec, scores, t, sinks, budget) = (st.spec, st.scores, st.t, st.sinks, st.budget);
         let rule = scorer.decode_score();
-        let heads = kept
-            .into_iter()
+        let heads = st
+            .kept
+            .iter()
+            .cloned()
             .enumerate()
             .map(|(s, rows)| {
                 let score = rows
@@ -131,27 +212,14 @@ impl Evictor {
             wq: Vec::new(),
             sbuf: Vec::new(),
             steps: 0,
-        }
-    }
-
-    /// Most rows a head of this layer will ever hold: its capacity plus the
-    /// rows that arrive between evictions.
-    pub fn max_rows(&self, s: usize, every: usize) -> usize {
-        let h = &self.heads[s];
-        h.cap.max(h.pos.len()) + every
-    }
-
-    /// Records a decoded token's row in every head.
-    pub fn push(&mut self, pos: u32) {
-        let rule = self.scorer.decode_score();
-        for h in &mut self.heads {
-            h.pos.push(pos);
-            h.score.push(rule.map_or(0.0, |r| r.initial(pos, 0.0)));
+            every,
+            sinks,
+            reduce: st.reduce,
         }
     }
 
     /// Records the step's queries (`[Hq * d]`) for rescoring.
-    pub fn push_query(&mut self, q: &[f32]) {
+    fn push_query(&mut self, q: &[f32]) {
         let w = self.ring_rows;
         if w == 0 {
             return;
@@ -167,13 +235,13 @@ impl Evictor {
     }
 
     /// Updates scores from this step's `probs` and evicts when due.
-    pub fn step(&mut self, stores: &mut [HeadStore], p: &EvictParams<'_>) -> Result<()> {
+    fn evict_step(&mut self, stores: &mut StoredHeads<'_>, p: &RegimeStep<'_>) -> Result<()> {
         let hq = p.spec.n_q_heads;
         let g = hq / stores.len();
         let rule = self.scorer.decode_score();
         let rescore = rule.is_none();
         self.steps += 1;
-        let due = self.steps.is_multiple_of(p.every);
+        let due = self.steps.is_multiple_of(self.every);
         if let Some(rule) = rule {
             let aligned = self.probs.iter().all(|x| x.len() == self.probs[0].len());
             let want_mean = rule.wants_layer_mean() && aligned;
@@ -191,7 +259,7 @@ impl Evictor {
                 let group = &self.probs[s * g..(s + 1) * g];
                 let n = h.pos.len();
                 self.reduced.clear();
-                self.reduced.extend((0..n).map(|i| match p.reduce {
+                self.reduced.extend((0..n).map(|i| match self.reduce {
                     GqaReduce::Max => group.iter().map(|x| x[i]).fold(f32::NEG_INFINITY, f32::max),
                     GqaReduce::Sum => group.iter().map(|x| x[i]).sum(),
                     GqaReduce::Mean => group.iter().map(|x| x[i]).sum::<f32>() / g as f32,
@@ -207,12 +275,12 @@ impl Evictor {
         if !due {
             return Ok(());
         }
-        for (s, store) in stores.iter_mut().enumerate() {
+        for s in 0..stores.len() {
             if self.heads[s].pos.len() <= self.heads[s].cap {
                 continue;
             }
             if rescore {
-                self.rescore(s, store, g, p)?;
+                self.rescore(s, stores, g, p)?;
             }
             let recent_start = p.seen.saturating_sub(self.heads[s].recent);
             let h = &mut self.heads[s];
@@ -220,7 +288,7 @@ impl Evictor {
                 let mut victim: Option<usize> = None;
                 for i in 0..h.pos.len() {
                     let q = h.pos[i] as usize;
-                    if q < p.sinks || q >= recent_start {
+                    if q < self.sinks || q >= recent_start {
                         continue;
                     }
                     victim = match victim {
@@ -234,7 +302,7 @@ impl Evictor {
                     };
                 }
                 let Some(v) = victim else { break };
-                store.swap_remove(v);
+                stores.swap_remove(s, v)?;
                 h.pos.swap_remove(v);
                 h.score.swap_remove(v);
             }
@@ -247,9 +315,9 @@ impl Evictor {
     fn rescore(
         &mut self,
         s: usize,
-        store: &HeadStore,
+        stores: &StoredHeads<'_>,
         g: usize,
-        p: &EvictParams<'_>,
+        p: &RegimeStep<'_>,
     ) -> Result<()> {
         let d = p.spec.head_dim;
         let hq = p.spec.n_q_heads;
@@ -259,7 +327,7 @@ impl Evictor {
         self.order.extend(0..n as u32);
         let pos = &h.pos;
         self.order.sort_unstable_by_key(|&i| pos[i as usize]);
-        let (fk, fv) = store.fp();
+        let (fk, fv) = stores.fp(s);
         for (src, dst) in [(fk, &mut self.kbuf), (fv, &mut self.vbuf)] {
             self.tmp.resize(n * d, 0.0);
             src.to_f32(&mut self.tmp);
@@ -321,23 +389,48 @@ impl Evictor {
         self.scorer.score(&inputs, &mut self.sbuf)?;
         for (j, &i) in self.order.iter().enumerate() {
             let col = (0..g).map(|k| self.sbuf[k * n + j]);
-            h.score[i as usize] = match p.reduce {
+            h.score[i as usize] = match self.reduce {
                 GqaReduce::Max => col.fold(f32::NEG_INFINITY, f32::max),
                 GqaReduce::Sum => col.sum(),
                 GqaReduce::Mean => col.sum::<f32>() / g as f32,
             };
         }
         if let Some(i) = h.score.iter().position(|x| x.is_nan()) {
-            return Err(crate::Error::Input(format!(
+            return Err(Error::Input(format!(
                 "scorer produced NaN while re-scoring layer {}, row {i}",
                 p.layer
             )));
         }
         Ok(())
     }
+}
+
+impl RegimeLayer for Evictor {
+    fn push(&mut self, pos: u32) {
+        let rule = self.scorer.decode_score();
+        for h in &mut self.heads {
+            h.pos.push(pos);
+            h.score.push(rule.map_or(0.0, |r| r.initial(pos, 0.0)));
+        }
+    }
+
+    fn probs(&mut self) -> Option<&mut [Vec<f32>]> {
+        Some(&mut self.probs)
+    }
+
+    fn step(&mut self, heads: &mut StoredHeads<'_>, step: &RegimeStep<'_>) -> Result<()> {
+        self.push_query(step.query);
+        self.evict_step(heads, step)
+    }
+
+    /// A head's capacity plus the rows that arrive between evictions.
+    fn max_rows(&self, s: usize) -> Option<usize> {
+        let h = &self.heads[s];
+        Some(h.cap.max(h.pos.len()) + self.every)
+    }
 
     /// Bytes of positions and scores of head `s`.
-    pub fn head_bytes(&self, s: usize) -> (usize, usize) {
+    fn head_bytes(&self, s: usize) -> (usize, usize) {
         let h = &self.heads[s];
         (
             4 * (h.pos.capacity() + h.score.capacity()),
@@ -346,7 +439,7 @@ impl Evictor {
     }
 
     /// Bytes of the work buffers.
-    pub fn work_bytes(&self) -> usize {
+    fn work_bytes(&self) -> usize {
         let v = std::mem::size_of::<Vec<f32>>();
         4 * (self.probs.iter().map(Vec::capacity).sum::<usize>()
             + self.reduced.capacity()
