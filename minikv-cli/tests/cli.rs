@@ -41,6 +41,8 @@ fn components_lists_every_extension_point() {
             "backend",
             "channels",
             "compensator",
+            "decode",
+            "page_score",
             "policy",
             "quantizer",
             "scorer",
@@ -77,6 +79,10 @@ fn components_lists_every_extension_point() {
         "block",
         "merge_similar",
         "simlayerkv",
+        "frozen",
+        "evict",
+        "quest",
+        "page_mean",
     ] {
         assert!(
             v.as_array().unwrap().iter().any(|c| c["name"] == name),
