@@ -81,10 +81,12 @@ pub fn serve(a: &ServeArgs) -> Result<()> {
         }
     };
     let seed = a.seed.unwrap_or(cfg.seed);
+    // The served model's name: the flag, else the model file's stem.
+    const FALLBACK_NAME: &str = "minikv";
     let name = a.model_name.clone().unwrap_or_else(|| {
         l.path
             .file_stem()
-            .map_or("minikv".into(), |s| s.to_string_lossy().into_owned())
+            .map_or(FALLBACK_NAME.into(), |s| s.to_string_lossy().into_owned())
     });
     let prov = crate::provenance::provenance(
         Some(&l.path),

@@ -45,6 +45,7 @@ fn components_lists_every_extension_point() {
             "page_score",
             "policy",
             "quantizer",
+            "residual",
             "scorer",
             "selector",
             "task"
@@ -83,6 +84,8 @@ fn components_lists_every_extension_point() {
         "evict",
         "quest",
         "page_mean",
+        "minikv",
+        "kivi",
     ] {
         assert!(
             v.as_array().unwrap().iter().any(|c| c["name"] == name),

@@ -203,10 +203,12 @@ fn every_registered_type_deserializes() {
         let got = match c.point {
             components::ExtensionPoint::Quantizer => &back["cache"]["quant"]["keys"],
             components::ExtensionPoint::PageScore => &back["cache"]["pages"]["score"],
+            components::ExtensionPoint::Residual => &back["cache"]["quant"]["residual_mode"],
             _ => &back["cache"][field],
         };
         if got.is_string() {
-            // A decode regime at its defaults is written back as its name.
+            // A decode regime or residual rule at its defaults is written
+            // back as its name.
             assert_eq!(got, &v["type"], "{}", c.name);
         } else {
             assert_eq!(got, &v, "{}", c.name);

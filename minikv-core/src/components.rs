@@ -28,6 +28,9 @@ pub enum ExtensionPoint {
     /// [`crate::PageScore`]: how pages of keys are summarized and scored for
     /// page selection at decode.
     PageScore,
+    /// [`crate::residual::ResidualRule`]: when a quantized cache's residual
+    /// rows are quantized.
+    Residual,
 }
 
 impl ExtensionPoint {
@@ -42,6 +45,7 @@ impl ExtensionPoint {
             ExtensionPoint::Channels => "cache.channels",
             ExtensionPoint::Decode => "cache.decode",
             ExtensionPoint::PageScore => "cache.pages.score",
+            ExtensionPoint::Residual => "cache.quant.residual_mode",
         }
     }
 }
@@ -57,6 +61,7 @@ impl fmt::Display for ExtensionPoint {
             ExtensionPoint::Channels => "channels",
             ExtensionPoint::Decode => "decode",
             ExtensionPoint::PageScore => "page_score",
+            ExtensionPoint::Residual => "residual",
         };
         f.write_str(s)
     }
@@ -88,7 +93,7 @@ pub fn all() -> Vec<&'static ComponentInfo> {
 /// `register!(Scorer, "snapkv", SnapKv, "summary")` requires `SnapKv: Default` and
 /// that its `#[typetag::serde(name = "snapkv")]` impl uses the same name. The
 /// extension point is one of `Scorer`, `Policy`, `Selector`, `Quantizer`,
-/// `Compensator`, `Channels`, `Decode`, `PageScore`.
+/// `Compensator`, `Channels`, `Decode`, `PageScore`, `Residual`.
 #[macro_export]
 macro_rules! register {
     (Scorer, $name:literal, $ty:ty, $summary:literal) => {
@@ -114,6 +119,9 @@ macro_rules! register {
     };
     (PageScore, $name:literal, $ty:ty, $summary:literal) => {
         $crate::register!(@inner PageScore, PageScore, $name, $ty, $summary);
+    };
+    (Residual, $name:literal, $ty:ty, $summary:literal) => {
+        $crate::register!(@inner Residual, ResidualRule, $name, $ty, $summary);
     };
     (@inner $point:ident, $tr:ident, $name:literal, $ty:ty, $summary:literal) => {
         $crate::__inventory::submit! {

@@ -51,19 +51,6 @@ pub enum HeadMode {
     PerQuery,
 }
 
-/// How the full-precision residual is streamed into the quantized part (§2).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ResidualMode {
-    /// MiniKV: prefill leaves `n % G` tokens full; flush all when the residual
-    /// reaches `R`, before attention.
-    #[default]
-    Minikv,
-    /// KIVI: keys leave `n % R` full and flush all `R` after attention; values keep
-    /// a sliding window of exactly `R` full tokens.
-    Kivi,
-}
-
 /// Low-bit storage of the kept tokens.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -76,8 +63,11 @@ pub struct QuantConfig {
     pub values: Option<Box<dyn Quantizer>>,
     /// Full-precision residual length `R` (must be a multiple of channel-axis groups).
     pub residual: usize,
-    /// Residual streaming semantics.
-    pub residual_mode: ResidualMode,
+    /// When residual rows stream into the quantized part (a
+    /// [`ResidualRule`](crate::residual::ResidualRule): `minikv`, the
+    /// default, or `kivi`); a name or a table.
+    #[serde(with = "crate::regime::name_or_table")]
+    pub residual_mode: Box<dyn crate::residual::ResidualRule>,
 }
 
 impl Default for QuantConfig {
@@ -86,7 +76,7 @@ impl Default for QuantConfig {
             keys: None,
             values: None,
             residual: 128,
-            residual_mode: ResidualMode::default(),
+            residual_mode: Box::new(crate::residual::MinikvResidual::default()),
         }
     }
 }
@@ -119,7 +109,7 @@ pub struct CacheConfig {
     /// The decode regime (default `frozen`; `evict` keeps evicting down to
     /// the budget with the scorer's decode-time rule). A name
     /// (`decode = "evict"`) or a table (`decode = { type = "evict", every = 16 }`).
-    #[serde(with = "crate::regime::serde_field")]
+    #[serde(with = "crate::regime::name_or_table")]
     pub decode: Box<dyn crate::regime::DecodeRegime>,
     /// Storage grows in pages of this many tokens per head (allocation slack
     /// is below one page per store; appending allocates once per page).
@@ -418,15 +408,8 @@ impl CacheConfig {
                         ),
                     ));
                 }
-                if name == "values"
-                    && q.residual_mode == ResidualMode::Kivi
-                    && qz.axis() == Axis::Channel
-                {
-                    return Err(Error::Unsupported(
-                        "residual_mode = \"kivi\" slides the value window one token at a time: values must be quantized per token".into(),
-                    ));
-                }
             }
+            q.residual_mode.validate(q)?;
         }
         Ok(())
     }

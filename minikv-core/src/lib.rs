@@ -11,9 +11,10 @@
 //!   name with `typetag`: [`TokenScorer`] (with its optional [`DecodeScore`]),
 //!   [`SelectionPolicy`] (reading [`LayerSignals`]), [`Selector`],
 //!   [`Quantizer`], [`Compensator`], [`ChannelPruner`], [`DecodeRegime`]
-//!   (what happens to stored rows while decoding) and [`PageScore`] (page
-//!   selection at decode). Implementations live in `minikv-policies` and
-//!   `minikv-quant` (the defaults, `frozen` and `quest`, here); backends are
+//!   (what happens to stored rows while decoding), [`PageScore`] (page
+//!   selection at decode) and [`ResidualRule`] (when a quantized cache's
+//!   residual rows are quantized). Implementations live in `minikv-policies` and
+//!   `minikv-quant` (the defaults, `frozen`, `quest` and `minikv`, here); backends are
 //!   found by name in a registry ([`make_backend`]).
 //! * [`layered::LayeredCache`]: the cache every config builds, assembled from
 //!   parts with one job each (staging, head stores, the decode regime's
@@ -69,6 +70,7 @@ pub mod plan;
 pub mod probe;
 pub mod quant;
 pub mod regime;
+pub mod residual;
 pub mod scoring;
 pub mod select;
 pub mod simd;
@@ -87,15 +89,14 @@ pub use cache::{
 };
 pub use channels::{ChannelInput, ChannelPruner};
 pub use compensate::{CompensateInput, Compensation, Compensator, ExtraEntries, LogitGate};
-pub use config::{
-    CacheConfig, HeadMode, QuantConfig, ResidualMode, RunConfig, check_finite_fields,
-};
+pub use config::{CacheConfig, HeadMode, QuantConfig, RunConfig, check_finite_fields};
 pub use error::{Error, Result, check_finite, check_len, check_range};
 pub use pages::{PageScore, PagesConfig};
 pub use plan::{CachePlan, Selection};
 pub use probe::AttentionProbe;
 pub use quant::{Axis, MinMaxSpec, QuantBytes, QuantStore, Quantizer};
 pub use regime::{DecodeRegime, RegimeLayer, RegimeStart, RegimeStep, StoredHeads};
+pub use residual::ResidualRule;
 pub use scoring::{
     DecodeScore, DecodeStep, GqaReduce, LayerSignals, Needs, QueryStats, ScoreInputs, TokenScorer,
     broadcast_kv, reduce_gqa,

@@ -220,44 +220,56 @@ crate::register!(
     "selection made once at the end of prefill, generated tokens appended (default)"
 );
 
-/// Serde for `cache.decode`: a name or a table; written back as the name when
-/// every parameter is at its default.
-pub(crate) mod serde_field {
-    use super::DecodeRegime;
-    use serde::de::{self, MapAccess, Visitor};
+/// Serde for a component field that takes a name or a table (`cache.decode`,
+/// `cache.quant.residual_mode`): written back as the name when every
+/// parameter is at its default.
+pub(crate) mod name_or_table {
+    use serde::de::{self, DeserializeOwned, MapAccess, Visitor};
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
     use std::fmt;
+    use std::marker::PhantomData;
 
     #[allow(clippy::borrowed_box)] // the signature `serde(with)` calls
-    pub fn serialize<S: Serializer>(r: &Box<dyn DecodeRegime>, s: S) -> Result<S::Ok, S::Error> {
+    pub fn serialize<T, S>(r: &Box<T>, s: S) -> Result<S::Ok, S::Error>
+    where
+        T: ?Sized,
+        Box<T>: Serialize + DeserializeOwned,
+        S: Serializer,
+    {
         let v = serde_json::to_value(r).map_err(serde::ser::Error::custom)?;
-        let name = serde_json::json!({ "type": r.typetag_name() });
-        let default = serde_json::from_value::<Box<dyn DecodeRegime>>(name)
+        let name = v.get("type").cloned().unwrap_or_default();
+        let default = serde_json::from_value::<Box<T>>(serde_json::json!({ "type": name }))
             .ok()
             .and_then(|d| serde_json::to_value(d).ok());
-        match default == Some(v) {
-            true => r.typetag_name().serialize(s),
-            false => r.serialize(s),
+        match (default == Some(v), name.as_str()) {
+            (true, Some(n)) => n.serialize(s),
+            _ => r.serialize(s),
         }
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Box<dyn DecodeRegime>, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Box<dyn DecodeRegime>;
+    pub fn deserialize<'de, T, D>(d: D) -> Result<Box<T>, D::Error>
+    where
+        T: ?Sized,
+        Box<T>: DeserializeOwned,
+        D: Deserializer<'de>,
+    {
+        struct V<T: ?Sized>(PhantomData<Box<T>>);
+        impl<'de, T: ?Sized> Visitor<'de> for V<T>
+        where
+            Box<T>: DeserializeOwned,
+        {
+            type Value = Box<T>;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str(
-                    "a decode regime: a name (\"frozen\", \"evict\") or a table with a `type`",
-                )
+                f.write_str("a component name or a table with a `type`")
             }
             fn visit_str<E: de::Error>(self, name: &str) -> Result<Self::Value, E> {
                 serde_json::from_value(serde_json::json!({ "type": name }))
                     .map_err(|e| E::custom(e.to_string()))
             }
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-                Box::<dyn DecodeRegime>::deserialize(de::value::MapAccessDeserializer::new(map))
+                Box::<T>::deserialize(de::value::MapAccessDeserializer::new(map))
             }
         }
-        d.deserialize_any(V)
+        d.deserialize_any(V::<T>(PhantomData))
     }
 }

@@ -355,3 +355,26 @@ fn no_function_exceeds_120_lines() {
     }
     assert!(long.is_empty(), "functions over 120 lines: {long:#?}");
 }
+
+/// The core registers only the default of each decode-time extension point
+/// (`frozen`, `quest`, `minikv`): decode-time eviction, other page scores and
+/// KIVI's residual rule live outside it and reach storage through the
+/// public views (`StoredHeads`, the rule's counts).
+#[test]
+fn core_holds_only_the_decode_time_defaults() {
+    use minikv_core::components::{self, ExtensionPoint as P};
+    let mut got: Vec<(P, &str)> = components::all()
+        .into_iter()
+        .filter(|c| matches!(c.point, P::Decode | P::PageScore | P::Residual))
+        .map(|c| (c.point, c.name))
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            (P::Decode, "frozen"),
+            (P::PageScore, "quest"),
+            (P::Residual, "minikv")
+        ]
+    );
+}

@@ -31,6 +31,7 @@
 
 mod exact;
 mod int8;
+pub mod residual;
 mod store;
 #[cfg(all(
     target_arch = "x86_64",
@@ -41,6 +42,7 @@ mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_int8;
 
+pub use residual::KiviResidual;
 pub use store::MinMaxStore;
 
 use minikv_core::{Axis, Error, QuantStore, Quantizer, Result};

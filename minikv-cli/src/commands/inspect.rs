@@ -22,6 +22,7 @@ fn parses(point: minikv_core::components::ExtensionPoint, v: serde_json::Value) 
         P::Channels => serde_json::from_value::<Box<dyn minikv_core::ChannelPruner>>(v).is_ok(),
         P::Decode => serde_json::from_value::<Box<dyn minikv_core::DecodeRegime>>(v).is_ok(),
         P::PageScore => serde_json::from_value::<Box<dyn minikv_core::PageScore>>(v).is_ok(),
+        P::Residual => serde_json::from_value::<Box<dyn minikv_core::ResidualRule>>(v).is_ok(),
     }
 }
 

@@ -32,7 +32,7 @@ use crate::{Error, LayerBudget, ModelSpec, Needs, Result, check_finite, check_le
 use pages::{PageHead, PageStats};
 use staging::Staging;
 use std::sync::Arc;
-use store::{HeadStore, ResidualRule};
+use store::{HeadStore, Residual};
 
 /// One layer: its staging during prefill, its stores and eviction state after.
 #[derive(Debug)]
@@ -59,7 +59,7 @@ pub struct LayeredCache {
     layers: Vec<Layer>,
     budgets: Vec<LayerBudget>,
     n_store: usize,
-    residual: ResidualRule,
+    residual: Residual,
     gate: Option<Arc<dyn LogitGate>>,
     /// Flush scratch shared by the layers.
     scratch: Vec<f32>,
@@ -97,7 +97,7 @@ impl LayeredCache {
         } = plan;
         let mut c = Self {
             spec,
-            residual: ResidualRule::new(&cfg),
+            residual: Residual::new(&cfg),
             gate: cfg.compensator.as_ref().and_then(|c| c.gate()),
             cfg,
             selection,

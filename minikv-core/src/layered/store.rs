@@ -6,41 +6,41 @@ use crate::Result;
 use crate::attention::{ExtraView, HeadView};
 use crate::cache::HeadMemory;
 use crate::compensate::{ExtraEntries, LogitGate};
-use crate::config::{CacheConfig, ResidualMode};
+use crate::config::CacheConfig;
 use crate::quant::QuantStore;
+use crate::residual::{ResidualRule, ResidualShape};
 use crate::storage::{FpStore, StorageFactory};
 
-/// How the fp16 residual streams into the quantized part (docs/algorithms.md §2).
-/// All residual semantics live here.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct ResidualRule {
-    /// Residual length `R` (`usize::MAX` without quantization).
-    pub r: usize,
-    /// MiniKV or KIVI streaming.
-    pub mode: ResidualMode,
-    /// Whether anything is quantized.
-    pub quantized: bool,
-    /// Tokens per quantizer append (G for per-channel groups, 1 per token).
-    pub granularity: usize,
+/// How the fp16 residual streams into the quantized part (docs/algorithms.md
+/// §2): the config's [`ResidualRule`] with the residual's shape.
+#[derive(Debug, Clone)]
+pub(crate) struct Residual {
+    /// `R` and the quantizers' append unit (`r = usize::MAX` without
+    /// quantization).
+    pub shape: ResidualShape,
+    /// The rule (`None` without quantization: nothing ever streams).
+    pub rule: Option<Box<dyn ResidualRule>>,
 }
 
-impl ResidualRule {
+impl Residual {
     pub fn new(cfg: &CacheConfig) -> Self {
         match &cfg.quant {
             None => Self {
-                r: usize::MAX,
-                mode: ResidualMode::Minikv,
-                quantized: false,
-                granularity: 1,
+                shape: ResidualShape {
+                    r: usize::MAX,
+                    granularity: 1,
+                },
+                rule: None,
             },
             Some(q) => {
                 let a = q.keys.as_ref().map_or(1, |z| z.token_granularity());
                 let b = q.values.as_ref().map_or(1, |z| z.token_granularity());
                 Self {
-                    r: q.residual,
-                    mode: q.residual_mode,
-                    quantized: true,
-                    granularity: a.max(b),
+                    shape: ResidualShape {
+                        r: q.residual,
+                        granularity: a.max(b),
+                    },
+                    rule: Some(q.residual_mode.clone()),
                 }
             }
         }
@@ -48,14 +48,15 @@ impl ResidualRule {
 
     /// How many of `n` prompt rows go to the quantized keys and values.
     fn prompt_split(&self, n: usize) -> (usize, usize) {
-        if !self.quantized {
-            return (0, 0);
-        }
-        match self.mode {
-            ResidualMode::Minikv => (n - n % self.granularity, n - n % self.granularity),
-            ResidualMode::Kivi => (n - n % self.r, n.saturating_sub(self.r)),
-        }
+        self.rule
+            .as_ref()
+            .map_or((0, 0), |r| clamp(r.prompt_split(n, &self.shape), n, n))
     }
+}
+
+/// A rule's counts, at most the rows there are.
+fn clamp((k, v): (usize, usize), keys: usize, values: usize) -> (usize, usize) {
+    (k.min(keys), v.min(values))
 }
 
 /// Extra entries as stored: fp16 keys and values, f32 biases.
@@ -163,7 +164,7 @@ impl HeadStore {
         keys: &[f32],
         values: &[f32],
         d: usize,
-        rule: &ResidualRule,
+        rule: &Residual,
         extra: ExtraEntries,
     ) -> Result<()> {
         let n = keys.len() / d;
@@ -207,44 +208,41 @@ impl HeadStore {
         self.fv.reserve_exact(rows);
     }
 
-    /// Appends one decoded token; MiniKV flushes the residual before attention.
+    /// Appends one decoded token, then quantizes what the rule says before
+    /// attention (MiniKV: the whole residual once it holds `R`).
     pub fn push(
         &mut self,
         k: &[f32],
         v: &[f32],
-        rule: &ResidualRule,
+        rule: &Residual,
         scratch: &mut Vec<f32>,
     ) -> Result<()> {
         self.fk.push(k);
         self.fv.push(v);
-        if rule.mode == ResidualMode::Minikv {
-            if self.qk.is_some() && self.fk.len() >= rule.r {
-                let n = self.fk.len();
-                flush(&mut self.qk, self.fk.as_mut(), n, scratch)?;
-            }
-            if self.qv.is_some() && self.fv.len() >= rule.r {
-                let n = self.fv.len();
-                flush(&mut self.qv, self.fv.as_mut(), n, scratch)?;
-            }
+        if let Some(r) = &rule.rule {
+            let (nk, nv) = (self.fk.len(), self.fv.len());
+            let (fk, fv) = clamp(r.before_attend(nk, nv, &rule.shape), nk, nv);
+            self.flush(fk, fv, scratch)?;
         }
         Ok(())
     }
 
-    /// KIVI: after attention, keys flush all `R` once the residual reaches it;
-    /// values slide a window of exactly `R` full-precision tokens.
-    pub fn after_attend(&mut self, rule: &ResidualRule, scratch: &mut Vec<f32>) -> Result<()> {
-        if rule.mode != ResidualMode::Kivi || !rule.quantized {
-            return Ok(());
-        }
-        if self.fk.len() >= rule.r {
-            let n = self.fk.len();
-            flush(&mut self.qk, self.fk.as_mut(), n, scratch)?;
-        }
-        if self.fv.len() > rule.r {
-            let n = self.fv.len() - rule.r;
-            flush(&mut self.qv, self.fv.as_mut(), n, scratch)?;
+    /// After attention, what the rule quantizes then (KIVI: keys all `R`
+    /// once the residual reaches it; values slide a window of `R`).
+    pub fn after_attend(&mut self, rule: &Residual, scratch: &mut Vec<f32>) -> Result<()> {
+        if let Some(r) = &rule.rule {
+            let (nk, nv) = (self.fk.len(), self.fv.len());
+            let (fk, fv) = clamp(r.after_attend(nk, nv, &rule.shape), nk, nv);
+            self.flush(fk, fv, scratch)?;
         }
         Ok(())
+    }
+
+    /// Moves the oldest `nk` keys and `nv` values into the quantized parts
+    /// (a part without a quantizer keeps its rows).
+    fn flush(&mut self, nk: usize, nv: usize, scratch: &mut Vec<f32>) -> Result<()> {
+        flush(&mut self.qk, self.fk.as_mut(), nk, scratch)?;
+        flush(&mut self.qv, self.fv.as_mut(), nv, scratch)
     }
 
     /// Removes full-precision row `i` (the last row takes its place).
