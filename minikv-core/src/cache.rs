@@ -40,8 +40,9 @@ pub trait KvCache: Send + Debug {
     fn memory(&self) -> MemoryReport;
     /// Per-layer token budgets chosen at the end of prefill (empty before).
     fn budgets(&self) -> Vec<crate::LayerBudget>;
-    /// Empties the cache for a new sequence.
-    fn reset(&mut self);
+    /// Empties the cache for a new sequence (fresh stores are created:
+    /// an error if the storage cannot make them).
+    fn reset(&mut self) -> Result<()>;
     /// An upper bound on the [`MemoryReport::kv_bytes`] this cache will
     /// report from the end of prefill of a `prompt`-token prompt through
     /// `max_new` decoded tokens (stored K/V with their scales, residuals,

@@ -443,11 +443,12 @@ impl KvCache for HybridCache {
             .collect()
     }
 
-    fn reset(&mut self) {
+    fn reset(&mut self) -> Result<()> {
         if let Some(g) = self.global.as_mut() {
-            g.reset();
+            g.reset()?;
         }
         self.reset_rings();
+        Ok(())
     }
 
     fn diagnostics(&self) -> crate::Diagnostics {

@@ -163,10 +163,11 @@ impl KvCache for AttentionProbe {
     fn diagnostics(&self) -> crate::Diagnostics {
         self.shadow.diagnostics()
     }
-    fn reset(&mut self) {
-        self.reference.reset();
-        self.shadow.reset();
+    fn reset(&mut self) -> Result<()> {
+        self.reference.reset()?;
+        self.shadow.reset()?;
         self.acc.iter_mut().for_each(|a| *a = [0.0; 4]);
+        Ok(())
     }
 }
 
@@ -218,7 +219,7 @@ mod tests {
         fn budgets(&self) -> Vec<LayerBudget> {
             self.0.budgets()
         }
-        fn reset(&mut self) {
+        fn reset(&mut self) -> Result<()> {
             self.0.reset()
         }
     }

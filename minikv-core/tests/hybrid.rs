@@ -140,7 +140,7 @@ fn windowed_layers_attend_over_their_window_and_hold_only_it() {
             assert_eq!(mem.used_bytes(), mem.full_fp16_bytes);
         }
     }
-    cache.reset();
+    cache.reset().unwrap();
     assert_eq!(cache.seq_len(0), 0);
     assert_eq!(cache.phase(), Phase::Prefill);
 }

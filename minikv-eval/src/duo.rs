@@ -66,10 +66,11 @@ impl KvCache for Recording {
     fn budgets(&self) -> Vec<LayerBudget> {
         self.inner.budgets()
     }
-    fn reset(&mut self) {
-        self.inner.reset();
+    fn reset(&mut self) -> Result<()> {
+        self.inner.reset()?;
         self.keys.iter_mut().for_each(Vec::clear);
         self.queries.iter_mut().for_each(Vec::clear);
+        Ok(())
     }
 }
 

@@ -273,8 +273,7 @@ impl KvCache for LayeredCache {
         self.diagnostics_report()
     }
 
-    fn reset(&mut self) {
-        // Stores were creatable at construction, so they are now.
-        self.reset_layers().expect("stores were created before");
+    fn reset(&mut self) -> Result<()> {
+        self.reset_layers()
     }
 }
