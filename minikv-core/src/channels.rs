@@ -3,9 +3,14 @@
 //! head's key stores then hold only those channels (`d' < d` per row, fp16 or
 //! packed codes), so memory really drops; a query is gathered to the same
 //! channels before its dot products, which equals attention with the pruned
-//! key channels set to zero. Values are untouched. Composes with token
-//! selection, quantization and decode-time eviction: the wrappers below are
-//! ordinary stores to every backend.
+//! key channels set to zero. Values are untouched. Keys appended while
+//! decoding keep every channel by default ([`SplitKeys`]: the pruned prompt
+//! rows, then full-width rows); a pruner may prune them too
+//! ([`ChannelPruner::prune_appended`]). Composes with token selection,
+//! quantization (a quantized key store holds the kept channels: an appended
+//! key loses its pruned channels when the residual flushes it) and
+//! decode-time eviction: the wrappers below are ordinary stores to every
+//! backend.
 
 use crate::quant::{QuantBytes, QuantStore};
 use crate::storage::FpStore;
@@ -40,6 +45,13 @@ pub trait ChannelPruner: Send + Sync + Debug + dyn_clone::DynClone {
     }
     /// Kept channels of one storage head, increasing, at least one.
     fn select(&self, input: &ChannelInput<'_>) -> Result<Vec<u16>>;
+    /// Whether keys appended after compression (decoded tokens) are pruned
+    /// too. `false` (the default, as kvpress does): they are stored with
+    /// every channel in a full-width store beside the pruned one
+    /// ([`SplitKeys`]), its bytes counted.
+    fn prune_appended(&self) -> bool {
+        false
+    }
 }
 
 dyn_clone::clone_trait_object!(ChannelPruner);
@@ -237,6 +249,145 @@ impl QuantStore for ChannelSubsetQuant {
     fn shrink(&mut self) {
         self.inner.shrink();
         self.sub.channels.shrink_to_fit();
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Keys of a pruned head when appended keys keep every channel: the rows
+/// loaded at the end of prefill in a channel-subset store (`head`), every
+/// later row full width (`tail`). The first push is the prompt's kept rows
+/// (compression loads a head in one push); each later push is a decoded row.
+/// Row order is the usual one (head rows, then tail rows); a swap-remove of
+/// a head row moves the last row into it through the head's channels.
+#[derive(Debug)]
+pub struct SplitKeys {
+    head: ChannelSubsetFp,
+    tail: Box<dyn FpStore>,
+    loaded: bool,
+}
+
+impl SplitKeys {
+    /// The pruned store of the prompt's rows and a full-width one for the rest.
+    pub fn new(head: ChannelSubsetFp, tail: Box<dyn FpStore>) -> Self {
+        Self {
+            head,
+            tail,
+            loaded: false,
+        }
+    }
+
+    /// Rows in the pruned part.
+    fn n0(&self) -> usize {
+        self.head.len()
+    }
+}
+
+impl FpStore for SplitKeys {
+    fn len(&self) -> usize {
+        self.head.len() + self.tail.len()
+    }
+    fn dim(&self) -> usize {
+        self.head.dim()
+    }
+    fn push(&mut self, rows: &[f32]) {
+        if self.loaded {
+            self.tail.push(rows);
+        } else {
+            self.head.push(rows);
+            self.loaded = true;
+        }
+    }
+    fn replace(&mut self, idx: usize, row: &[f32]) {
+        match idx.checked_sub(self.n0()) {
+            None => self.head.replace(idx, row),
+            Some(i) => self.tail.replace(i, row),
+        }
+    }
+    fn swap_remove(&mut self, idx: usize) {
+        let n0 = self.n0();
+        if self.tail.is_empty() {
+            self.head.swap_remove(idx);
+        } else if idx >= n0 {
+            self.tail.swap_remove(idx - n0);
+        } else {
+            let mut last = Vec::new();
+            self.tail.gather(&[self.tail.len() as u32 - 1], &mut last);
+            self.tail.swap_remove(self.tail.len() - 1);
+            self.head.replace(idx, &last);
+        }
+    }
+    fn drain_front(&mut self, n: usize, out: &mut Vec<f32>) {
+        let k = n.min(self.n0());
+        self.head.drain_front(k, out);
+        self.tail.drain_front(n - k, out);
+    }
+    fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
+        let n0 = self.n0();
+        self.head.scores(q, g, out, stride);
+        if !self.tail.is_empty() {
+            self.tail.scores(q, g, &mut out[n0..], stride);
+        }
+    }
+    fn scores_rows(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize, rows: Range<usize>) {
+        let n0 = self.n0();
+        if rows.start < n0 {
+            self.head
+                .scores_rows(q, g, out, stride, rows.start..rows.end.min(n0));
+        }
+        if rows.end > n0 {
+            let from = rows.start.max(n0);
+            let out = &mut out[from - rows.start..];
+            self.tail
+                .scores_rows(q, g, out, stride, from - n0..rows.end - n0);
+        }
+    }
+    fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
+        let n0 = self.n0();
+        self.head.accumulate(p, g, stride, out);
+        if !self.tail.is_empty() {
+            self.tail.accumulate(&p[n0..], g, stride, out);
+        }
+    }
+    fn accumulate_rows(
+        &self,
+        p: &[f32],
+        g: usize,
+        stride: usize,
+        out: &mut [f32],
+        rows: Range<usize>,
+    ) {
+        let n0 = self.n0();
+        if rows.start < n0 {
+            self.head
+                .accumulate_rows(p, g, stride, out, rows.start..rows.end.min(n0));
+        }
+        if rows.end > n0 {
+            let from = rows.start.max(n0);
+            let p = &p[from - rows.start..];
+            self.tail
+                .accumulate_rows(p, g, stride, out, from - n0..rows.end - n0);
+        }
+    }
+    fn to_f32(&self, out: &mut [f32]) {
+        let split = self.n0() * self.dim();
+        let (a, b) = out.split_at_mut(split);
+        self.head.to_f32(a);
+        self.tail.to_f32(b);
+    }
+    fn bytes(&self) -> usize {
+        self.head.bytes() + self.tail.bytes()
+    }
+    fn used_bytes(&self) -> usize {
+        self.head.used_bytes() + self.tail.used_bytes()
+    }
+    fn reserve_exact(&mut self, rows: usize) {
+        self.tail.reserve_exact(rows);
+    }
+    fn shrink(&mut self) {
+        self.head.shrink();
+        self.tail.shrink();
     }
     fn as_any(&self) -> &dyn Any {
         self

@@ -87,7 +87,7 @@ pub use cache::{
     Diagnostics, HeadMemory, KvCache, LayerMemory, MemoryReport, ModelWants, Observation, Phase,
     Rope, RopePairs, Stats,
 };
-pub use channels::{ChannelInput, ChannelPruner};
+pub use channels::{ChannelInput, ChannelPruner, SplitKeys};
 pub use compensate::{CompensateInput, Compensation, Compensator, ExtraEntries, LogitGate};
 pub use config::{CacheConfig, HeadMode, QuantConfig, RunConfig, check_finite_fields};
 pub use error::{Error, Result, check_finite, check_len, check_range};

@@ -6,8 +6,10 @@
 //! (averaged over the query heads reading the head) times that over the
 //! prompt's keys. The `floor(d · ratio)` lowest-scored channels are dropped
 //! and the head's key stores hold only the others (kvpress zeroes them and
-//! keeps the full width; minikv stores fewer channels). Composes with any
-//! token selection and with quantization.
+//! keeps the full width; minikv stores fewer channels). Keys of decoded
+//! tokens keep every channel (as kvpress: a full-width store beside the
+//! pruned one) unless `prune_appended = true`. Composes with any token
+//! selection and with quantization.
 
 use minikv_core::{ChannelInput, ChannelPruner, Error, Needs, Result, check_range, register};
 use serde::{Deserialize, Serialize};
@@ -21,6 +23,9 @@ pub struct Think {
     pub ratio: f64,
     /// Last prompt queries the channel statistics use (32).
     pub window: usize,
+    /// Prune the keys of decoded tokens too (`false`, as kvpress: they are
+    /// stored with every channel beside the pruned prompt keys).
+    pub prune_appended: bool,
 }
 
 impl Default for Think {
@@ -28,6 +33,7 @@ impl Default for Think {
         Self {
             ratio: 0.5,
             window: 32,
+            prune_appended: false,
         }
     }
 }
@@ -48,6 +54,9 @@ impl ChannelPruner for Think {
             ));
         }
         check_range("cache.channels.window", self.window, 1, 65536)
+    }
+    fn prune_appended(&self) -> bool {
+        self.prune_appended
     }
     fn select(&self, inp: &ChannelInput<'_>) -> Result<Vec<u16>> {
         let s = inp.signals;

@@ -155,14 +155,16 @@ fn assert_kept_channels(
 ) {
     let d = c.spec().head_dim;
     let q: Vec<f32> = (0..hq * d).map(|i| 0.3 - 0.17 * i as f32).collect();
-    assert_kept_for(c, rows, ch, k, v, &q);
+    assert_kept_for(c, rows, ch, ch, k, v, &q);
 }
 
-/// As [`assert_kept_channels`], for the decode query `q` (`[hq][d]`).
+/// As [`assert_kept_channels`], for the decode query `q` (`[hq][d]`), the
+/// appended row's key read over channels `new_ch`.
 fn assert_kept_for(
     c: &mut dyn KvCache,
     rows: &[usize],
     ch: &[usize],
+    new_ch: &[usize],
     k: &[f32],
     v: &[f32],
     q: &[f32],
@@ -178,7 +180,9 @@ fn assert_kept_for(
         let qh = &q[h * d..(h + 1) * d];
         let logits: Vec<f64> = all
             .iter()
-            .map(|&r| {
+            .enumerate()
+            .map(|(i, &r)| {
+                let ch = if i == rows.len() { new_ch } else { ch };
                 ch.iter()
                     .map(|&x| f(k[r * d + x]) * qh[x] as f64)
                     .sum::<f64>()
@@ -240,22 +244,37 @@ fn expected_attention_through_the_cache() {
 fn think_worked_example() {
     let s = spec(1, HQ, 1, D);
     let (k, v, q) = (keys(), values(), queries());
-    let cfg = RunConfig::parse(
-        "[cache.channels]\ntype = \"think\"\nratio = 0.5\nwindow = 3",
-        false,
-    )
-    .unwrap();
-    let mut c = CacheBuilder::new(s).build(&cfg.cache).unwrap();
-    let mut o = vec![0.0f32; T * HQ * D];
-    c.append(0, &k, &v, T).unwrap();
-    c.attend(0, &q, T, &mut o).unwrap();
-    c.end_prefill().unwrap();
     let all: Vec<usize> = (0..T).collect();
-    assert_kept_channels(c.as_mut(), &all, &[0, 2], &k, &v, HQ);
-    let m = c.memory().layers[0].heads[0];
-    assert_eq!(m.tokens, T + 1);
-    // Keys: 13 rows x 2 channels x 2 bytes + 2 channel indices; values 13 x 4 x 2.
-    assert_eq!(m.used, 13 * 2 * 2 + 2 * 2 + 13 * 4 * 2);
+    let every: Vec<usize> = (0..D).collect();
+    // Default: the decoded key keeps every channel (a full-width store
+    // beside the pruned one); `prune_appended`: it is pruned too.
+    for prune in [false, true] {
+        let cfg = RunConfig::parse(
+            &format!(
+                "[cache.channels]\ntype = \"think\"\nratio = 0.5\nwindow = 3\nprune_appended = {prune}"
+            ),
+            false,
+        )
+        .unwrap();
+        let mut c = CacheBuilder::new(s.clone()).build(&cfg.cache).unwrap();
+        let mut o = vec![0.0f32; T * HQ * D];
+        c.append(0, &k, &v, T).unwrap();
+        c.attend(0, &q, T, &mut o).unwrap();
+        c.end_prefill().unwrap();
+        let new_ch: &[usize] = if prune { &[0, 2] } else { &every };
+        let dq: Vec<f32> = (0..HQ * D).map(|i| 0.3 - 0.17 * i as f32).collect();
+        assert_kept_for(c.as_mut(), &all, &[0, 2], new_ch, &k, &v, &dq);
+        let m = c.memory().layers[0].heads[0];
+        assert_eq!(m.tokens, T + 1);
+        // Keys: 12 prompt rows x 2 channels x 2 bytes + 2 channel indices,
+        // the decoded row x (2 or 4 channels) x 2 bytes; values 13 x 4 x 2.
+        let new_row = if prune { 2 * 2 } else { 4 * 2 };
+        assert_eq!(
+            m.used,
+            12 * 2 * 2 + 2 * 2 + new_row + 13 * 4 * 2,
+            "prune {prune}"
+        );
+    }
 }
 
 /// Quest, pages of 4, budget 8 rows, every token stored: after the decode
@@ -316,7 +335,7 @@ fn page_score_is_a_component() {
         c.append(0, &k, &v, T).unwrap();
         c.attend(0, &q, T, &mut o).unwrap();
         c.end_prefill().unwrap();
-        assert_kept_for(c.as_mut(), &rows, &all, &k, &v, &dq);
+        assert_kept_for(c.as_mut(), &rows, &all, &all, &k, &v, &dq);
         let diag = c.diagnostics();
         // 5 rows x 16 B read, plus every page's summary: Quest 2d floats,
         // the mean d + 1.

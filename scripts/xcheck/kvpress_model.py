@@ -82,7 +82,15 @@ METHODS = {
         lambda r: K.ComposedPress(
             [K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5), K.ThinKPress(key_channel_compression_ratio=0.5, window_size=32)]
         ),
-        "minikv also prunes the channels of keys appended after compression; kvpress keeps those whole",
+        "",
+    ),
+    "think-prune-appended": (
+        "think",
+        lambda r: K.ComposedPress(
+            [K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5), K.ThinKPress(key_channel_compression_ratio=0.5, window_size=32)]
+        ),
+        "minikv option `prune_appended = true`: decoded keys pruned too; kvpress keeps them whole",
+        [("window = 32", "window = 32\nprune_appended = true")],
     ),
     "lagkv": ("lagkv", lambda r: K.LagKVPress(compression_ratio=r), ""),
     "chunkkv": ("chunkkv", lambda r: K.ChunkKVPress(K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5), chunk_length=20), ""),

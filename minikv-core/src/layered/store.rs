@@ -134,7 +134,7 @@ impl HeadStore {
         channels: Vec<u16>,
         d: usize,
     ) -> Result<()> {
-        use crate::channels::{ChannelSubsetFp, ChannelSubsetQuant};
+        use crate::channels::{ChannelSubsetFp, ChannelSubsetQuant, SplitKeys};
         let dk = channels.len();
         if dk == d {
             return Ok(());
@@ -152,7 +152,12 @@ impl HeadStore {
             .quant
             .as_ref()
             .map_or(page, |q| page.min(q.residual + 1));
-        self.fk = Box::new(ChannelSubsetFp::new(st.fp_store(dk, fp_page), channels, d));
+        let pruned = ChannelSubsetFp::new(st.fp_store(dk, fp_page), channels, d);
+        self.fk = match cfg.channels.as_ref().is_some_and(|c| c.prune_appended()) {
+            true => Box::new(pruned),
+            // Decoded keys keep every channel, beside the pruned prompt rows.
+            false => Box::new(SplitKeys::new(pruned, st.fp_store(d, fp_page))),
+        };
         Ok(())
     }
 
