@@ -33,16 +33,61 @@ use serde::{Deserialize, Serialize};
 
 /// `decode = { type = "evict", every = N }`: evict down to the budget every
 /// `N` decode steps (a head holds up to `N - 1` extra rows in between).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// What a head is evicted down to: the config's budget
+/// (`sinks + heavy + recent`, the default), or, as kvpress's decoding
+/// presses do, a fixed number of rows (`target_tokens`, `DecodingPress`'s
+/// `target_size`) or a share of the tokens seen so far (`target_ratio`
+/// removed: `max(1, floor(seen · (1 - ratio)))` rows kept,
+/// `CompressionRatioDecodingPress`). `scorer` ranks the rows while decoding
+/// in place of the config's (kvpress's `PrefillDecodingPress` with a
+/// different decoding press; the prompt's scores are then not carried over).
+/// Sinks and the config's recent window stay protected in every case.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Evict {
     /// Decode steps between evictions (1: every step).
     pub every: usize,
+    /// Rows a head keeps after each eviction, instead of the budget.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target_tokens: Option<usize>,
+    /// Share of the tokens seen that each eviction removes, in `[0, 1)`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target_ratio: Option<f64>,
+    /// The scorer used while decoding (default: the config's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scorer: Option<Box<dyn TokenScorer>>,
 }
 
 impl Default for Evict {
     fn default() -> Self {
-        Self { every: 1 }
+        Self {
+            every: 1,
+            target_tokens: None,
+            target_ratio: None,
+            scorer: None,
+        }
+    }
+}
+
+/// What each eviction brings a head down to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Target {
+    /// The head's capacity from the budget.
+    Budget,
+    /// A fixed number of rows.
+    Tokens(usize),
+    /// `max(1, floor(seen · (1 - ratio)))` rows.
+    Ratio(f64),
+}
+
+impl Evict {
+    fn target(&self) -> Target {
+        match (self.target_tokens, self.target_ratio) {
+            (Some(n), _) => Target::Tokens(n),
+            (None, Some(r)) => Target::Ratio(r),
+            (None, None) => Target::Budget,
+        }
     }
 }
 
@@ -55,9 +100,41 @@ impl DecodeRegime for Evict {
                 format!("must be in 1..=65536, got {}", self.every),
             ));
         }
-        let Some(s) = &cache.scorer else {
+        if self.target_tokens.is_some() && self.target_ratio.is_some() {
+            return Err(Error::config(
+                "cache.decode.target_tokens",
+                "set either target_tokens or target_ratio, not both",
+            ));
+        }
+        if self.target_tokens == Some(0) || self.target_tokens.is_some_and(|n| n > 1 << 32) {
+            return Err(Error::config(
+                "cache.decode.target_tokens",
+                format!(
+                    "must be in 1..=4294967296, got {}",
+                    self.target_tokens.unwrap_or(0)
+                ),
+            ));
+        }
+        if let Some(r) = self.target_ratio
+            && !(0.0..1.0).contains(&r)
+        {
+            return Err(Error::config(
+                "cache.decode.target_ratio",
+                format!("must be in [0, 1), got {r}"),
+            ));
+        }
+        if let Some(s) = &self.scorer {
+            s.validate()?;
+        }
+        let Some(s) = self.scorer.as_ref().or(cache.scorer.as_ref()) else {
             return Err(Error::config("cache.decode", "`evict` needs a scorer"));
         };
+        if cache.scorer.is_none() {
+            return Err(Error::config(
+                "cache.scorer",
+                "`evict` runs after the prompt's selection: set cache.scorer and a budget (heavy = 1.0 keeps the whole prompt)",
+            ));
+        }
         if s.decode_score().is_none() && s.needs().cumulative_attention {
             return Err(Error::Unsupported(
                 "cache.decode = \"evict\" re-scores stored tokens from keys, values and the latest decode queries; this scorer needs prefill A_cumul and has no decode-time rule (use `h2o` for cumulative attention during decode)".into(),
@@ -76,14 +153,21 @@ impl DecodeRegime for Evict {
         true
     }
 
-    fn start(&self, s: RegimeStart<'_>) -> Result<Option<Box<dyn RegimeLayer>>> {
-        let Some(scorer) = s.scorer else {
-            return Err(Error::config("cache.decode", "`evict` needs a scorer"));
+    fn start(&self, mut s: RegimeStart<'_>) -> Result<Option<Box<dyn RegimeLayer>>> {
+        let scorer = match (&self.scorer, s.scorer) {
+            (Some(own), _) => {
+                // Another scorer's prompt scores mean nothing to this one.
+                s.scores = None;
+                own.clone()
+            }
+            (None, Some(cfg)) => dyn_clone::clone_box(cfg),
+            (None, None) => return Err(Error::config("cache.decode", "`evict` needs a scorer")),
         };
         Ok(Some(Box::new(Evictor::new(
             &s,
-            dyn_clone::clone_box(scorer),
+            scorer,
             self.every,
+            self.target(),
         ))))
     }
 
@@ -93,15 +177,21 @@ impl DecodeRegime for Evict {
         // recent window), any other holds its kept rows; both plus the rows
         // that arrive between evictions.
         let clamped = q.sinks + q.recent + q.heavy.min(q.prompt.saturating_sub(q.sinks + q.recent));
-        let cap = if q.kept < q.prompt {
-            q.kept
-        } else {
-            clamped.max(q.kept)
+        let cap = match self.target() {
+            Target::Budget if q.kept < q.prompt => q.kept,
+            Target::Budget => clamped.max(q.kept),
+            Target::Tokens(n) => n.max(q.kept),
+            // The kept share of everything seen, at its largest at the end.
+            Target::Ratio(r) => {
+                let seen = q.prompt + q.max_new;
+                ((seen as f64 * (1.0 - r)).floor() as usize).max(q.kept)
+            }
         };
         Growth {
             steps: q.max_new.min(cap - q.kept + self.every),
             rows: cap + self.every,
-            bounded: true,
+            // A share of the tokens seen grows: its store grows by pages.
+            bounded: !matches!(self.target(), Target::Ratio(_)),
             // Positions and scores (u32 + f32) per held row; the vectors come
             // from selection over the prompt and may grow to twice their length.
             index_bytes: 2 * 8 * cap.max(q.prompt),
@@ -121,7 +211,7 @@ minikv_core::register!(
 struct EvictHead {
     pos: Vec<u32>,
     score: Vec<f32>,
-    /// Rows kept after an eviction.
+    /// Rows kept after an eviction (with a target, set at each eviction).
     cap: usize,
     /// Recent window protected from eviction.
     recent: usize,
@@ -152,16 +242,22 @@ struct Evictor {
     wq: Vec<f32>,
     sbuf: Vec<f32>,
     steps: usize,
-    /// Steps between evictions, sinks, GQA reduction.
+    /// Steps between evictions, sinks, GQA reduction, what heads evict to.
     every: usize,
     sinks: usize,
     reduce: GqaReduce,
+    target: Target,
 }
 
 impl Evictor {
     /// State after compression: rows `kept[s]` of each storage head with
     /// their prefill scores (`scores[s * t + p]`, or 0 without scores).
-    fn new(st: &RegimeStart<'_>, scorer: Box<dyn TokenScorer>, every: usize) -> Self {
+    fn new(
+        st: &RegimeStart<'_>,
+        scorer: Box<dyn TokenScorer>,
+        every: usize,
+        target: Target,
+    ) -> Self {
         let (spec, scores, t, sinks, budget) = (st.spec, st.scores, st.t, st.sinks, st.budget);
         let rule = scorer.decode_score();
         let heads = st
@@ -215,6 +311,7 @@ impl Evictor {
             every,
             sinks,
             reduce: st.reduce,
+            target,
         }
     }
 
@@ -274,6 +371,14 @@ impl Evictor {
         }
         if !due {
             return Ok(());
+        }
+        let cap = match self.target {
+            Target::Budget => None,
+            Target::Tokens(n) => Some(n),
+            Target::Ratio(r) => Some(((p.seen as f64 * (1.0 - r)).floor() as usize).max(1)),
+        };
+        if let Some(cap) = cap {
+            self.heads.iter_mut().for_each(|h| h.cap = cap);
         }
         for s in 0..stores.len() {
             if self.heads[s].pos.len() <= self.heads[s].cap {
@@ -426,7 +531,12 @@ impl RegimeLayer for Evictor {
     /// A head's capacity plus the rows that arrive between evictions.
     fn max_rows(&self, s: usize) -> Option<usize> {
         let h = &self.heads[s];
-        Some(h.cap.max(h.pos.len()) + self.every)
+        match self.target {
+            Target::Budget => Some(h.cap.max(h.pos.len()) + self.every),
+            Target::Tokens(n) => Some(n.max(h.pos.len()) + self.every),
+            // Grows with the tokens seen.
+            Target::Ratio(_) => None,
+        }
     }
 
     /// Bytes of positions and scores of head `s`.

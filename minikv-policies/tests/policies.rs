@@ -328,6 +328,83 @@ fn h2o_holds_its_budget_while_decoding() {
     }
 }
 
+/// kvpress's decoding presses as `evict` targets: `target_tokens` brings
+/// every head to that many rows at each eviction (`DecodingPress`),
+/// `target_ratio` to `max(1, floor(seen · (1 - ratio)))`
+/// (`CompressionRatioDecodingPress`); a `scorer` in the regime ranks the rows
+/// while decoding in place of the config's (`PrefillDecodingPress`).
+#[test]
+fn evict_targets_and_decoding_scorer() {
+    let spec = ModelSpec {
+        n_layers: 1,
+        n_q_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+        max_seq_len: 256,
+        windows: Vec::new(),
+    };
+    let held = |c: &dyn KvCache| -> Vec<usize> {
+        c.memory().layers[0]
+            .heads
+            .iter()
+            .map(|h| h.tokens)
+            .collect()
+    };
+    let base = "[cache]\nheavy = 1.0\nscorer = { type = \"key_norm\" }\n";
+    // 40 prompt tokens kept whole, then an eviction every 4 steps.
+    for (target, want) in [
+        ("target_tokens = 10", [10, 10]),
+        ("target_ratio = 0.5", [22, 24]),
+        ("target_ratio = 0.0", [44, 48]),
+    ] {
+        let mut c = tiny(
+            spec.clone(),
+            &format!("{base}decode = {{ type = \"evict\", every = 4, {target} }}"),
+        );
+        prefill_noise(c.as_mut(), 40);
+        assert_eq!(held(c.as_ref()), [40, 40]);
+        let mut at = Vec::new();
+        for step in 0..8 {
+            decode_noise(c.as_mut(), step);
+            if step % 4 == 3 {
+                at.push(held(c.as_ref())[0]);
+            }
+            assert!(held(c.as_ref()).iter().all(|&n| n == held(c.as_ref())[0]));
+        }
+        assert_eq!(at, want, "{target}");
+    }
+    // The regime's own scorer decides while decoding: key norm in the
+    // regime over H2O's prompt selection gives key norm's outputs.
+    let run = |text: &str| -> Vec<f32> {
+        let mut c = tiny(spec.clone(), text);
+        prefill_noise(c.as_mut(), 40);
+        (0..12).map(|s| decode_noise(c.as_mut(), s)).last().unwrap()
+    };
+    let target = "every = 4, target_tokens = 12";
+    let norm = run(&format!("{base}decode = {{ type = \"evict\", {target} }}"));
+    let h2o = "[cache]\nheavy = 1.0\nscorer = { type = \"h2o\" }\n";
+    let over_h2o = run(&format!(
+        "{h2o}decode = {{ type = \"evict\", {target}, scorer = {{ type = \"key_norm\" }} }}"
+    ));
+    let plain_h2o = run(&format!("{h2o}decode = {{ type = \"evict\", {target} }}"));
+    assert_eq!(norm, over_h2o);
+    assert_ne!(norm, plain_h2o);
+    // Bad targets name their field.
+    for (bad, field) in [
+        ("target_tokens = 4, target_ratio = 0.5", "target_tokens"),
+        ("target_ratio = 1.0", "target_ratio"),
+        ("target_tokens = 0", "target_tokens"),
+    ] {
+        let cfg = RunConfig::parse(
+            &format!("{base}decode = {{ type = \"evict\", {bad} }}"),
+            false,
+        )
+        .unwrap();
+        let e = cfg.validate(None).unwrap_err().to_string();
+        assert!(e.contains(&format!("cache.decode.{field}")), "{bad}: {e}");
+    }
+}
+
 /// Ada-KV stores ragged per-head lengths: memory really differs per head.
 #[test]
 fn ada_kv_heads_are_ragged_and_memory_shrinks() {
