@@ -29,6 +29,11 @@ pub struct ChannelInput<'a> {
     pub kv: usize,
     /// Query heads that read it.
     pub q_heads: Range<usize>,
+    /// The prompt positions the head keeps after token selection,
+    /// increasing (every position without a selection): channel statistics
+    /// over the stored keys, as a channel press composed after a token press
+    /// sees them.
+    pub kept: &'a [u32],
 }
 
 /// Chooses the key channels a storage head keeps. Implementations live in

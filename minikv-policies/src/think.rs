@@ -4,7 +4,8 @@
 //! Per storage head, channel `c` scores `mean_w(q_c²) · mean_t(k_c²)`: the
 //! mean squared value of the channel over the last `window` prompt queries
 //! (averaged over the query heads reading the head) times that over the
-//! prompt's keys. The `floor(d · ratio)` lowest-scored channels are dropped
+//! keys the head stores (after token selection, as a channel press composed
+//! after a token press sees them). The `floor(d · ratio)` lowest-scored channels are dropped
 //! and the head's key stores hold only the others (kvpress zeroes them and
 //! keeps the full width; minikv stores fewer channels). Keys of decoded
 //! tokens keep every channel (as kvpress: a full-width store beside the
@@ -73,14 +74,18 @@ impl ChannelPruner for Think {
                     .for_each(|(a, &x)| *a += (x as f64) * (x as f64));
             }
         }
+        // The keys the head stores: the statistic of a channel press composed
+        // after the token selection.
         let k = s.keys[inp.kv];
         let mut kn = vec![0.0f64; d];
-        for row in k[..t * d].chunks_exact(d) {
+        for &p in inp.kept.iter().filter(|&&p| (p as usize) < t) {
+            let row = &k[p as usize * d..(p as usize + 1) * d];
             kn.iter_mut()
                 .zip(row)
                 .for_each(|(a, &x)| *a += (x as f64) * (x as f64));
         }
-        let norm = (inp.q_heads.len() * w.max(1)) as f64 * t.max(1) as f64;
+        let n = inp.kept.len().clamp(1, t.max(1));
+        let norm = (inp.q_heads.len() * w.max(1)) as f64 * n as f64;
         let score: Vec<f64> = qn.iter().zip(&kn).map(|(a, b)| a * b / norm).collect();
         let pruned = ((d as f64 * self.ratio) as usize).min(d - 1);
         let mut order: Vec<usize> = (0..d).collect();

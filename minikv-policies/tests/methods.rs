@@ -275,6 +275,31 @@ fn think_worked_example() {
             "prune {prune}"
         );
     }
+    // After a token selection the key statistic covers the stored keys
+    // only (kvpress's ComposedPress hands ThinK what the token press left):
+    // key norm keeps the 6 smallest-norm rows 1 2 4 5 7 10, over which the
+    // channel scores are 2.662923 3.669356 6.934291 1.186092 (the mirror):
+    // channels 1 and 2, where all 12 rows would give 0 and 2.
+    let cfg = RunConfig::parse(
+        "[cache]\nheavy_tokens = 6\nrecent_tokens = 0\nscorer = { type = \"key_norm\" }\n[cache.channels]\ntype = \"think\"\nratio = 0.5\nwindow = 3",
+        false,
+    )
+    .unwrap();
+    let mut c = CacheBuilder::new(s).build(&cfg.cache).unwrap();
+    let mut o = vec![0.0f32; T * HQ * D];
+    c.append(0, &k, &v, T).unwrap();
+    c.attend(0, &q, T, &mut o).unwrap();
+    c.end_prefill().unwrap();
+    let dq: Vec<f32> = (0..HQ * D).map(|i| 0.3 - 0.17 * i as f32).collect();
+    assert_kept_for(
+        c.as_mut(),
+        &[1, 2, 4, 5, 7, 10],
+        &[1, 2],
+        &every,
+        &k,
+        &v,
+        &dq,
+    );
 }
 
 /// Quest, pages of 4, budget 8 rows, every token stored: after the decode

@@ -189,8 +189,14 @@ impl LayeredCache {
         })
     }
 
-    /// Key channels each storage head keeps, when a channel pruner is set.
-    fn plan_channels(&self, layer: usize, t: usize) -> Result<Option<Vec<Vec<u16>>>> {
+    /// Key channels each storage head keeps, when a channel pruner is set
+    /// (`kept[s]`: the prompt positions head `s` keeps).
+    fn plan_channels(
+        &self,
+        layer: usize,
+        t: usize,
+        kept: &[&[u32]],
+    ) -> Result<Option<Vec<Vec<u16>>>> {
         let Some(pruner) = self.cfg.channels.as_ref() else {
             return Ok(None);
         };
@@ -206,6 +212,7 @@ impl LayeredCache {
         (0..self.n_store)
             .map(|s| {
                 let ch = pruner.select(&crate::ChannelInput {
+                    kept: kept[s],
                     signals: &signals,
                     kv: self.kv_of_store(s),
                     q_heads: s * g..(s + 1) * g,
@@ -234,7 +241,8 @@ impl LayeredCache {
     ) -> Result<()> {
         let d = self.spec.head_dim;
         let t = self.layers[layer].seen;
-        let channels = self.plan_channels(layer, t)?;
+        let kept: Vec<&[u32]> = plan.comps.iter().map(|c| c.kept.as_slice()).collect();
+        let channels = self.plan_channels(layer, t, &kept)?;
         let st = self.backend.clone();
         let st = st.storage();
         let mut kept_all = Vec::with_capacity(self.n_store);
