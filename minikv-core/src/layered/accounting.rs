@@ -50,6 +50,12 @@ impl LayeredCache {
             peak = peak.max(twin.memory().total());
         }
         let mut per_head = peak + growth.index_bytes;
+        if cfg.channels.as_ref().is_some_and(|c| !c.prune_appended()) {
+            // Pruned prompt keys in a store of their own beside the
+            // full-width one decoded keys go to (`SplitKeys`): at most the
+            // kept rows at full width, plus the channel list.
+            per_head += kept * 2 * d + 2 * d;
+        }
         if cfg.compensator.is_some() {
             // Extra entries take part of the budget: at most one per kept
             // token, fp16 key and value and an f32 bias each.
