@@ -86,6 +86,8 @@ pub struct GrowthQuery {
     pub recent: usize,
     /// Tokens to decode.
     pub max_new: usize,
+    /// The model's context length: no head ever holds more rows.
+    pub max_seq: usize,
 }
 
 /// The answer: tokens appended before the head stops growing, the most

@@ -187,9 +187,12 @@ impl DecodeRegime for Evict {
                 ((seen as f64 * (1.0 - r)).floor() as usize).max(q.kept)
             }
         };
+        // No head holds more rows than the model's context has tokens (as
+        // the running evictor's `max_rows`).
+        let cap = cap.min(q.max_seq).max(q.kept);
         Growth {
             steps: q.max_new.min(cap - q.kept + self.every),
-            rows: cap + self.every,
+            rows: (cap + self.every).min(q.max_seq.max(q.kept)),
             // A share of the tokens seen grows: its store grows by pages.
             bounded: !matches!(self.target(), Target::Ratio(_)),
             // Positions and scores (u32 + f32) per held row; the vectors come
@@ -247,6 +250,8 @@ struct Evictor {
     sinks: usize,
     reduce: GqaReduce,
     target: Target,
+    /// The model's context length (no head holds more rows).
+    max_seq: usize,
 }
 
 impl Evictor {
@@ -312,6 +317,7 @@ impl Evictor {
             sinks,
             reduce: st.reduce,
             target,
+            max_seq: spec.max_seq_len,
         }
     }
 
@@ -531,12 +537,14 @@ impl RegimeLayer for Evictor {
     /// A head's capacity plus the rows that arrive between evictions.
     fn max_rows(&self, s: usize) -> Option<usize> {
         let h = &self.heads[s];
-        match self.target {
-            Target::Budget => Some(h.cap.max(h.pos.len()) + self.every),
-            Target::Tokens(n) => Some(n.max(h.pos.len()) + self.every),
+        let rows = match self.target {
+            Target::Budget => h.cap.max(h.pos.len()) + self.every,
+            Target::Tokens(n) => n.max(h.pos.len()) + self.every,
             // Grows with the tokens seen.
-            Target::Ratio(_) => None,
-        }
+            Target::Ratio(_) => return None,
+        };
+        // Never more rows than the model's context holds tokens.
+        Some(rows.min(self.max_seq.max(h.pos.len())))
     }
 
     /// Bytes of positions and scores of head `s`.

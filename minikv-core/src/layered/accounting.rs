@@ -32,6 +32,7 @@ impl LayeredCache {
             heavy,
             recent,
             max_new,
+            max_seq: self.spec.max_seq_len,
         });
         let (steps, cap) = (growth.steps, growth.rows);
         let st = self.backend.storage();
