@@ -389,6 +389,18 @@ fn evict_targets_and_decoding_scorer() {
     let plain_h2o = run(&format!("{h2o}decode = {{ type = \"evict\", {target} }}"));
     assert_eq!(norm, over_h2o);
     assert_ne!(norm, plain_h2o);
+    // A target (or recent window) far beyond the context reserves at most
+    // the context: the cache builds, decodes and stays small.
+    for big in ["target_tokens = 4294967296", "target_tokens = 12"] {
+        let text = format!(
+            "[cache]\nheavy = 1.0\nrecent_tokens = 4294967296\nscorer = {{ type = \"key_norm\" }}\ndecode = {{ type = \"evict\", every = 4, {big} }}"
+        );
+        let mut c = tiny(spec.clone(), &text);
+        prefill_noise(c.as_mut(), 40);
+        decode_noise(c.as_mut(), 0);
+        assert!(c.memory().total_bytes() < 1 << 20, "{big}");
+        assert!(c.projected_kv_bytes(40, 8).unwrap() < 1 << 20, "{big}");
+    }
     // Bad targets name their field.
     for (bad, field) in [
         ("target_tokens = 4, target_ratio = 0.5", "target_tokens"),
