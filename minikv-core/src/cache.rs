@@ -177,6 +177,19 @@ impl Rope {
             x[b] = (x1 * c - x0 * s) as f32;
         }
     }
+    /// Rotates one head's vector `x` (`d` channels) by `delta` positions
+    /// (negative: back): a post-RoPE key of position `p` becomes the key of
+    /// position `p + delta` (key re-rotation after pruning).
+    pub fn rotate(&self, x: &mut [f32], delta: i64) {
+        let d = x.len();
+        for (i, &f) in self.inv_freq.iter().enumerate().take(d / 2) {
+            let (a, b) = self.pair(i, d);
+            let (s, c) = (delta as f64 * f).sin_cos();
+            let (x0, x1) = (x[a] as f64, x[b] as f64);
+            x[a] = (x0 * c - x1 * s) as f32;
+            x[b] = (x1 * c + x0 * s) as f32;
+        }
+    }
     /// The rotation of positions `from .. from + n`, averaged: per pair the
     /// mean cosine and mean sine, `([d/2], [d/2])`.
     pub fn mean_rotation(&self, from: usize, n: usize) -> (Vec<f64>, Vec<f64>) {

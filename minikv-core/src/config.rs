@@ -111,6 +111,13 @@ pub struct CacheConfig {
     /// (`decode = "evict"`) or a table (`decode = { type = "evict", every = 16 }`).
     #[serde(with = "crate::regime::name_or_table")]
     pub decode: Box<dyn crate::regime::DecodeRegime>,
+    /// Key re-rotation (kvpress's `KeyRerotationPress`, the rotation of
+    /// HF's SinkCache and FINCH): after selection, each head's kept key of
+    /// prompt position `p`, the `i`-th kept, is re-rotated to position `i`,
+    /// so the kept keys sit at consecutive positions; decoded tokens keep
+    /// their own positions. Needs the model's RoPE.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub rerotate_keys: bool,
     /// Storage grows in pages of this many tokens per head (allocation slack
     /// is below one page per store; appending allocates once per page).
     pub page_tokens: usize,
@@ -151,6 +158,7 @@ impl Default for CacheConfig {
             recent_tokens: None,
             sinks: 0,
             decode: Box::new(crate::regime::Frozen::default()),
+            rerotate_keys: false,
             page_tokens: 256,
             scorer: None,
             policy: None,
@@ -325,6 +333,12 @@ impl CacheConfig {
                     return Err(Error::config(
                         "cache.scorer",
                         "policy/selector given without a scorer",
+                    ));
+                }
+                if self.rerotate_keys {
+                    return Err(Error::config(
+                        "cache.rerotate_keys",
+                        "re-rotates the keys a selection kept: set cache.scorer and a budget",
                     ));
                 }
             }

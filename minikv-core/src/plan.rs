@@ -74,6 +74,12 @@ impl CachePlan {
         if let Some(c) = &config.channels {
             needs = needs.union(c.needs());
         }
+        if config.rerotate_keys {
+            needs = needs.union(Needs {
+                rope: true,
+                ..Needs::default()
+            });
+        }
         let n_store = match config.heads {
             HeadMode::PerKv => spec.n_kv_heads,
             HeadMode::PerQuery => spec.n_q_heads,

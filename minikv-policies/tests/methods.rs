@@ -842,3 +842,58 @@ fn kvzip_worked_example() {
     let e = c.end_prefill().unwrap_err().to_string();
     assert!(e.contains("context-reconstruction pass"), "{e}");
 }
+
+/// Key re-rotation (kvpress's `KeyRerotationPress`): key norm keeps rows
+/// 1 2 4 5 7 10 (6 heavy tokens); with `rerotate_keys` the i-th kept key,
+/// of position p, is stored rotated by `i - p` positions (RoPE, adjacent
+/// pairs, `theta_j = 100^(-2j/d)`: `x0 cos - x1 sin, x1 cos + x0 sin`,
+/// computed here from the formula), so attention equals attention over
+/// those rotated keys; the decoded key keeps its own rotation.
+#[test]
+fn key_rerotation_worked_example() {
+    let s = spec(1, HQ, 1, D);
+    let (k, v, q) = (keys(), values(), queries());
+    let kept = [1usize, 2, 4, 5, 7, 10];
+    let mut kr = k.clone();
+    for (i, &p) in kept.iter().enumerate() {
+        let delta = i as f64 - p as f64;
+        for j in 0..D / 2 {
+            let th = delta * 100f64.powf(-2.0 * j as f64 / D as f64);
+            let (x0, x1) = (k[p * D + 2 * j] as f64, k[p * D + 2 * j + 1] as f64);
+            kr[p * D + 2 * j] = (x0 * th.cos() - x1 * th.sin()) as f32;
+            kr[p * D + 2 * j + 1] = (x1 * th.cos() + x0 * th.sin()) as f32;
+        }
+    }
+    let all: Vec<usize> = (0..D).collect();
+    let dq: Vec<f32> = (0..HQ * D).map(|i| 0.3 - 0.17 * i as f32).collect();
+    for rerotate in [false, true] {
+        let text = format!(
+            "[cache]\nheavy_tokens = 6\nrecent_tokens = 0\nrerotate_keys = {rerotate}\nscorer = {{ type = \"key_norm\" }}"
+        );
+        let cfg = RunConfig::parse(&text, false).unwrap();
+        let mut c = CacheBuilder::new(s.clone()).build(&cfg.cache).unwrap();
+        assert_eq!(c.wants(0).pre_rope_queries, rerotate, "RoPE asked for");
+        let r = rope();
+        c.observe(
+            0,
+            Observation::PreRopeQueries {
+                q: &q,
+                n: T,
+                rope: &r,
+            },
+        )
+        .unwrap();
+        let mut o = vec![0.0f32; T * HQ * D];
+        c.append(0, &k, &v, T).unwrap();
+        c.attend(0, &q, T, &mut o).unwrap();
+        c.end_prefill().unwrap();
+        let want = if rerotate { &kr } else { &k };
+        assert_kept_for(c.as_mut(), &kept, &all, &all, want, &v, &dq);
+    }
+    // Without a selection there is nothing to re-rotate: a config error.
+    let e = RunConfig::parse("[cache]\nrerotate_keys = true", false)
+        .unwrap()
+        .validate(None)
+        .unwrap_err();
+    assert!(e.to_string().contains("cache.rerotate_keys"), "{e}");
+}

@@ -92,6 +92,11 @@ METHODS = {
         "minikv option `prune_appended = true`: decoded keys pruned too; kvpress keeps them whole",
         [("window = 32", "window = 32\nprune_appended = true")],
     ),
+    "key-rerotation": (
+        "key-rerotation",
+        lambda r: K.KeyRerotationPress(K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5)),
+        "",
+    ),
     "lagkv": ("lagkv", lambda r: K.LagKVPress(compression_ratio=r), ""),
     "chunkkv": ("chunkkv", lambda r: K.ChunkKVPress(K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5), chunk_length=20), ""),
     "pyramidkv": ("pyramidkv", lambda r: K.PyramidKVPress(compression_ratio=r, window_size=64, kernel_size=5), ""),

@@ -262,6 +262,17 @@ impl LayeredCache {
             if let Some(v) = &c.values {
                 vbuf.copy_from_slice(v);
             }
+            if self.cfg.rerotate_keys {
+                // The i-th kept key, of prompt position p, to position i.
+                let rope = staging.rope.as_ref().ok_or_else(|| {
+                    Error::Unsupported(
+                        "cache.rerotate_keys: the model handed over no RoPE (a model without rotary positions cannot re-rotate keys)".into(),
+                    )
+                })?;
+                for (i, &p) in c.kept.iter().enumerate() {
+                    rope.rotate(&mut kbuf[i * d..(i + 1) * d], i as i64 - p as i64);
+                }
+            }
             if let Some(ch) = &channels {
                 heads[s].restrict_keys(&self.cfg, st, ch[s].clone(), d)?;
             }
