@@ -126,15 +126,14 @@ impl DecodeRegime for Evict {
         if let Some(s) = &self.scorer {
             s.validate()?;
         }
-        let Some(s) = self.scorer.as_ref().or(cache.scorer.as_ref()) else {
-            return Err(Error::config("cache.decode", "`evict` needs a scorer"));
-        };
-        if cache.scorer.is_none() {
+        let Some(prompt) = &cache.scorer else {
             return Err(Error::config(
-                "cache.scorer",
-                "`evict` runs after the prompt's selection: set cache.scorer and a budget (heavy = 1.0 keeps the whole prompt)",
+                "cache.decode",
+                "`evict` needs a scorer: set cache.scorer and a budget (heavy = 1.0 keeps the whole prompt)",
             ));
-        }
+        };
+        // The scorer that ranks rows while decoding.
+        let s = self.scorer.as_ref().unwrap_or(prompt);
         if s.decode_score().is_none() && s.needs().cumulative_attention {
             return Err(Error::Unsupported(
                 "cache.decode = \"evict\" re-scores stored tokens from keys, values and the latest decode queries; this scorer needs prefill A_cumul and has no decode-time rule (use `h2o` for cumulative attention during decode)".into(),
@@ -164,7 +163,7 @@ impl DecodeRegime for Evict {
             (None, None) => return Err(Error::config("cache.decode", "`evict` needs a scorer")),
         };
         Ok(Some(Box::new(Evictor::new(
-            &s,
+            s,
             scorer,
             self.every,
             self.target(),
@@ -258,7 +257,7 @@ impl Evictor {
     /// State after compression: rows `kept[s]` of each storage head with
     /// their prefill scores (`scores[s * t + p]`, or 0 without scores).
     fn new(
-        st: &RegimeStart<'_>,
+        st: RegimeStart<'_>,
         scorer: Box<dyn TokenScorer>,
         every: usize,
         target: Target,
@@ -267,8 +266,7 @@ impl Evictor {
         let rule = scorer.decode_score();
         let heads = st
             .kept
-            .iter()
-            .cloned()
+            .into_iter()
             .enumerate()
             .map(|(s, rows)| {
                 let score = rows
