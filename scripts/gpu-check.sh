@@ -1,77 +1,148 @@
 #!/usr/bin/env bash
-# One unattended command for a machine with an NVIDIA GPU and its driver:
-#   1. builds minikv (skipped when cargo is missing and the binaries exist,
-#      e.g. copied from a build machine);
-#   2. runs the CUDA backend's parity checks on the device against minikv's
-#      CPU reference (the gpucheck example: prefill + A_cumul with GQA and
-#      sliding windows, SnapKV window scores, bit-exact 2/4/8-bit
-#      quantization on both axes, fused decode over ragged heads with extra
-#      entries and decode probabilities; tolerance 1e-4) — the same checks
-#      that run under the CPU emulation in every `cargo test`;
-#   3. reports ptxas's registers and spills for sm_80 and sm_90;
-#   4. `minikv bench attention --backend cuda` at 16K tokens next to the CPU;
+# The one unattended check for a machine with an NVIDIA GPU and its driver,
+# written to run there without network and without a Rust toolchain:
+#   0. binaries: gpu-bundle/ when present (built on another machine by
+#      scripts/gpu-bundle.sh: stripped, portable x86-64-v3, CUBINs for
+#      sm_80..sm_100, so the GPU needs neither NVRTC nor a PTX JIT); else
+#      built here with cargo (then NVRTC from third_party/cuda compiles the
+#      CUBIN at load);
+#   1. the machine: GPU, driver, CPU flags and glibc against the bundle's
+#      needs (a clear line instead of an obscure crash);
+#   2. the CUDA backend's parity checks against minikv's CPU reference, with
+#      every launch synchronized and checked (MINIKV_CUDA_CHECK=1): first
+#      the small shapes under compute-sanitizer (memcheck) when the machine
+#      has it, then small and model-sized shapes (32 query / 8 KV heads,
+#      d = 128, 32K tokens) natively; the device's info (driver, image
+#      loaded, registers and local bytes per kernel as the driver reports
+#      them, memory bandwidth bound); prefill with A_cumul at 32K tokens
+#      (tokens/s, attention TFLOP/s);
+#   3. ptxas registers and spills (from the bundle, computed at build);
+#   4. decode attention (bench attention, 32/8 heads, d = 128) at 16K and
+#      128K tokens on cuda and on the CPU: us/token and achieved bandwidth
+#      (bytes read per token / time) against the device's bound;
 #   5. when the real model is in assets/: MiniKV 2-bit generation with
 #      backend = "cuda" against backend = "tiled" (same greedy tokens).
-# Writes results/gpu-check/ and prints a short report. Under 10 minutes
-# (most of it the cold build).
-set -euo pipefail
+# Writes $OUT (or results/gpu-check/): one file per step and summary.json,
+# and prints a short report. Budget: under 8 minutes.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=results/gpu-check
-mkdir -p "$OUT"
-if command -v nvidia-smi >/dev/null; then
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-else
-  echo "gpu-check: nvidia-smi not found; the device checks will report the missing driver" >&2
-fi
-if [ -d third_party/cuda/lib ] && [ -x third_party/cuda/bin/ptxas ]; then
-  TOOLS=third_party/cuda
-else
-  TOOLS=$(./scripts/fetch-cuda-tools.sh)
-fi
-export LD_LIBRARY_PATH="$PWD/$TOOLS/lib:${LD_LIBRARY_PATH:-}"
-if command -v cargo >/dev/null; then
-  cargo build --release -q -p minikv-kernels --bins --example gpucheck
-  cargo build --release -q -p minikv-cli
-fi
-BIN=target/release
+OUTDIR=${OUT:-results/gpu-check}
+mkdir -p "$OUTDIR"
 status=0
-echo "== the CUDA backend on the device against the CPU reference"
-timeout 300 "$BIN/examples/gpucheck" > "$OUT/device.json" || status=$?
-[ -s "$OUT/device.json" ] && python3 - "$OUT/device.json" <<'PY' || true
+fail() { echo "  FAILED: $*"; status=1; }
+if [ -x gpu-bundle/bin/minikv ] && [ -x gpu-bundle/bin/minikv-kernels-gpucheck ]; then
+  BIN=gpu-bundle/bin
+  CHECK=$BIN/minikv-kernels-gpucheck
+  echo "== binaries: gpu-bundle ($(python3 -c 'import json;m=json.load(open("gpu-bundle/MANIFEST.json"));print(m["git_revision"], m["cpu_baseline"], "glibc>=" + m["needs_glibc"])' 2>/dev/null))"
+elif command -v cargo >/dev/null; then
+  TOOLS=$(./scripts/fetch-cuda-tools.sh) || exit 1
+  export LD_LIBRARY_PATH="$PWD/$TOOLS/lib:${LD_LIBRARY_PATH:-}"
+  cargo build --release -q -p minikv-kernels --bins --example gpucheck || exit 1
+  cargo build --release -q -p minikv-cli || exit 1
+  BIN=target/release
+  CHECK=$BIN/examples/gpucheck
+  echo "== binaries: built here"
+else
+  echo "gpu-check: no gpu-bundle/ (scripts/gpu-bundle.sh makes one) and no cargo to build with" >&2
+  exit 1
+fi
+[ -d third_party/cuda/lib ] && export LD_LIBRARY_PATH="$PWD/third_party/cuda/lib:${LD_LIBRARY_PATH:-}"
+
+echo "== machine"
+{
+  uname -m
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv,noheader 2>&1 || echo "nvidia-smi: not found"
+  ldd --version 2>&1 | head -1
+  grep -m1 -o -w -E 'avx2|fma|f16c' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+} | tee "$OUTDIR/machine.txt"
+if [ "$(uname -m)" != x86_64 ]; then fail "the binaries are x86_64, this machine is $(uname -m)"; fi
+for f in avx2 fma f16c; do
+  grep -q -w "$f" /proc/cpuinfo || fail "the CPU lacks $f (the bundle is built for x86-64-v3)"
+done
+
+export MINIKV_CUDA_CHECK=1
+echo "== parity on the device (every launch synchronized and checked)"
+if command -v compute-sanitizer >/dev/null; then
+  echo "-- small shapes under compute-sanitizer --tool memcheck"
+  GPUCHECK_TOKENS=2048 GPUCHECK_PREFILL=1024 timeout 180 compute-sanitizer --tool memcheck \
+    --error-exitcode 9 "$CHECK" > "$OUTDIR/sanitizer.json" 2> "$OUTDIR/sanitizer.log" \
+    || fail "compute-sanitizer (exit $?; $OUTDIR/sanitizer.log)"
+  tail -3 "$OUTDIR/sanitizer.log"
+else
+  echo "-- (compute-sanitizer not on this machine: skipped)"
+fi
+timeout 240 "$CHECK" > "$OUTDIR/device.json" 2> "$OUTDIR/device.log" || fail "parity (exit $?: $(tail -2 "$OUTDIR/device.log"))"
+[ -s "$OUTDIR/device.json" ] && python3 - "$OUTDIR/device.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print("device:", r["device"], "ok:", r["ok"])
+i = r.get("info", {})
+print(f"device: {r['device']}  image: {i.get('image')}  bound: {i.get('peak_bandwidth_gb_s')} GB/s  ok: {r['ok']}")
 for c in r["checks"]:
-    errs = {k: v for k, v in c.items() if k.endswith("err") or k.endswith("equal")}
+    errs = {k: v for k, v in c.items() if k.endswith("err") or k.endswith("equal") or k.endswith("values") or k in ("tokens", "t")}
     print(f"  {'ok ' if c['ok'] else 'BAD'} {c['check']}: {errs}")
+print("  registers (driver):", {k: v.get("registers") for k, v in sorted(i.get("kernels", {}).items())})
+p = r["prefill"]
+print(f"  prefill {p['tokens']} tokens (32/8 heads, d=128, A_cumul): {p['tokens_per_s']:.0f} tokens/s, "
+      f"{p['attention_tflop_s']:.1f} attention TFLOP/s")
 PY
-echo "== NVRTC + ptxas (sm_80, sm_90)"
-"$BIN/minikv-kernels-check" --ptxas "$TOOLS/bin/ptxas" --out "$OUT/ptx" > "$OUT/ptxas.json" || status=$?
-[ -s "$OUT/ptxas.json" ] && python3 - "$OUT/ptxas.json" <<'PY' || true
+
+echo "== ptxas (sm_80, sm_90)"
+PTXAS_JSON=gpu-bundle/ptxas.json
+if [ "$BIN" != gpu-bundle/bin ]; then
+  "$BIN/minikv-kernels-check" --ptxas "$TOOLS/bin/ptxas" --out "$OUTDIR/ptx" > "$OUTDIR/ptxas.json" || fail "ptxas"
+  PTXAS_JSON=$OUTDIR/ptxas.json
+fi
+[ -s "$PTXAS_JSON" ] && python3 - "$PTXAS_JSON" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
-for arch, ks in r.items():
+for arch in ("sm_80", "sm_90"):
+    ks = r.get(arch, {})
     print(arch, ", ".join(f"{k}: {v.get('registers')} regs, {v.get('spill_stores')} B spilled" for k, v in ks.items()))
 PY
-echo "== decode attention at 16K tokens: cuda and the CPU"
-for be in cuda tiled; do
-  timeout 120 "$BIN/minikv" bench attention --tokens 16384 --backend "$be" --seconds 1 --json > "$OUT/bench-attention-$be.json" || status=$?
-  [ -s "$OUT/bench-attention-$be.json" ] && python3 - "$OUT/bench-attention-$be.json" <<'PY' || true
-import json, sys
-r = json.load(open(sys.argv[1]))
-for x in r["results"]:
-    print(f"  {r['backend']:<6} {x['cache']:<58} {x['seconds_per_token'] * 1e6:9.1f} us/token")
-PY
+
+echo "== decode attention (32/8 heads, d = 128): cuda and the CPU"
+for t in 16384 131072; do
+  for be in cuda tiled; do
+    timeout 150 "$BIN/minikv" bench attention --tokens "$t" --q-heads 32 --kv-heads 8 --head-dim 128 \
+      --backend "$be" --seconds 1 --json > "$OUTDIR/bench-attention-$be-$t.json" 2>> "$OUTDIR/bench.log" \
+      || fail "bench attention $be $t (exit $?)"
+  done
 done
+python3 - "$OUTDIR" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+bound = None
+try:
+    bound = json.load(open(os.path.join(out, "device.json")))["info"].get("peak_bandwidth_gb_s")
+except Exception:
+    pass
+rows = []
+for f in sorted(glob.glob(os.path.join(out, "bench-attention-*.json"))):
+    try:
+        r = json.load(open(f))
+    except Exception:
+        continue
+    for x in r["results"]:
+        if not x.get("seconds_per_token"):
+            continue
+        gbs = x["bytes_read_per_token"] / x["seconds_per_token"] / 1e9
+        frac = f"{100 * gbs / bound:5.1f}% of {bound:.0f} GB/s" if bound and r["backend"] == "cuda" else ""
+        print(f"  {r['backend']:<6} {r['tokens']:>7} {x['cache'][:44]:<44} {x['seconds_per_token'] * 1e6:9.1f} us/token {gbs:8.1f} GB/s {frac}")
+        rows.append({"backend": r["backend"], "tokens": r["tokens"], "cache": x["cache"],
+                     "us_per_token": x["seconds_per_token"] * 1e6, "gb_s": gbs,
+                     "fraction_of_bound": gbs / bound if bound and r["backend"] == "cuda" else None})
+json.dump({"bandwidth_bound_gb_s": bound, "decode": rows}, open(os.path.join(out, "decode-bandwidth.json"), "w"), indent=1)
+PY
+
 MODEL=assets/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -f "$MODEL" ]; then
   echo "== MiniKV 2-bit on the real model: cuda against tiled"
   PROMPT="Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do"
   for be in cuda tiled; do
-    { echo "backend = \"$be\""; cat configs/minikv.toml; } > "$OUT/minikv-$be.toml"
-    timeout 120 "$BIN/minikv" generate --config "$OUT/minikv-$be.toml" --prompt "$PROMPT" --max-tokens 32 --json > "$OUT/generate-$be.json" || status=$?
+    { echo "backend = \"$be\""; cat configs/minikv.toml; } > "$OUTDIR/minikv-$be.toml"
+    timeout 120 "$BIN/minikv" generate --config "$OUTDIR/minikv-$be.toml" --prompt "$PROMPT" --max-tokens 32 --json > "$OUTDIR/generate-$be.json" || fail "generate $be"
   done
-  [ -s "$OUT/generate-cuda.json" ] && python3 - "$OUT/generate-cuda.json" "$OUT/generate-tiled.json" <<'PY' || status=1
+  [ -s "$OUTDIR/generate-cuda.json" ] && python3 - "$OUTDIR/generate-cuda.json" "$OUTDIR/generate-tiled.json" <<'PY' || fail "greedy tokens differ"
 import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
 same = a["tokens"] == b["tokens"]
@@ -82,5 +153,16 @@ PY
 else
   echo "== (no $MODEL: the real-model comparison is skipped; ./scripts/fetch-assets.sh fetches it)"
 fi
-if [ "$status" = 0 ]; then echo "gpu-check: passed"; else echo "gpu-check: FAILED (exit $status)"; fi
+python3 - "$OUTDIR" "$status" <<'PY'
+import json, os, sys
+out, status = sys.argv[1], int(sys.argv[2])
+s = {"passed": status == 0}
+for name in ("device", "decode-bandwidth"):
+    try:
+        s[name] = json.load(open(os.path.join(out, name + ".json")))
+    except Exception as e:
+        s[name] = f"missing: {e}"
+json.dump(s, open(os.path.join(out, "summary.json"), "w"), indent=1)
+PY
+if [ "$status" = 0 ]; then echo "gpu-check: passed"; else echo "gpu-check: FAILED"; fi
 exit "$status"

@@ -91,6 +91,16 @@ pub trait QuantStore: Send + Sync + Debug {
     fn head_dim(&self) -> usize;
     /// Appends `rows` (`[n][d]`, `n` a multiple of the quantizer's token granularity).
     fn append(&mut self, rows: &[f32]) -> Result<()>;
+    /// Appends the first `n` rows of `src` without bringing them to the host
+    /// (a device store quantizing a device fp16 store's rows in place), as
+    /// [`append`](QuantStore::append) of those rows would; `Ok(false)` when
+    /// this store cannot read `src` (the default), and the cache then drains
+    /// the rows and appends them. `src` is left unchanged either way: the
+    /// caller discards the rows after a `true`.
+    fn append_front_of(&mut self, src: &dyn crate::storage::FpStore, n: usize) -> Result<bool> {
+        let _ = (src, n);
+        Ok(false)
+    }
     /// `out[j * stride + t] = q_j . x_hat_t` for `g` queries `q` (`[g][d]`) and every token `t`.
     fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize);
     /// `out[j][c] += sum_t p[j * stride + t] * x_hat_t[c]` for `g` weight rows.

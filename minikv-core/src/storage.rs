@@ -28,6 +28,12 @@ pub trait FpStore: Send + Sync + Debug {
     fn swap_remove(&mut self, idx: usize);
     /// Removes the first `n` rows, appending them as f32 to `out`.
     fn drain_front(&mut self, n: usize, out: &mut Vec<f32>);
+    /// Removes the first `n` rows without reading them (a device store moves
+    /// its ring's start; the default drains into a scratch vector).
+    fn discard_front(&mut self, n: usize) {
+        let mut sink = Vec::new();
+        self.drain_front(n, &mut sink);
+    }
     /// `out[j * stride + t] = q_j . x_t`.
     fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize);
     /// `out[j][c] += sum_t p[j * stride + t] * x_t[c]`.

@@ -43,6 +43,7 @@ int mk_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsig
     MK_KERNEL(mk_quant_values_token)
     MK_KERNEL(mk_decode_partial)
     MK_KERNEL(mk_decode_combine)
+    MK_KERNEL(mk_scatter)
 #undef MK_KERNEL
   } catch (const std::exception&) {
     return 3;

@@ -178,6 +178,18 @@ extern "C" __global__ void mk_pool1d(const float* __restrict__ in, float* __rest
 
 // The CPU quantizer's code: ((x - min) / scale) clamped to [0, qmax], rounded
 // half to even (IEEE division: NVRTC's default -prec-div=true).
+// Input rows of the quantize kernels: f32 rows [n][d] (rows_f16 = 0, the
+// host's rows uploaded), or fp16 rows of a device store's ring (rows_f16 =
+// 1: a quantized cache's residual quantized in place when it flushes), row i
+// at slot (r0 + i) % rcap. Element (i, c):
+__device__ __forceinline__ float mk_row(const void* rows, int rows_f16, int r0, int rcap, int i,
+                                        int c, int d) {
+  mk_size r = (mk_size)r0 + i;
+  if (r >= (mk_size)rcap) r -= rcap;
+  mk_size at = r * d + c;
+  return rows_f16 ? mk_h2f(((const unsigned short*)rows)[at]) : ((const float*)rows)[at];
+}
+
 __device__ __forceinline__ unsigned mk_code(float x, float mn, float sc, float qmax) {
   float r = (x - mn) / sc;
   r = fminf(fmaxf(r, 0.f), qmax);
@@ -198,16 +210,17 @@ __device__ __forceinline__ void mk_store_pair(void* sc, void* mn, mk_size idx, f
 
 // 3a. Keys per channel: one group of `g` tokens (rows [g][d], first token
 // index `t0`, a multiple of g), one thread per channel (each owns its words).
-extern "C" __global__ void mk_quant_keys_channel(const float* __restrict__ rows, int g, int d,
-                                                 int bits, int t0, unsigned* __restrict__ words,
-                                                 void* scale, void* minv, int f16) {
+extern "C" __global__ void mk_quant_keys_channel(const void* __restrict__ rows, int rows_f16,
+                                                 int r0, int rcap, int g, int d, int bits, int t0,
+                                                 unsigned* __restrict__ words, void* scale,
+                                                 void* minv, int f16) {
   int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= d) return;
   int p = 32 / bits;
   float qmax = (float)((1u << bits) - 1);
   float mn = MK_INF, mx = -MK_INF;
   for (int i = 0; i < g; ++i) {
-    float x = rows[(mk_size)i * d + c];
+    float x = mk_row(rows, rows_f16, r0, rcap, i, c, d);
     mn = fminf(mn, x);
     mx = fmaxf(mx, x);
   }
@@ -216,7 +229,7 @@ extern "C" __global__ void mk_quant_keys_channel(const float* __restrict__ rows,
   if (!(sc > 0.f)) return;
   for (int i = 0; i < g; ++i) {
     int tok = t0 + i;
-    unsigned code = mk_code(rows[(mk_size)i * d + c], mn, sc, qmax);
+    unsigned code = mk_code(mk_row(rows, rows_f16, r0, rcap, i, c, d), mn, sc, qmax);
     words[(mk_size)(tok / p) * d + c] |= code << (bits * (tok % p));
   }
 }
@@ -224,28 +237,28 @@ extern "C" __global__ void mk_quant_keys_channel(const float* __restrict__ rows,
 // 3b. Per token (values; keys in the per-token ablation): rows [n][d]
 // appended at token index `t0`; one thread per token (its words and scales
 // are its own). Scales and minimums [token][d / g].
-extern "C" __global__ void mk_quant_values_token(const float* __restrict__ rows, int n, int d,
-                                                 int g, int bits, int t0,
+extern "C" __global__ void mk_quant_values_token(const void* __restrict__ rows, int rows_f16,
+                                                 int r0, int rcap, int n, int d, int g, int bits, int t0,
                                                  unsigned* __restrict__ words, void* scale,
                                                  void* minv, int f16) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   int p = 32 / bits, wpt = d / p;
   float qmax = (float)((1u << bits) - 1);
-  const float* x = rows + (mk_size)i * d;
   unsigned* w = words + (mk_size)(t0 + i) * wpt;
   for (int k = 0; k < wpt; ++k) w[k] = 0u;
   for (int gi = 0; gi < d / g; ++gi) {
     float mn = MK_INF, mx = -MK_INF;
     for (int c = gi * g; c < (gi + 1) * g; ++c) {
-      mn = fminf(mn, x[c]);
-      mx = fmaxf(mx, x[c]);
+      float xc = mk_row(rows, rows_f16, r0, rcap, i, c, d);
+      mn = fminf(mn, xc);
+      mx = fmaxf(mx, xc);
     }
     float sc = (mx - mn) / qmax;
     mk_store_pair(scale, minv, (mk_size)(t0 + i) * (d / g) + gi, sc, mn, f16);
     if (!(sc > 0.f)) continue;
     for (int c = gi * g; c < (gi + 1) * g; ++c)
-      w[c / p] |= mk_code(x[c], mn, sc, qmax) << (bits * (c % p));
+      w[c / p] |= mk_code(mk_row(rows, rows_f16, r0, rcap, i, c, d), mn, sc, qmax) << (bits * (c % p));
   }
 }
 
@@ -266,9 +279,10 @@ struct MkQuant {
 // residual (keys and values may split differently).
 struct MkHead {
   MkQuant k, v;
-  const unsigned short* fk;  // fp16 residual keys [len - k.n][d]
-  const unsigned short* fv;  // fp16 residual values [len - v.n][d]
+  const unsigned short* fk;  // fp16 residual keys: len - k.n rows of a ring
+  const unsigned short* fv;  // fp16 residual values: len - v.n rows of a ring
   int len;
+  int fk0, fkcap, fv0, fvcap;  // residual row i at slot (f?0 + i) % f?cap
   const unsigned short* ek;  // extra entries: keys, values [n_extra][d], bias
   const unsigned short* ev;
   const float* ebias;
@@ -299,13 +313,21 @@ __device__ __forceinline__ float mk_deq(const MkQuant& z, int j, int c, int d) {
 
 __device__ __forceinline__ float mk_key(const MkHead& hd, int j, int c, int d) {
   if (j < hd.k.n) return mk_deq(hd.k, j, c, d);
-  if (j < hd.len) return mk_h2f(hd.fk[(mk_size)(j - hd.k.n) * d + c]);
+  if (j < hd.len) {
+    int r = j - hd.k.n + hd.fk0;
+    if (r >= hd.fkcap) r -= hd.fkcap;
+    return mk_h2f(hd.fk[(mk_size)r * d + c]);
+  }
   return mk_h2f(hd.ek[(mk_size)(j - hd.len) * d + c]);
 }
 
 __device__ __forceinline__ float mk_value(const MkHead& hd, int j, int c, int d) {
   if (j < hd.v.n) return mk_deq(hd.v, j, c, d);
-  if (j < hd.len) return mk_h2f(hd.fv[(mk_size)(j - hd.v.n) * d + c]);
+  if (j < hd.len) {
+    int r = j - hd.v.n + hd.fv0;
+    if (r >= hd.fvcap) r -= hd.fvcap;
+    return mk_h2f(hd.fv[(mk_size)r * d + c]);
+  }
   return mk_h2f(hd.ev[(mk_size)(j - hd.len) * d + c]);
 }
 
@@ -385,7 +407,32 @@ extern "C" __global__ void mk_decode_combine(const float* __restrict__ pm,
       float m = pm[(mk_size)h * splits + s];
       if (m != -MK_INF) a += __expf(m - mx) * pacc[((mk_size)h * splits + s) * d + c];
     }
-    out[(mk_size)h * d + c] = a / z;
+    // A head with no token and no extra entry (every split empty): output
+    // 0 and log-sum-exp -inf, as the CPU backends give (never 0 / 0).
+    out[(mk_size)h * d + c] = z > 0.f ? a / z : 0.f;
   }
-  if (lse && tid == 0) lse[h] = mx + __logf(z);
+  if (lse && tid == 0) lse[h] = z > 0.f ? mx + __logf(z) : -MK_INF;
+}
+
+// 5. Batched copies: entry e copies `bytes` bytes from src to dst (one block
+// per entry). The host packs many small uploads into one buffer (the table,
+// then the payload its entries point into) and queues small device-to-device
+// moves beside them, so that a decode step makes one host-to-device copy
+// instead of one per row. No entry reads or writes bytes another writes (the
+// host flushes before queuing such an entry).
+struct MkCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  unsigned long long bytes;
+};
+extern "C" __global__ void mk_scatter(const MkCopy* __restrict__ table) {
+  MkCopy e = table[blockIdx.x];
+  const unsigned char* s = e.src;
+  if ((((unsigned long long)e.dst | (unsigned long long)e.src | e.bytes) & 3ull) == 0ull) {
+    const unsigned* s4 = (const unsigned*)s;
+    unsigned* d4 = (unsigned*)e.dst;
+    for (mk_size i = threadIdx.x; i < e.bytes / 4; i += blockDim.x) d4[i] = s4[i];
+  } else {
+    for (mk_size i = threadIdx.x; i < e.bytes; i += blockDim.x) e.dst[i] = s[i];
+  }
 }

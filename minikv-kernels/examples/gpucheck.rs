@@ -1,34 +1,105 @@
 //! On a machine with an NVIDIA GPU: opens device `MINIKV_CUDA_DEVICE`
-//! (default 0), compiles the kernels with NVRTC for it, and runs the CUDA
-//! backend's parity checks (`tests/parity/mod.rs`: prefill and
-//! `A_cumul`, window scores, bit-exact quantization, fused decode with
-//! probabilities) against minikv's CPU reference, the same checks that run
-//! under emulation in every `cargo test`. Prints one JSON report; exits 1 on
-//! a mismatch or when no driver or device is present (`scripts/gpu-check.sh`
-//! runs it: `cargo run --release -p minikv-kernels --example gpucheck`).
-//! Not run in CI: there is no GPU there.
+//! (default 0; the kernels from a prebuilt CUBIN for its architecture, else
+//! compiled by NVRTC) and runs the CUDA backend's parity checks
+//! (`tests/parity/mod.rs`) against minikv's CPU reference: the small shapes
+//! that run under emulation in every `cargo test`, then a model's shapes
+//! (32 query / 8 KV heads, d = 128) at `GPUCHECK_TOKENS` tokens (default
+//! 32768). Then it times prefill with `A_cumul` at `GPUCHECK_PREFILL`
+//! tokens (default 32768; host transfers included) and reports tokens/s and
+//! the attention FLOP rate. Prints one JSON report with the device's info
+//! (driver, image loaded, registers per kernel, memory bandwidth bound);
+//! exits 1 on a mismatch or when no driver or device is present
+//! (`scripts/gpu-check.sh` runs it). Not run in CI: there is no GPU there;
+//! `GPUCHECK_DEVICE=emulated` rehearses it on the CPU emulation.
 
 #[path = "../tests/parity/mod.rs"]
 mod parity;
 
-use serde_json::json;
+use minikv_core::attention::{AttentionBackend, PrefillArgs};
+use minikv_kernels::CudaBackend;
+use serde_json::{Value, json};
+use std::time::Instant;
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+/// Causal prefill of `t` tokens with `A_cumul` (32 query / 8 KV heads, d =
+/// 128): the best of three runs after a warm-up.
+fn time_prefill(be: &CudaBackend, t: usize) -> minikv_core::Result<Value> {
+    let (hq, hkv, d) = (32usize, 8usize, 128usize);
+    let mut seed = 99u64;
+    let q = parity::rand_vec(&mut seed, hq * t * d, 1.0);
+    let k = parity::rand_vec(&mut seed, hkv * t * d, 1.0);
+    let v = parity::rand_vec(&mut seed, hkv * t * d, 1.0);
+    let keys: Vec<&[f32]> = k.chunks(t * d).collect();
+    let vals: Vec<&[f32]> = v.chunks(t * d).collect();
+    let mut out = vec![0.0f32; q.len()];
+    let mut cu = vec![0.0f32; hq * t];
+    let mut best = f64::INFINITY;
+    for cumulative in [false, true] {
+        for _ in 0..4 {
+            let t0 = Instant::now();
+            be.prefill(PrefillArgs {
+                n_q_heads: hq,
+                head_dim: d,
+                q: &q,
+                n: t,
+                keys: &keys,
+                values: &vals,
+                t,
+                out: &mut out,
+                cumulative: cumulative.then_some(&mut cu[..]),
+                window: None,
+            })?;
+            if cumulative {
+                best = best.min(t0.elapsed().as_secs_f64());
+            }
+        }
+    }
+    // Causal attention: QK^T and PV over half the square, 2 FLOPs per MAC.
+    let flops = 2.0 * 2.0 * (t as f64) * (t as f64) / 2.0 * d as f64 * hq as f64;
+    let finite = out.iter().all(|x| x.is_finite()) && cu.iter().all(|x| x.is_finite());
+    Ok(
+        json!({"tokens": t, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
+              "seconds": best, "tokens_per_s": t as f64 / best,
+              "attention_tflop_s": flops / best / 1e12, "finite": finite,
+              "includes": "f32 uploads of q/k/v, A_cumul, the output's download"}),
+    )
+}
 
 fn main() {
-    let run = || -> minikv_core::Result<(String, parity::Report)> {
-        let ordinal = std::env::var("MINIKV_CUDA_DEVICE")
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(0);
-        let dev = minikv_kernels::cuda::CudaDevice::open(ordinal)?;
-        let name = minikv_kernels::Device::name(dev.as_ref());
-        Ok((name, parity::run_all(dev)?))
+    let run = || -> minikv_core::Result<Value> {
+        // `GPUCHECK_DEVICE=emulated`: the same run on the CPU emulation
+        // (a rehearsal of the report without a GPU; use small sizes).
+        let (dev, info): (std::sync::Arc<dyn minikv_kernels::Device>, Value) =
+            if std::env::var("GPUCHECK_DEVICE").as_deref() == Ok("emulated") {
+                let d = minikv_kernels::emulated::EmuDevice::new();
+                (d, json!({"emulated": true}))
+            } else {
+                let d = minikv_kernels::cuda::CudaDevice::open(env_usize("MINIKV_CUDA_DEVICE", 0))?;
+                let info = d.info();
+                (d, info)
+            };
+        let name = dev.name();
+        let small = parity::run_all(dev.clone())?;
+        let large = parity::run_large(dev.clone(), env_usize("GPUCHECK_TOKENS", 32768))?;
+        let be = CudaBackend::new(dev);
+        let prefill = time_prefill(&be, env_usize("GPUCHECK_PREFILL", 32768))?;
+        let ok = small.ok() && large.ok() && prefill["finite"] == true;
+        let checks: Vec<Value> = small.rows.into_iter().chain(large.rows).collect();
+        Ok(
+            json!({"device": name, "info": info, "ok": ok, "checks": checks,
+                  "prefill": prefill, "calls": be.calls()}),
+        )
     };
     match run() {
-        Ok((device, r)) => {
-            let ok = r.ok();
-            let v = json!({"device": device, "ok": ok, "checks": r.rows});
+        Ok(v) => {
             println!("{}", serde_json::to_string_pretty(&v).expect("json"));
-            std::process::exit(if ok { 0 } else { 1 });
+            std::process::exit(if v["ok"] == true { 0 } else { 1 });
         }
         Err(e) => {
             eprintln!("minikv-kernels-gpucheck: {e}");

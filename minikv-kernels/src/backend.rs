@@ -2,7 +2,7 @@
 //! through minikv.cu's kernels on any [`Device`], with device-resident
 //! stores created by its storage factory.
 
-use crate::device::{Arg, DevPtr, Device, Launch, Scratch, err, int};
+use crate::device::{Arg, Batched, Calls, DevPtr, Device, Launch, Scratch, err, int};
 use crate::store::{DeviceFpStore, DeviceQuantStore, Staging};
 use minikv_core::attention::{
     AttentionBackend, DecodeArgs, PrefillArgs, check_decode, check_prefill,
@@ -51,12 +51,20 @@ pub struct MkHead {
     pub k: MkQuant,
     /// Quantized values.
     pub v: MkQuant,
-    /// fp16 residual keys `[len - k.n][d]`.
+    /// fp16 residual keys: `len - k.n` rows of a ring.
     pub fk: u64,
-    /// fp16 residual values `[len - v.n][d]`.
+    /// fp16 residual values: `len - v.n` rows of a ring.
     pub fv: u64,
     /// Tokens held.
     pub len: i32,
+    /// Slot of residual key 0.
+    pub fk0: i32,
+    /// Slots of the key ring.
+    pub fkcap: i32,
+    /// Slot of residual value 0.
+    pub fv0: i32,
+    /// Slots of the value ring.
+    pub fvcap: i32,
     /// Padding.
     pub pad0: i32,
     /// Extra entries' keys `[n_extra][d]`, fp16.
@@ -72,7 +80,7 @@ pub struct MkHead {
 }
 
 const _: () = assert!(std::mem::size_of::<MkQuant>() == 48);
-const _: () = assert!(std::mem::size_of::<MkHead>() == 152);
+const _: () = assert!(std::mem::size_of::<MkHead>() == 168);
 
 /// Creates device-resident stores.
 #[derive(Debug)]
@@ -197,15 +205,20 @@ pub struct WindowPooling {
 /// or, with the `emulate` feature, the CPU emulation of the same kernels.
 #[derive(Debug)]
 pub struct CudaBackend {
+    batched: Arc<Batched>,
     dev: Arc<dyn Device>,
     storage: DeviceStorage,
     scratch: Mutex<Scratch>,
 }
 
 impl CudaBackend {
-    /// A backend on `dev`.
+    /// A backend on `dev`, its small uploads queued and sent together
+    /// ([`Batched`]).
     pub fn new(dev: Arc<dyn Device>) -> Self {
+        let batched = Arc::new(Batched::new(dev));
+        let dev: Arc<dyn Device> = batched.clone();
         Self {
+            batched,
             storage: DeviceStorage {
                 dev: dev.clone(),
                 staging: Arc::default(),
@@ -214,9 +227,13 @@ impl CudaBackend {
             scratch: Mutex::default(),
         }
     }
-    /// The device.
+    /// The device (behind the upload queue).
     pub fn device(&self) -> &Arc<dyn Device> {
         &self.dev
+    }
+    /// The host-device calls made so far (what reached the device).
+    pub fn calls(&self) -> Calls {
+        self.batched.calls()
     }
     fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch> {
         self.scratch.lock().unwrap_or_else(|p| p.into_inner())
@@ -333,17 +350,29 @@ impl CudaBackend {
         })
     }
 
-    fn fp_ptr(f: &dyn FpStore, what: &str, s: usize) -> Result<u64> {
+    /// A device fp store's (address, first slot, slots).
+    fn fp_ring(f: &dyn FpStore, what: &str, s: usize) -> Result<(u64, i32, i32)> {
         f.as_any()
             .downcast_ref::<DeviceFpStore>()
-            .map(|x| x.ptr())
+            .map(|x| Ok((x.ptr(), int(x.start())?, int(x.capacity())?)))
             .ok_or_else(|| {
                 let dbg = format!("{f:?}");
                 let ty = dbg.split([' ', '{', '(']).next().unwrap_or("");
                 err(format!(
                     "decode head {s}: the {what} are a {ty}, not a device store (the cuda backend does not run key-channel pruning or other store wrappers)"
                 ))
-            })
+            })?
+    }
+
+    /// A device fp store's address, its rows contiguous from slot 0.
+    fn fp_ptr(f: &dyn FpStore, what: &str, s: usize) -> Result<u64> {
+        let (p, start, _) = Self::fp_ring(f, what, s)?;
+        if start != 0 {
+            return Err(err(format!(
+                "decode head {s}: the {what} start at ring slot {start}, not 0"
+            )));
+        }
+        Ok(p)
     }
 }
 
@@ -410,11 +439,17 @@ impl AttentionBackend for CudaBackend {
         let mut biases: Vec<f32> = Vec::new();
         let mut bias_at = Vec::with_capacity(a.heads.len());
         for (i, h) in a.heads.iter().enumerate() {
+            let (fk, fk0, fkcap) = Self::fp_ring(h.fp_keys, "keys", i)?;
+            let (fv, fv0, fvcap) = Self::fp_ring(h.fp_values, "values", i)?;
             let mut mk = MkHead {
                 k: Self::quant_view(h.quant_keys, "keys", i)?,
                 v: Self::quant_view(h.quant_values, "values", i)?,
-                fk: Self::fp_ptr(h.fp_keys, "keys", i)?,
-                fv: Self::fp_ptr(h.fp_values, "values", i)?,
+                fk,
+                fv,
+                fk0,
+                fkcap,
+                fv0,
+                fvcap,
                 len: int(h.len())?,
                 ..Default::default()
             };
@@ -452,13 +487,16 @@ impl AttentionBackend for CudaBackend {
         let pm = s.get(dev, 13, hq * splits * 4)?.ptr();
         let pl = s.get(dev, 14, hq * splits * 4)?.ptr();
         let pacc = s.get(dev, 15, hq * splits * d * 4)?.ptr();
-        let op = s.get(dev, 16, hq * d * 4)?.ptr();
+        // One result buffer, read back in one copy: the outputs, then (with
+        // probabilities) each head's log-sum-exp and its logits.
         let nmax = a.heads.iter().map(|h| h.len()).max().unwrap_or(0);
-        let (lg, lse) = if a.probs.is_some() {
-            (
-                s.get(dev, 17, hq * nmax.max(1) * 4)?.ptr(),
-                s.get(dev, 18, hq * 4)?.ptr(),
-            )
+        let (n_out, n_res) = match a.probs {
+            Some(_) => (hq * d, hq * d + hq + hq * nmax),
+            None => (hq * d, hq * d),
+        };
+        let op = s.get(dev, 16, n_res * 4)?.ptr();
+        let (lse, lg) = if a.probs.is_some() {
+            (op + (n_out * 4) as u64, op + ((n_out + hq) * 4) as u64)
         } else {
             (0, 0)
         };
@@ -499,19 +537,20 @@ impl AttentionBackend for CudaBackend {
                 Arg::Ptr(lse),
             ],
         )?;
-        s.get(dev, 16, 0)?.read(0, a.out)?;
-        if let Some(probs) = a.probs {
-            let logits: Vec<f32> = s.get(dev, 17, 0)?.to_vec(0, hq * nmax.max(1))?;
-            let lses: Vec<f32> = s.get(dev, 18, 0)?.to_vec(0, hq)?;
-            for (h, p) in probs.iter_mut().enumerate() {
-                let n = a.heads[h / group].len();
-                p.clear();
-                p.extend(
-                    logits[h * nmax..h * nmax + n]
-                        .iter()
-                        .map(|&x| (x - lses[h]).exp()),
-                );
-            }
+        let Some(probs) = a.probs else {
+            return s.get(dev, 16, 0)?.read(0, a.out);
+        };
+        let res: Vec<f32> = s.get(dev, 16, 0)?.to_vec(0, n_res)?;
+        a.out.copy_from_slice(&res[..n_out]);
+        let (lses, logits) = res[n_out..].split_at(hq);
+        for (h, p) in probs.iter_mut().enumerate() {
+            let n = a.heads[h / group].len();
+            p.clear();
+            p.extend(
+                logits[h * nmax..h * nmax + n]
+                    .iter()
+                    .map(|&x| (x - lses[h]).exp()),
+            );
         }
         Ok(())
     }

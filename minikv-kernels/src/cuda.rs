@@ -1,6 +1,11 @@
 //! The CUDA driver as a [`Device`], through cudarc (loaded at run time: no
-//! CUDA at build time). The kernels are compiled with NVRTC for the device's
-//! architecture at first use and cached per device for the process.
+//! CUDA at build time). The kernels are loaded as a CUBIN for the device's
+//! exact architecture, prebuilt or compiled by NVRTC at first use
+//! ([`crate::nvrtc`]), once per device for the process.
+//!
+//! With `MINIKV_CUDA_CHECK=1` every launch is followed by a synchronization
+//! and an error check, so that a faulting kernel is named at its launch
+//! rather than at a later, unrelated copy (`scripts/gpu-check.sh` sets it).
 
 use crate::device::{Arg, DevPtr, Device, Launch, err};
 use cudarc::driver::result as cu;
@@ -20,11 +25,27 @@ pub fn driver_available() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// The CUDA driver's version as `major.minor` (e.g. `12.8`), if the
+/// driver library loads.
+pub fn driver_version() -> Option<String> {
+    if !driver_available() {
+        return None;
+    }
+    let mut v: std::ffi::c_int = 0;
+    // SAFETY: writes one int; needs no initialized context.
+    let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
+    (r == cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS)
+        .then(|| format!("{}.{}", v / 1000, (v % 1000) / 10))
+}
+
 /// One GPU with minikv's kernels loaded.
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     arch: String,
+    driver: String,
+    image: String,
+    check: bool,
     functions: HashMap<&'static str, CudaFunction>,
 }
 
@@ -62,23 +83,84 @@ impl CudaDevice {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(drv("reading the compute capability"))?;
-        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
-        let ptx = crate::nvrtc::compile_ptx(arch)?;
+        let arch = format!("sm_{major}{minor}");
+        let driver = driver_version().unwrap_or_else(|| "unknown".into());
+        let dirs = crate::nvrtc::cubin_dirs();
+        let (image, cubin) = match crate::nvrtc::find_cubin(&arch, &dirs) {
+            Some((path, b)) => (format!("prebuilt CUBIN {}", path.display()), b),
+            None => {
+                let b = crate::nvrtc::compile_cubin(&arch).map_err(|e| {
+                    err(format!(
+                        "no prebuilt CUBIN {} in {dirs:?} and NVRTC could not make one                          (device {arch}, driver {driver}): {e}",
+                        crate::nvrtc::cubin_name(&arch)
+                    ))
+                })?;
+                ("CUBIN compiled by NVRTC at load".to_string(), b)
+            }
+        };
         let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-            .map_err(drv("loading the PTX"))?;
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(|e| {
+                err(format!(
+                    "loading the kernels ({image}) on {arch} with driver {driver}: {e:?}"
+                ))
+            })?;
         let mut functions = HashMap::new();
         for k in crate::nvrtc::KERNELS {
             functions.insert(k, module.load_function(k).map_err(drv(k))?);
         }
+        let check = std::env::var("MINIKV_CUDA_CHECK").is_ok_and(|v| v != "0" && !v.is_empty());
         let dev = Arc::new(CudaDevice {
             stream: ctx.default_stream(),
             ctx,
-            arch: arch.to_string(),
+            arch,
+            driver,
+            image,
+            check,
             functions,
         });
         map.insert(ordinal, dev.clone());
         Ok(dev)
+    }
+    /// What was loaded where, for reports: ordinal, architecture, driver,
+    /// the kernel image, the memory bandwidth bound (from the memory clock
+    /// and bus width), the check mode, and each kernel's registers and
+    /// local (spilled) bytes as the driver reports them.
+    pub fn info(&self) -> serde_json::Value {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        use cudarc::driver::sys::CUfunction_attribute_enum as F;
+        let attr = |a| self.ctx.attribute(a).ok();
+        // DDR: two transfers per clock; the clock is in kHz, the bus in bits.
+        let bw = match (
+            attr(A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE),
+            attr(A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH),
+        ) {
+            (Some(khz), Some(bits)) => Some(2.0 * khz as f64 * 1e3 * bits as f64 / 8.0 / 1e9),
+            _ => None,
+        };
+        let kernels: serde_json::Map<String, serde_json::Value> = self
+            .functions
+            .iter()
+            .map(|(k, f)| {
+                (
+                    k.to_string(),
+                    serde_json::json!({
+                        "registers": f.get_attribute(F::CU_FUNC_ATTRIBUTE_NUM_REGS).ok(),
+                        "local_bytes": f.get_attribute(F::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES).ok(),
+                    }),
+                )
+            })
+            .collect();
+        serde_json::json!({
+            "ordinal": self.ctx.ordinal(),
+            "arch": self.arch,
+            "driver": self.driver,
+            "image": self.image,
+            "sms": attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            "peak_bandwidth_gb_s": bw,
+            "check_every_launch": self.check,
+            "kernels": kernels,
+        })
     }
     fn bind(&self) -> Result<()> {
         self.ctx
@@ -89,7 +171,12 @@ impl CudaDevice {
 
 impl Device for CudaDevice {
     fn name(&self) -> String {
-        format!("cuda:{} ({})", self.ctx.ordinal(), self.arch)
+        format!(
+            "cuda:{} ({}, driver {})",
+            self.ctx.ordinal(),
+            self.arch,
+            self.driver
+        )
     }
     fn alloc(&self, bytes: usize) -> Result<DevPtr> {
         self.bind()?;
@@ -143,6 +230,24 @@ impl Device for CudaDevice {
         };
         // SAFETY: the backend passes each kernel its parameter list (types and
         // order of minikv.cu's signatures) with buffers of the sizes it indexes.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv(kernel))
+        unsafe { b.launch(cfg) }.map_err(|e| {
+            err(format!(
+                "launching {kernel} (grid {:?}, block {:?}) on {}: {e:?}",
+                shape.grid,
+                shape.block,
+                self.name()
+            ))
+        })?;
+        if self.check {
+            self.stream.synchronize().map_err(|e| {
+                err(format!(
+                    "{kernel} (grid {:?}, block {:?}) failed on {}: {e:?}",
+                    shape.grid,
+                    shape.block,
+                    self.name()
+                ))
+            })?;
+        }
+        Ok(())
     }
 }

@@ -194,3 +194,300 @@ impl Scratch {
         Ok(b.ptr())
     }
 }
+
+/// Host-device calls that reached a device, by kind (what a
+/// [`Batched`] device passed on; for reports and tests).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Calls {
+    /// Host-to-device copies.
+    pub uploads: u64,
+    /// Device-to-host copies.
+    pub downloads: u64,
+    /// Device-to-device copies.
+    pub copies: u64,
+    /// Allocations.
+    pub allocs: u64,
+    /// Frees.
+    pub frees: u64,
+    /// Kernel launches (asynchronous on a GPU).
+    pub launches: u64,
+}
+
+impl Calls {
+    /// The calls a host thread waits for on a GPU: every copy, allocation
+    /// and free (launches are asynchronous).
+    pub fn synchronous(&self) -> u64 {
+        self.uploads + self.downloads + self.copies + self.allocs + self.frees
+    }
+    /// The calls made since `earlier`.
+    pub fn since(&self, earlier: &Calls) -> Calls {
+        Calls {
+            uploads: self.uploads - earlier.uploads,
+            downloads: self.downloads - earlier.downloads,
+            copies: self.copies - earlier.copies,
+            allocs: self.allocs - earlier.allocs,
+            frees: self.frees - earlier.frees,
+            launches: self.launches - earlier.launches,
+        }
+    }
+}
+
+/// An upload of at most this many bytes is queued (larger ones go at once).
+const QUEUE_ENTRY_MAX: usize = 256 << 10;
+/// The queue is flushed when its payload would pass this many bytes.
+const QUEUE_BYTES_MAX: usize = 4 << 20;
+/// The queue is flushed at this many entries.
+const QUEUE_ENTRIES_MAX: usize = 4096;
+
+/// `MkCopy` of minikv.cu: one queued copy (`src` a device address).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct MkCopy {
+    dst: u64,
+    src: u64,
+    bytes: u64,
+}
+
+/// A queued upload (from the payload at offset `src`) or device copy
+/// (from device address `src`).
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    dst: u64,
+    src: u64,
+    bytes: u64,
+    upload: bool,
+}
+
+impl Pending {
+    fn writes(&self, p: u64, n: u64) -> bool {
+        p < self.dst + self.bytes && self.dst < p + n
+    }
+    fn reads(&self, p: u64, n: u64) -> bool {
+        !self.upload && p < self.src + self.bytes && self.src < p + n
+    }
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    /// Payload, each entry at a 16-byte aligned offset.
+    data: Vec<u8>,
+    entries: Vec<Pending>,
+    /// Device buffer the table and payload are uploaded to (grow-only).
+    staging: Option<(DevPtr, usize)>,
+    calls: Calls,
+    /// An error met while flushing from `free` (which cannot return one),
+    /// returned by the next call.
+    failed: Option<Error>,
+}
+
+/// A [`Device`] that queues small uploads and device-to-device copies and
+/// sends them as one copy and one `mk_scatter` launch when anything else
+/// needs the device (a launch, a download, a free), so that a decode step's
+/// many row appends, row moves, head table and query make one
+/// host-to-device copy. Every other
+/// operation passes through after the queue is flushed, in order, so what a
+/// kernel or a download sees is exactly what was uploaded before it. It
+/// counts the calls that reach the inner device ([`Batched::calls`]).
+#[derive(Debug)]
+pub struct Batched {
+    inner: Arc<dyn Device>,
+    q: std::sync::Mutex<Queue>,
+}
+
+impl Batched {
+    /// Queues uploads in front of `inner`.
+    pub fn new(inner: Arc<dyn Device>) -> Self {
+        Self {
+            inner,
+            q: std::sync::Mutex::default(),
+        }
+    }
+    /// The calls passed to the inner device so far.
+    pub fn calls(&self) -> Calls {
+        self.lock().calls
+    }
+    /// The device behind the queue.
+    pub fn inner(&self) -> &Arc<dyn Device> {
+        &self.inner
+    }
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.q.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    /// Sends every queued upload (one copy, or one copy and one launch).
+    pub fn flush(&self) -> Result<()> {
+        let mut q = self.lock();
+        self.flush_locked(&mut q)
+    }
+    fn flush_locked(&self, q: &mut Queue) -> Result<()> {
+        if let Some(e) = q.failed.take() {
+            q.entries.clear();
+            q.data.clear();
+            return Err(e);
+        }
+        let r = self.send(q);
+        q.entries.clear();
+        q.data.clear();
+        r
+    }
+    fn send(&self, q: &mut Queue) -> Result<()> {
+        match q.entries.len() {
+            0 => Ok(()),
+            1 if q.entries[0].upload => {
+                let e = q.entries[0];
+                q.calls.uploads += 1;
+                let (s, n) = (e.src as usize, e.bytes as usize);
+                self.inner.upload(e.dst, &q.data[s..s + n])
+            }
+            1 => {
+                let e = q.entries[0];
+                q.calls.copies += 1;
+                self.inner.copy(e.dst, e.src, e.bytes as usize)
+            }
+            n => {
+                let table = (n * std::mem::size_of::<MkCopy>()).next_multiple_of(16);
+                let total = table + q.data.len();
+                if q.staging.is_none_or(|(_, cap)| cap < total) {
+                    if let Some((p, _)) = q.staging.take() {
+                        q.calls.frees += 1;
+                        self.inner.free(p);
+                    }
+                    let cap = total.next_power_of_two().max(4096);
+                    q.calls.allocs += 1;
+                    q.staging = Some((self.inner.alloc(cap)?, cap));
+                }
+                let (dev, _) = q.staging.expect("allocated");
+                let base = dev + table as u64;
+                let copies: Vec<MkCopy> = q
+                    .entries
+                    .iter()
+                    .map(|e| MkCopy {
+                        dst: e.dst,
+                        src: if e.upload { base + e.src } else { e.src },
+                        bytes: e.bytes,
+                    })
+                    .collect();
+                let mut buf = Vec::with_capacity(total);
+                buf.extend_from_slice(bytemuck::cast_slice(&copies));
+                buf.resize(table, 0);
+                buf.extend_from_slice(&q.data);
+                q.calls.uploads += 1;
+                self.inner.upload(dev, &buf)?;
+                q.calls.launches += 1;
+                self.inner.launch(
+                    "mk_scatter",
+                    Launch {
+                        grid: (int(n)? as u32, 1, 1),
+                        block: (128, 1, 1),
+                    },
+                    &[Arg::Ptr(dev)],
+                )
+            }
+        }
+    }
+}
+
+impl Drop for Batched {
+    fn drop(&mut self) {
+        let mut q = std::mem::take(self.q.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let _ = self.send(&mut q);
+        if let Some((p, _)) = q.staging {
+            self.inner.free(p);
+        }
+    }
+}
+
+impl Device for Batched {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn alloc(&self, bytes: usize) -> Result<DevPtr> {
+        // A fresh allocation has no queued writes: nothing to flush.
+        self.lock().calls.allocs += 1;
+        self.inner.alloc(bytes)
+    }
+    fn free(&self, ptr: DevPtr) {
+        let mut q = self.lock();
+        if let Err(e) = self.flush_locked(&mut q) {
+            q.failed.get_or_insert(e);
+        }
+        q.calls.frees += 1;
+        self.inner.free(ptr);
+    }
+    fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
+        let mut q = self.lock();
+        let n = src.len() as u64;
+        // Queued entries run in parallel: one that writes or reads these
+        // bytes must land first.
+        let overlaps = q
+            .entries
+            .iter()
+            .any(|e| e.writes(dst, n) || e.reads(dst, n));
+        if src.len() > QUEUE_ENTRY_MAX
+            || overlaps
+            || q.data.len() + src.len() > QUEUE_BYTES_MAX
+            || q.entries.len() >= QUEUE_ENTRIES_MAX
+        {
+            self.flush_locked(&mut q)?;
+        }
+        if src.len() > QUEUE_ENTRY_MAX {
+            q.calls.uploads += 1;
+            return self.inner.upload(dst, src);
+        }
+        if let Some(e) = q.failed.take() {
+            return Err(e);
+        }
+        let at = q.data.len().next_multiple_of(16);
+        q.data.resize(at, 0);
+        q.data.extend_from_slice(src);
+        q.entries.push(Pending {
+            dst,
+            src: at as u64,
+            bytes: n,
+            upload: true,
+        });
+        Ok(())
+    }
+    fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
+        let mut q = self.lock();
+        self.flush_locked(&mut q)?;
+        q.calls.downloads += 1;
+        self.inner.download(src, dst)
+    }
+    fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<()> {
+        let mut q = self.lock();
+        let n = bytes as u64;
+        // A small copy is queued like an upload (a row moved by an
+        // eviction), unless it reads what a queued entry writes or writes
+        // what one reads or writes.
+        let overlaps = q
+            .entries
+            .iter()
+            .any(|e| e.writes(src, n) || e.writes(dst, n) || e.reads(dst, n));
+        if bytes > QUEUE_ENTRY_MAX || overlaps || q.entries.len() >= QUEUE_ENTRIES_MAX {
+            self.flush_locked(&mut q)?;
+        }
+        if bytes > QUEUE_ENTRY_MAX || bytes == 0 {
+            q.calls.copies += 1;
+            return self.inner.copy(dst, src, bytes);
+        }
+        if let Some(e) = q.failed.take() {
+            return Err(e);
+        }
+        if src < dst + n && dst < src + n {
+            return Err(err("overlapping device-to-device copy"));
+        }
+        q.entries.push(Pending {
+            dst,
+            src,
+            bytes: n,
+            upload: false,
+        });
+        Ok(())
+    }
+    fn launch(&self, kernel: &'static str, shape: Launch, args: &[Arg]) -> Result<()> {
+        let mut q = self.lock();
+        self.flush_locked(&mut q)?;
+        q.calls.launches += 1;
+        self.inner.launch(kernel, shape, args)
+    }
+}

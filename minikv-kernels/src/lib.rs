@@ -16,16 +16,22 @@
 //!    (IEEE division, clamp, round half to even; fp16 scales rounded to
 //!    nearest even);
 //! 4. `mk_decode_partial` + `mk_decode_combine`: fused decode over packed
-//!    codes, the fp16 residual and extra entries with a logit bias, GQA-aware,
-//!    split over tokens (flash-decoding) with an exact final combination.
+//!    codes, the fp16 residual (a ring, read in place) and extra entries with
+//!    a logit bias, GQA-aware, split over tokens (flash-decoding) with an
+//!    exact final combination (an empty head gives 0, never 0 / 0);
+//! 5. `mk_scatter`: many small queued uploads and device moves applied by
+//!    one launch ([`Batched`]: a decode step makes about two synchronous
+//!    host-device calls per layer, whatever the number of heads).
 //!
 //! The backend ([`CudaBackend`], `backend = "cuda"` in a run config) runs
 //! prefill (with `A_cumul`) and decode through these kernels; its storage
 //! factory creates device-resident stores ([`DeviceFpStore`], fp16 rows;
 //! [`DeviceQuantStore`], codes quantized on the device), so the cache's
 //! `memory()` reports device bytes. Its host code talks to a [`Device`]:
-//! the CUDA driver through cudarc ([`cuda::CudaDevice`], kernels compiled by
-//! NVRTC for the device's architecture at first use, cached per device), or
+//! the CUDA driver through cudarc ([`cuda::CudaDevice`]: a CUBIN for the
+//! device's exact architecture, prebuilt by `minikv-kernels-check
+//! --cubin-out` or compiled by NVRTC at first use, cached per device; never
+//! PTX, which an older driver may be unable to JIT), or
 //! the CPU emulation of the same kernels ([`emulated::EmuDevice`], feature
 //! `emulate`, registered as `backend = "cuda-emulated"`).
 //!
@@ -44,14 +50,27 @@
 //!   entries, and a whole cache (MiniKV, KIVI, H2O with decode-time
 //!   probabilities) built on the backend against the same cache on the CPU;
 //!   from the CLI, the real model generates with `backend = "cuda-emulated"`.
+//!   The emulated checks also cover a model's shapes (32 query / 8 KV heads,
+//!   d = 128, 32K tokens: many waves of blocks, large offsets), residual
+//!   rings that wrap hundreds of times against the CPU cache, the upload
+//!   queue's ordering, and the number of host-device calls per decode step.
 //! * **Compiled** (CI, after `scripts/fetch-cuda-tools.sh`): NVRTC 12.9
 //!   compiles every kernel for sm_80 and sm_90 and `ptxas` assembles them
-//!   with at most 64 registers, no spills ([`nvrtc`], the
+//!   with at most 64 registers, no spills; CUBINs for sm_80, sm_86, sm_89,
+//!   sm_90 and sm_100 are made and found by name ([`nvrtc`], the
 //!   `minikv-kernels-check` binary, `tests/nvrtc.rs`).
-//! * **On a GPU** (`scripts/gpu-check.sh`, not in CI: no device there): the
-//!   same parity checks with [`cuda::CudaDevice`] (`examples/gpucheck.rs`)
-//!   and `minikv bench attention --backend cuda`. The cudarc device code
-//!   ([`cuda`]) is the one part that only a GPU exercises.
+//! * **On a GPU: not yet.** No GPU has run these kernels. The run is
+//!   prepared: `scripts/gpu-bundle.sh` packs stripped portable binaries and
+//!   the CUBINs (no NVRTC, network or toolchain needed there) and
+//!   `scripts/gpu-check.sh` runs the parity checks with every launch
+//!   checked (and under compute-sanitizer when present), reports the
+//!   device's registers and bandwidth bound, decode bandwidth at 16K and
+//!   128K tokens and prefill speed at 32K. The cudarc device code
+//!   ([`cuda`]) is the one part that only a GPU exercises. The kernels are
+//!   written for correctness first: prefill is one block per query row with
+//!   scalar FMAs (no tensor cores) and re-uploads keys and values as f32 per
+//!   call; decode reads codes through per-element dequantization. Their
+//!   speed on a GPU is unmeasured.
 //!
 //! Not implemented by the kernels (clear errors, never a silent CPU
 //! fallback): key-channel pruning (store wrappers), gated extra entries,
@@ -65,7 +84,7 @@
 //!     let err = minikv_kernels::cuda_backend().unwrap_err();
 //!     assert!(err.to_string().contains("CUDA driver"));
 //! }
-//! assert_eq!(minikv_kernels::nvrtc::KERNELS.len(), 7);
+//! assert_eq!(minikv_kernels::nvrtc::KERNELS.len(), 8);
 //! ```
 
 #![warn(missing_docs)]
@@ -79,7 +98,7 @@ pub mod nvrtc;
 mod store;
 
 pub use backend::{CudaBackend, DeviceStorage};
-pub use device::{Arg, DevBuf, Device, Launch};
+pub use device::{Arg, Batched, Calls, DevBuf, Device, Launch};
 pub use store::{DeviceFpStore, DeviceQuantStore};
 
 use minikv_core::{AttentionBackend, Result};

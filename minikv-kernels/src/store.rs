@@ -41,14 +41,21 @@ fn host_accumulate(x: &[f32], d: usize, p: &[f32], g: usize, stride: usize, out:
     }
 }
 
-/// fp16 rows `[len][d]` on the device, grown in pages of `page` rows.
+/// fp16 rows `[len][d]` on the device, grown in pages of `page` rows, held
+/// as a ring: row `i` sits at slot `(start + i) % cap`. Removing rows from
+/// the front (a quantized cache's residual, every decode step) moves
+/// `start` and copies nothing; the decode kernel reads the ring in place.
 #[derive(Debug)]
 pub struct DeviceFpStore {
     dev: Arc<dyn Device>,
     d: usize,
     page: usize,
     len: usize,
+    start: usize,
     buf: Option<DevBuf>,
+    /// A row held an infinite fp16 value (|x| > 65504 when pushed): the
+    /// rows are then quantized through the host, whose check reports it.
+    nonfinite: bool,
 }
 
 impl DeviceFpStore {
@@ -59,30 +66,59 @@ impl DeviceFpStore {
             d,
             page: page.max(1),
             len: 0,
+            start: 0,
             buf: None,
+            nonfinite: false,
         }
     }
     fn row_bytes(&self) -> usize {
         2 * self.d
     }
-    fn capacity(&self) -> usize {
+    /// Rows the allocation holds (the ring's size).
+    pub fn capacity(&self) -> usize {
         self.buf.as_ref().map_or(0, |b| b.len() / self.row_bytes())
     }
-    /// The device address of row 0 (0 when nothing is allocated).
+    /// The device address of slot 0 (0 when nothing is allocated).
     pub fn ptr(&self) -> u64 {
         self.buf.as_ref().map_or(0, |b| b.ptr())
     }
+    /// The slot of row 0.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+    /// The slot of row `i`.
+    fn slot(&self, i: usize) -> usize {
+        let cap = self.capacity();
+        let s = self.start + i;
+        if s >= cap { s - cap } else { s }
+    }
+    /// Rows `r0 .. r0 + n` as at most two runs of slots `(slot, rows)`.
+    fn runs(&self, r0: usize, n: usize) -> [(usize, usize); 2] {
+        if n == 0 {
+            return [(0, 0), (0, 0)];
+        }
+        let a = self.slot(r0);
+        let first = n.min(self.capacity() - a);
+        [(a, first), (0, n - first)]
+    }
+    /// A new allocation of `rows` rows holding rows `0..len` from slot 0.
     fn realloc(&mut self, rows: usize) -> Result<()> {
         let nb = if rows == 0 {
             None
         } else {
             let nb = DevBuf::zeroed(&self.dev, rows * self.row_bytes())?;
             if let Some(old) = &self.buf {
-                nb.copy_from(0, old, 0, self.len * self.row_bytes())?;
+                let rb = self.row_bytes();
+                let mut at = 0;
+                for (slot, n) in self.runs(0, self.len) {
+                    nb.copy_from(at * rb, old, slot * rb, n * rb)?;
+                    at += n;
+                }
             }
             Some(nb)
         };
         self.buf = nb;
+        self.start = 0;
         Ok(())
     }
     fn ensure(&mut self, extra: usize) -> Result<()> {
@@ -92,29 +128,44 @@ impl DeviceFpStore {
         }
         Ok(())
     }
+    /// Writes host rows (f32, converted to fp16) at rows `r0..`.
+    fn write_rows(&mut self, r0: usize, rows: &[f32]) -> Result<()> {
+        let n = rows.len() / self.d;
+        let mut h = vec![f16::ZERO; n * self.d];
+        h.convert_from_f32_slice(&rows[..n * self.d]);
+        self.nonfinite |= h.iter().any(|x| !x.is_finite());
+        let (rb, b) = (self.row_bytes(), self.buf.as_ref().expect("allocated"));
+        let mut at = 0;
+        for (slot, k) in self.runs(r0, n) {
+            if k > 0 {
+                b.write(slot * rb, &h[at * self.d..(at + k) * self.d])?;
+            }
+            at += k;
+        }
+        Ok(())
+    }
     fn try_push(&mut self, rows: &[f32]) -> Result<()> {
         let n = rows.len() / self.d;
         if n == 0 {
             return Ok(());
         }
         self.ensure(n)?;
-        let mut h = vec![f16::ZERO; n * self.d];
-        h.convert_from_f32_slice(&rows[..n * self.d]);
-        let off = self.len * self.row_bytes();
-        self.buf.as_ref().expect("allocated").write(off, &h)?;
         self.len += n;
-        Ok(())
+        self.write_rows(self.len - n, rows)
     }
     fn read_rows(&self, r0: usize, n: usize, out: &mut [f32]) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
-        let h: Vec<f16> = self
-            .buf
-            .as_ref()
-            .expect("rows held")
-            .to_vec(r0 * self.row_bytes(), n * self.d)?;
-        h.convert_to_f32_slice(&mut out[..n * self.d]);
+        let (rb, b) = (self.row_bytes(), self.buf.as_ref().expect("rows held"));
+        let mut at = 0;
+        for (slot, k) in self.runs(r0, n) {
+            if k > 0 {
+                let h: Vec<f16> = b.to_vec(slot * rb, k * self.d)?;
+                h.convert_to_f32_slice(&mut out[at * self.d..(at + k) * self.d]);
+            }
+            at += k;
+        }
         Ok(())
     }
     fn all_f32(&self) -> Vec<f32> {
@@ -122,6 +173,11 @@ impl DeviceFpStore {
         self.read_rows(0, self.len, &mut v)
             .unwrap_or_else(|e| fatal(e));
         v
+    }
+    fn drop_front(&mut self, n: usize) {
+        let n = n.min(self.len);
+        self.len -= n;
+        self.start = if self.len == 0 { 0 } else { self.slot(n) };
     }
     fn try_drain_front(&mut self, n: usize, out: &mut Vec<f32>) -> Result<()> {
         let n = n.min(self.len);
@@ -131,13 +187,7 @@ impl DeviceFpStore {
         let at = out.len();
         out.resize(at + n * self.d, 0.0);
         self.read_rows(0, n, &mut out[at..])?;
-        let rest = self.len - n;
-        let cap = self.capacity();
-        let old = self.buf.take().expect("rows held");
-        let nb = DevBuf::zeroed(&self.dev, cap * self.row_bytes())?;
-        nb.copy_from(0, &old, n * self.row_bytes(), rest * self.row_bytes())?;
-        self.buf = Some(nb);
-        self.len = rest;
+        self.drop_front(n);
         Ok(())
     }
 }
@@ -154,13 +204,7 @@ impl FpStore for DeviceFpStore {
     }
     fn replace(&mut self, idx: usize, row: &[f32]) {
         assert!(idx < self.len, "replace: row {idx} of {}", self.len);
-        let mut h = vec![f16::ZERO; self.d];
-        h.convert_from_f32_slice(&row[..self.d]);
-        let off = idx * self.row_bytes();
-        self.buf
-            .as_ref()
-            .expect("rows held")
-            .write(off, &h)
+        self.write_rows(idx, &row[..self.d])
             .unwrap_or_else(|e| fatal(e));
     }
     fn swap_remove(&mut self, idx: usize) {
@@ -169,13 +213,19 @@ impl FpStore for DeviceFpStore {
         if idx != last {
             let b = self.buf.as_ref().expect("rows held");
             let rb = self.row_bytes();
-            b.copy_from(idx * rb, b, last * rb, rb)
+            b.copy_from(self.slot(idx) * rb, b, self.slot(last) * rb, rb)
                 .unwrap_or_else(|e| fatal(e));
         }
         self.len = last;
+        if last == 0 {
+            self.start = 0;
+        }
     }
     fn drain_front(&mut self, n: usize, out: &mut Vec<f32>) {
         self.try_drain_front(n, out).unwrap_or_else(|e| fatal(e));
+    }
+    fn discard_front(&mut self, n: usize) {
+        self.drop_front(n);
     }
     fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
         host_scores(&self.all_f32(), self.d, q, g, out, stride);
@@ -366,6 +416,70 @@ impl DeviceQuantStore {
         }
         Ok(())
     }
+    /// Quantizes `n` rows appended at token `len`: f32 rows `[n][d]` at
+    /// `rows`, or (`f16`) fp16 rows of a device ring of `rcap` rows, row
+    /// `i` at slot `(r0 + i) % rcap`.
+    fn quantize(&mut self, rows: u64, f16: bool, r0: usize, rcap: usize, n: usize) -> Result<()> {
+        let (d, g) = (self.d, self.spec.group);
+        if self.len + n > self.cap {
+            self.realloc((self.len + n).div_ceil(self.page) * self.page)?;
+        }
+        let (w, s, m) = self.ptrs();
+        let (bits, f16s) = (self.spec.bits as i32, i32::from(self.spec.f16_scales));
+        let (len, dev, rf) = (self.len, &self.dev, i32::from(f16));
+        let rcap = rcap.max(1);
+        match self.spec.axis {
+            Axis::Channel => {
+                for gi in 0..n / g {
+                    dev.launch(
+                        "mk_quant_keys_channel",
+                        Launch {
+                            grid: (d.div_ceil(32) as u32, 1, 1),
+                            block: (32, 1, 1),
+                        },
+                        &[
+                            Arg::Ptr(rows),
+                            Arg::I32(rf),
+                            Arg::I32(int((r0 + gi * g) % rcap)?),
+                            Arg::I32(int(rcap)?),
+                            Arg::I32(int(g)?),
+                            Arg::I32(int(d)?),
+                            Arg::I32(bits),
+                            Arg::I32(int(len + gi * g)?),
+                            Arg::Ptr(w),
+                            Arg::Ptr(s),
+                            Arg::Ptr(m),
+                            Arg::I32(f16s),
+                        ],
+                    )?;
+                }
+            }
+            Axis::Token => dev.launch(
+                "mk_quant_values_token",
+                Launch {
+                    grid: (n.div_ceil(32) as u32, 1, 1),
+                    block: (32, 1, 1),
+                },
+                &[
+                    Arg::Ptr(rows),
+                    Arg::I32(rf),
+                    Arg::I32(int(r0 % rcap)?),
+                    Arg::I32(int(rcap)?),
+                    Arg::I32(int(n)?),
+                    Arg::I32(int(d)?),
+                    Arg::I32(int(g)?),
+                    Arg::I32(bits),
+                    Arg::I32(int(len)?),
+                    Arg::Ptr(w),
+                    Arg::Ptr(s),
+                    Arg::Ptr(m),
+                    Arg::I32(f16s),
+                ],
+            )?,
+        }
+        self.len += n;
+        Ok(())
+    }
     fn all_f32(&self) -> Vec<f32> {
         let mut v = vec![0.0; self.len * self.d];
         self.try_dequantize(&mut v).unwrap_or_else(|e| fatal(e));
@@ -402,59 +516,41 @@ impl QuantStore for DeviceQuantStore {
             return Ok(());
         }
         check_finite("quantized append", rows)?;
-        if self.len + n > self.cap {
-            self.realloc((self.len + n).div_ceil(self.page) * self.page)?;
+        let dev = self.dev.clone();
+        let staging = self.staging.clone();
+        let mut staging = staging.lock().unwrap_or_else(|p| p.into_inner());
+        let rp = staging.put(&dev, 0, rows)?;
+        self.quantize(rp, false, 0, n, n)
+    }
+    fn append_front_of(&mut self, src: &dyn FpStore, n: usize) -> Result<bool> {
+        let Some(fp) = src.as_any().downcast_ref::<DeviceFpStore>() else {
+            return Ok(false);
+        };
+        if n == 0 {
+            return Ok(true);
         }
-        let (w, s, m) = self.ptrs();
-        let (bits, f16) = (self.spec.bits as i32, i32::from(self.spec.f16_scales));
-        let (len, dev) = (self.len, &self.dev);
-        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        let rp = staging.put(dev, 0, rows)?;
-        match self.spec.axis {
-            Axis::Channel => {
-                for gi in 0..n / g {
-                    dev.launch(
-                        "mk_quant_keys_channel",
-                        Launch {
-                            grid: (d.div_ceil(32) as u32, 1, 1),
-                            block: (32, 1, 1),
-                        },
-                        &[
-                            Arg::Ptr(rp + (gi * g * d * 4) as u64),
-                            Arg::I32(int(g)?),
-                            Arg::I32(int(d)?),
-                            Arg::I32(bits),
-                            Arg::I32(int(len + gi * g)?),
-                            Arg::Ptr(w),
-                            Arg::Ptr(s),
-                            Arg::Ptr(m),
-                            Arg::I32(f16),
-                        ],
-                    )?;
-                }
-            }
-            Axis::Token => dev.launch(
-                "mk_quant_values_token",
-                Launch {
-                    grid: (n.div_ceil(32) as u32, 1, 1),
-                    block: (32, 1, 1),
-                },
-                &[
-                    Arg::Ptr(rp),
-                    Arg::I32(int(n)?),
-                    Arg::I32(int(d)?),
-                    Arg::I32(int(g)?),
-                    Arg::I32(bits),
-                    Arg::I32(int(len)?),
-                    Arg::Ptr(w),
-                    Arg::Ptr(s),
-                    Arg::Ptr(m),
-                    Arg::I32(f16),
-                ],
-            )?,
+        if n > fp.len() || fp.dim() != self.d {
+            return Err(Error::shape(
+                "quantized append from a device store (rows, width)",
+                format!("at most {} rows of width {}", fp.len(), self.d),
+                format!("{n} rows of width {}", fp.dim()),
+            ));
         }
-        self.len += n;
-        Ok(())
+        if self.spec.axis == Axis::Channel && !n.is_multiple_of(self.spec.group) {
+            return Err(Error::shape(
+                "per-channel quantized append: tokens",
+                format!("a multiple of the group {}", self.spec.group),
+                n,
+            ));
+        }
+        // The rows were finite when pushed (fp16 of finite f32 may be
+        // infinite: the CPU path sees the same values and quantizes them
+        // the same way).
+        if fp.nonfinite {
+            return Ok(false);
+        }
+        self.quantize(fp.ptr(), true, fp.start(), fp.capacity(), n)?;
+        Ok(true)
     }
     fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
         host_scores(&self.all_f32(), self.d, q, g, out, stride);

@@ -25,12 +25,15 @@ fn kernels_compile_with_nvrtc_and_assemble_within_limits() {
         return;
     }
     let out = std::env::temp_dir().join(format!("minikv-nvrtc-{}", std::process::id()));
+    let cubins = out.join("cubin");
     let o = Command::new(env!("CARGO_BIN_EXE_minikv-kernels-check"))
         .env("LD_LIBRARY_PATH", tools.join("lib"))
         .arg("--ptxas")
         .arg(tools.join("bin/ptxas"))
         .arg("--out")
         .arg(&out)
+        .arg("--cubin-out")
+        .arg(&cubins)
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -51,6 +54,25 @@ fn kernels_compile_with_nvrtc_and_assemble_within_limits() {
         }
         assert!(out.join(format!("minikv.{arch}.ptx")).is_file());
     }
+    // A CUBIN per architecture, an ELF image under the name the backend
+    // looks for; a CUBIN of other source (another hash) is never found.
+    use minikv_kernels::nvrtc::{CUBIN_ARCHS, cubin_name, find_cubin};
+    for arch in CUBIN_ARCHS {
+        let (path, b) = find_cubin(arch, std::slice::from_ref(&cubins))
+            .unwrap_or_else(|| panic!("{arch}: no CUBIN in {}", cubins.display()));
+        assert!(b.starts_with(b"\x7fELF") && b.len() > 10_000, "{arch}");
+        assert_eq!(
+            path.file_name().unwrap().to_str().unwrap(),
+            cubin_name(arch)
+        );
+        assert_eq!(r["cubins"][arch]["bytes"], b.len());
+    }
+    std::fs::rename(
+        cubins.join(cubin_name("sm_90")),
+        cubins.join("minikv-0000000000000000.sm_90.cubin"),
+    )
+    .unwrap();
+    assert!(find_cubin("sm_90", std::slice::from_ref(&cubins)).is_none());
     // Without the library, compiling is a clear error, never a panic.
     let o = Command::new(env!("CARGO_BIN_EXE_minikv-kernels-check"))
         .env("LD_LIBRARY_PATH", "/nonexistent")

@@ -89,6 +89,10 @@ fn flush(
     if n == 0 {
         return Ok(());
     }
+    if qs.append_front_of(fp, n)? {
+        fp.discard_front(n);
+        return Ok(());
+    }
     scratch.clear();
     fp.drain_front(n, scratch);
     qs.append(scratch)

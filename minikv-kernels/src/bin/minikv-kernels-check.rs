@@ -1,10 +1,13 @@
 //! Compiles every kernel with NVRTC for each architecture of
 //! `minikv_kernels::nvrtc::ARCHS` and, given `ptxas`, assembles the PTX and
-//! reports registers, stack and spills per kernel as JSON on stdout.
+//! reports registers, stack and spills per kernel as JSON on stdout. With
+//! `--cubin-out DIR`, also writes a CUBIN per architecture of
+//! `CUBIN_ARCHS` under the name the CUDA backend looks for (a GPU machine
+//! then needs no NVRTC).
 //!
-//! `LD_LIBRARY_PATH=third_party/cuda/lib minikv-kernels-check [--ptxas PATH] [--out DIR]`
+//! `LD_LIBRARY_PATH=third_party/cuda/lib minikv-kernels-check [--ptxas PATH] [--out DIR] [--cubin-out DIR]`
 
-use minikv_kernels::nvrtc::{ARCHS, KERNELS, compile_ptx};
+use minikv_kernels::nvrtc::{ARCHS, CUBIN_ARCHS, KERNELS, compile_cubin, compile_ptx, cubin_name};
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::Command;
@@ -19,10 +22,16 @@ fn main() {
 fn run() -> Result<(), String> {
     let mut args = std::env::args().skip(1);
     let (mut ptxas, mut out) = (None, std::env::temp_dir().join("minikv-kernels-check"));
+    let mut cubin_out: Option<PathBuf> = None;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--ptxas" => ptxas = Some(PathBuf::from(args.next().ok_or("--ptxas needs a path")?)),
             "--out" => out = PathBuf::from(args.next().ok_or("--out needs a folder")?),
+            "--cubin-out" => {
+                cubin_out = Some(PathBuf::from(
+                    args.next().ok_or("--cubin-out needs a folder")?,
+                ))
+            }
             other => return Err(format!("unknown argument `{other}`")),
         }
     }
@@ -52,6 +61,19 @@ fn run() -> Result<(), String> {
             parse_ptxas(&log, &mut kernels);
         }
         report.insert(arch.into(), Value::Object(kernels));
+    }
+    if let Some(dir) = &cubin_out {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let mut cubins = serde_json::Map::new();
+        for arch in CUBIN_ARCHS {
+            let b = compile_cubin(arch).map_err(|e| e.to_string())?;
+            let file = dir.join(cubin_name(arch));
+            let tmp = file.with_extension("cubin.tmp");
+            std::fs::write(&tmp, &b).map_err(|e| format!("{}: {e}", tmp.display()))?;
+            std::fs::rename(&tmp, &file).map_err(|e| format!("{}: {e}", file.display()))?;
+            cubins.insert(arch.into(), json!({"file": file, "bytes": b.len()}));
+        }
+        report.insert("cubins".into(), Value::Object(cubins));
     }
     println!(
         "{}",
