@@ -26,7 +26,12 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --no-cache-dir "kvpress==0.5.5" gguf matplotlib
 fi
-"$venv/bin/python" -c "import kvpress, torch, gguf" || { echo "the venv $venv is broken: remove it and rerun" >&2; exit 1; }
+# transformers' quantized cache (the KIVI rows) runs on optimum-quanto, whose
+# CPU kernels are C++ extensions built at first use with ninja.
+"$venv/bin/python" -c "import optimum.quanto, ninja" 2>/dev/null \
+  || "$venv/bin/pip" install -q --no-cache-dir "optimum-quanto==0.2.7" ninja
+export PATH="$PWD/$venv/bin:$PATH"
+"$venv/bin/python" -c "import kvpress, torch, gguf, optimum.quanto" || { echo "the venv $venv is broken: remove it and rerun" >&2; exit 1; }
 ./scripts/fetch-assets.sh >/dev/null
 cargo build --release -q -p minikv-cli
 export TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error PYTHONWARNINGS=ignore

@@ -113,6 +113,30 @@ enum CalibrateCmd {
     /// recent window, written as a JSON pattern file for the `duo_attention`
     /// selector.
     Duo(DuoArgs),
+    /// Q-Filters: per (layer, KV head) the dominant direction of the model's
+    /// post-RoPE queries over text chunks (the queries of a GQA group
+    /// stacked), written as a JSON filter file for the `q_filter` scorer.
+    Qfilters(QFilterArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct QFilterArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Calibration text file or directory (default: the fetched Paul Graham
+    /// essays; keep it apart from the texts you evaluate on).
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// Tokens per chunk (each chunk runs from an empty cache).
+    #[arg(long, default_value_t = 1024, value_parser = args::tokens)]
+    pub context: usize,
+    /// Chunks: the first `chunks` consecutive `context`-token pieces of the
+    /// text.
+    #[arg(long, default_value_t = 4, value_parser = args::count)]
+    pub chunks: usize,
+    /// Output filter file (JSON; written atomically).
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 #[derive(Args)]
@@ -455,6 +479,9 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Calibrate {
             cmd: CalibrateCmd::Duo(a),
         } => commands::calibrate_duo(&a),
+        Cmd::Calibrate {
+            cmd: CalibrateCmd::Qfilters(a),
+        } => commands::calibrate_qfilters(&a),
     }
 }
 

@@ -532,8 +532,13 @@ impl RunConfig {
             e => e,
         })?;
         cfg.resolve()?;
-        if let (Some(dir), Some(sel)) = (path.parent(), cfg.cache.selector.as_mut()) {
-            sel.resolve_paths(dir);
+        if let Some(dir) = path.parent() {
+            if let Some(sel) = cfg.cache.selector.as_mut() {
+                sel.resolve_paths(dir);
+            }
+            if let Some(sc) = cfg.cache.scorer.as_mut() {
+                sc.resolve_paths(dir);
+            }
         }
         cfg.validate(None)?;
         Ok(cfg)

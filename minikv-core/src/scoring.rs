@@ -171,6 +171,9 @@ pub trait TokenScorer: Send + Sync + Debug + dyn_clone::DynClone {
     fn validate(&self) -> Result<()> {
         Ok(())
     }
+    /// Makes relative file paths in the scorer's parameters relative to
+    /// `dir`, the folder of the config file that named them.
+    fn resolve_paths(&mut self, _dir: &std::path::Path) {}
 }
 
 dyn_clone::clone_trait_object!(TokenScorer);

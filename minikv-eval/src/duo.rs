@@ -27,11 +27,11 @@ pub struct DuoCalibration {
 
 /// A full cache that also keeps every key and the last queries per layer.
 #[derive(Debug)]
-struct Recording {
-    inner: Box<dyn KvCache>,
-    keys: Vec<Vec<f32>>,
-    queries: Vec<Vec<f32>>,
-    window: usize,
+pub(crate) struct Recording {
+    pub(crate) inner: Box<dyn KvCache>,
+    pub(crate) keys: Vec<Vec<f32>>,
+    pub(crate) queries: Vec<Vec<f32>>,
+    pub(crate) window: usize,
 }
 
 impl KvCache for Recording {

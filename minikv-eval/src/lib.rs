@@ -21,6 +21,7 @@
 
 pub mod duo;
 pub mod qa;
+pub mod qfilters;
 pub mod ruler;
 pub mod stats;
 pub mod tasks;

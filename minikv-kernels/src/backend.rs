@@ -350,6 +350,53 @@ impl CudaBackend {
         })
     }
 
+    /// The decode kernel's head table: device addresses and sizes of each
+    /// storage head's stores, its extra entries' biases uploaded to slot 10.
+    fn head_table(&self, a: &DecodeArgs<'_>, s: &mut Scratch) -> Result<Vec<MkHead>> {
+        let dev = &self.dev;
+        let mut heads = Vec::with_capacity(a.heads.len());
+        let mut biases: Vec<f32> = Vec::new();
+        let mut bias_at = Vec::with_capacity(a.heads.len());
+        for (i, h) in a.heads.iter().enumerate() {
+            let (fk, fk0, fkcap) = Self::fp_ring(h.fp_keys, "keys", i)?;
+            let (fv, fv0, fvcap) = Self::fp_ring(h.fp_values, "values", i)?;
+            let mut mk = MkHead {
+                k: Self::quant_view(h.quant_keys, "keys", i)?,
+                v: Self::quant_view(h.quant_values, "values", i)?,
+                fk,
+                fv,
+                fk0,
+                fkcap,
+                fv0,
+                fvcap,
+                len: int(h.len())?,
+                ..Default::default()
+            };
+            bias_at.push(biases.len());
+            if let Some(x) = h.extra {
+                if x.gate.is_some() {
+                    return Err(err(format!(
+                        "decode head {i}: gated extra entries (a logit gate) are not implemented by the cuda kernels"
+                    )));
+                }
+                mk.ek = Self::fp_ptr(x.keys, "extra keys", i)?;
+                mk.ev = Self::fp_ptr(x.values, "extra values", i)?;
+                mk.n_extra = int(x.bias.len())?;
+                biases.extend_from_slice(x.bias);
+            }
+            heads.push(mk);
+        }
+        if !biases.is_empty() {
+            let bp = s.put(dev, 10, &biases)?;
+            for (mk, &at) in heads.iter_mut().zip(&bias_at) {
+                if mk.n_extra > 0 {
+                    mk.ebias = bp + (at * 4) as u64;
+                }
+            }
+        }
+        Ok(heads)
+    }
+
     /// A device fp store's (address, first slot, slots).
     fn fp_ring(f: &dyn FpStore, what: &str, s: usize) -> Result<(u64, i32, i32)> {
         f.as_any()
@@ -435,46 +482,7 @@ impl AttentionBackend for CudaBackend {
         let hq = a.q.len() / d;
         let dev = &self.dev;
         let mut s = self.scratch();
-        let mut heads = Vec::with_capacity(a.heads.len());
-        let mut biases: Vec<f32> = Vec::new();
-        let mut bias_at = Vec::with_capacity(a.heads.len());
-        for (i, h) in a.heads.iter().enumerate() {
-            let (fk, fk0, fkcap) = Self::fp_ring(h.fp_keys, "keys", i)?;
-            let (fv, fv0, fvcap) = Self::fp_ring(h.fp_values, "values", i)?;
-            let mut mk = MkHead {
-                k: Self::quant_view(h.quant_keys, "keys", i)?,
-                v: Self::quant_view(h.quant_values, "values", i)?,
-                fk,
-                fv,
-                fk0,
-                fkcap,
-                fv0,
-                fvcap,
-                len: int(h.len())?,
-                ..Default::default()
-            };
-            bias_at.push(biases.len());
-            if let Some(x) = h.extra {
-                if x.gate.is_some() {
-                    return Err(err(format!(
-                        "decode head {i}: gated extra entries (a logit gate) are not implemented by the cuda kernels"
-                    )));
-                }
-                mk.ek = Self::fp_ptr(x.keys, "extra keys", i)?;
-                mk.ev = Self::fp_ptr(x.values, "extra values", i)?;
-                mk.n_extra = int(x.bias.len())?;
-                biases.extend_from_slice(x.bias);
-            }
-            heads.push(mk);
-        }
-        if !biases.is_empty() {
-            let bp = s.put(dev, 10, &biases)?;
-            for (mk, &at) in heads.iter_mut().zip(&bias_at) {
-                if mk.n_extra > 0 {
-                    mk.ebias = bp + (at * 4) as u64;
-                }
-            }
-        }
+        let heads = self.head_table(&a, &mut s)?;
         let longest = a
             .heads
             .iter()

@@ -44,6 +44,7 @@ pub mod leverage;
 pub mod merge;
 pub mod non_causal;
 pub mod page_mean;
+pub mod qfilter;
 pub mod random;
 pub mod reskv;
 pub mod scorers;
@@ -62,6 +63,7 @@ pub use expected_attention::ExpectedAttention;
 pub use kvzip::KvZip;
 pub use lagkv::LagKv;
 pub use page_mean::PageMean;
+pub use qfilter::{QFilter, QFilterFile};
 pub use reskv::ResKvConfig;
 pub use scorers::{
     Accumulate, ChunkKv, CumulativeAttention, H2o, KeyDiff, KeyNorm, LastQuery, Newest, Pooling,

@@ -507,3 +507,28 @@ fn critical_ada_kv_over_snapkv_needs_averaged_windows() {
         }
     }
 }
+
+/// Q-Filters: kvpress scores `-(f . k)`; minikv's file holds `u = -f` and
+/// scores `<k, u>`: the same scores.
+#[test]
+fn qfilter_matches_kvpress() {
+    use minikv_policies::{QFilter, QFilterFile};
+    let g = load();
+    let c = g.case("qfilter");
+    let u: Vec<Vec<f32>> = c["filters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| floats(f).iter().map(|x| -x).collect())
+        .collect();
+    let file = QFilterFile {
+        format: QFilterFile::FORMAT.into(),
+        model: "golden".into(),
+        model_sha256: String::new(),
+        calibration: Value::Null,
+        explained: vec![vec![0.0; u.len()]],
+        filters: vec![u],
+    };
+    let got = g.score(&QFilter::from_file(file), 1, None);
+    assert_close("qfilter", &got, &floats(&c["scores"]), 1e-5);
+}

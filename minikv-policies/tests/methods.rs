@@ -897,3 +897,85 @@ fn key_rerotation_worked_example() {
         .unwrap_err();
     assert!(e.to_string().contains("cache.rerotate_keys"), "{e}");
 }
+
+/// Q-Filters with the filter u = (1, -1, 1, -1) / 2: scores are `<k_j, u>`
+/// (1.078125 0.412772 -0.703661 -1.051128 -0.249914 0.824408 0.997811
+/// 0.080798 -0.924511 -0.919507 0.090341 1.001464 from numpy), so 6 heavy
+/// tokens keep rows 0 1 5 6 10 11. A filter file that is not unit vectors,
+/// or holds another model's heads, is a clear error.
+#[test]
+fn q_filter_worked_example() {
+    use minikv_policies::{QFilter, QFilterFile};
+    let s = spec(1, HQ, 1, D);
+    let (k, v, q) = (keys(), values(), queries());
+    let file = |filters: Vec<Vec<Vec<f32>>>| QFilterFile {
+        format: QFilterFile::FORMAT.into(),
+        model: "test".into(),
+        model_sha256: String::new(),
+        calibration: serde_json::Value::Null,
+        explained: filters.iter().map(|l| vec![0.5; l.len()]).collect(),
+        filters,
+    };
+    let u = vec![0.5f32, -0.5, 0.5, -0.5];
+    let kk: [&[f32]; 1] = [&k];
+    let vv: [&[f32]; 1] = [&v];
+    let mut out = vec![0.0f32; HQ * T];
+    QFilter::from_file(file(vec![vec![u.clone()]]))
+        .score(&signals(&s, &kk, &vv), &mut out)
+        .unwrap();
+    let want = [
+        1.078125, 0.412772, -0.703661, -1.051128, -0.249914, 0.824408, 0.997811, 0.080798,
+        -0.924511, -0.919507, 0.090341, 1.001464,
+    ];
+    close(&out[..T], &want, 1e-5);
+    close(&out[T..], &want, 1e-5);
+    // Through a cache, the file named in the config.
+    let dir = std::env::temp_dir().join(format!("minikv-qfilter-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, f: &QFilterFile| {
+        let p = dir.join(name);
+        std::fs::write(&p, serde_json::to_string(f).unwrap()).unwrap();
+        p.to_string_lossy().into_owned()
+    };
+    let cfg_for = |path: &str| {
+        RunConfig::parse(
+            &format!(
+                "[cache]\nheavy_tokens = 6\nrecent_tokens = 0\nscorer = {{ type = \"q_filter\", filters = \"{path}\" }}"
+            ),
+            false,
+        )
+        .unwrap()
+    };
+    let good = write("good.json", &file(vec![vec![u.clone()]]));
+    let mut c = CacheBuilder::new(s.clone())
+        .build(&cfg_for(&good).cache)
+        .unwrap();
+    let mut o = vec![0.0f32; T * HQ * D];
+    c.append(0, &k, &v, T).unwrap();
+    c.attend(0, &q, T, &mut o).unwrap();
+    c.end_prefill().unwrap();
+    assert_kept(c.as_mut(), &[0, 1, 5, 6, 10, 11], &k, &v, HQ);
+    // Bad files: named errors, never a panic: a file that is not unit
+    // vectors (or is missing) when the cache is built, another model's
+    // heads at the end of prefill.
+    let p = write("norm.json", &file(vec![vec![vec![1.0, 1.0, 0.0, 0.0]]]));
+    let e = CacheBuilder::new(s.clone())
+        .build(&cfg_for(&p).cache)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a finite unit vector"), "{e}");
+    let e = CacheBuilder::new(s.clone())
+        .build(&cfg_for("/nonexistent/q.json").cache)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("minikv calibrate qfilters"), "{e}");
+    let p = write("heads.json", &file(vec![vec![u.clone(), u.clone()]]));
+    let mut c = CacheBuilder::new(s.clone())
+        .build(&cfg_for(&p).cache)
+        .unwrap();
+    c.append(0, &k, &v, T).unwrap();
+    c.attend(0, &q, T, &mut o).unwrap();
+    let e = c.end_prefill().unwrap_err().to_string();
+    assert!(e.contains("calibrate the filters on this model"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}

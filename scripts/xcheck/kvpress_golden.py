@@ -199,5 +199,12 @@ with torch.no_grad():
     k_lazy, _ = press.compress(attn, hs, keys, values, None, kwargs)
 cases["simlayerkv"] = {"n_last": 2, "n_recent": 12, "sinks": 3, "share": share, "lazy_len": k_lazy.shape[2]}
 
+# Q-Filters: kvpress scores -(f . k) with per-model filters it downloads; a
+# seeded unit filter per KV head stands in (minikv's file holds u = -f).
+qf = torch.nn.functional.normalize(torch.randn(1, HKV, D), dim=-1)
+qpress = K.QFilterPress(compression_ratio=0.5)
+qpress.q_filters = qf
+cases["qfilter"] = {"filters": qf[0].tolist(), "scores": score(qpress).flatten().tolist()}
+
 json.dump(out, open(sys.argv[1], "w"), indent=0)
 print("wrote", sys.argv[1], "cases:", ", ".join(cases))

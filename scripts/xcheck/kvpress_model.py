@@ -48,6 +48,26 @@ def finch(r):
     return p
 
 
+QFILTERS = os.path.join(ROOT, "configs/patterns/smollm2-135m-instruct-q4_1.qfilters.json")
+
+
+def qfilter(r):
+    # kvpress has no Q-Filters for SmolLM2 (its loader downloads per-model
+    # filters): it gets minikv's calibrated directions, negated (kvpress
+    # scores -(f . k), minikv <k, u>), so both sides score the same keys.
+    # minikv's channels are the GGUF file's (RoPE on adjacent pairs: 2i,
+    # 2i+1); transformers un-permutes them to its half-split layout (i,
+    # i + d/2): the filters are reordered the same way.
+    u = torch.tensor(json.load(open(QFILTERS))["filters"], dtype=torch.float32)
+    f = -torch.cat([u[..., 0::2], u[..., 1::2]], dim=-1)
+
+    class Press(K.QFilterPress):
+        def post_init_from_model(self, model):
+            self.q_filters = f
+
+    return Press(compression_ratio=r)
+
+
 # name -> (minikv preset under configs/kvpress, kvpress press for ratio r, note
 #          [, text edits of the preset for this row])
 METHODS = {
@@ -115,9 +135,61 @@ METHODS = {
     "critical-adakv": ("critical-adakv", lambda r: K.CriticalAdaKVPress(press=K.SnapKVPress(compression_ratio=r, window_size=64, kernel_size=5)), ""),
     "block": ("block", lambda r: BlockPress(press=K.KeyDiffPress(compression_ratio=r), block_size=128), ""),
     "merge-similar": ("merge-similar", lambda r: MergingPress(press=K.KnormPress(compression_ratio=r)), ""),
+    "qfilter": ("qfilter", qfilter, "the same filters on both sides (minikv's calibration)"),
 }
 # Methods whose budget is not a ratio of the prompt (run once).
-FIXED = {"simlayerkv": ("simlayerkv", lambda r: K.SimLayerKVPress(lazy_threshold=0.9, n_last=1, n_recent=1024, n_initial=4), "")}
+FIXED = {
+    "simlayerkv": ("simlayerkv", lambda r: K.SimLayerKVPress(lazy_threshold=0.9, n_last=1, n_recent=1024, n_initial=4), ""),
+    # kvpress's decoding presses, compressing every 16 of the 64 decode steps
+    # (their default 512 would never fire here).
+    "decoding": (
+        "decoding",
+        lambda r: K.DecodingPress(base_press=K.KnormPress(), compression_interval=16, target_size=1024),
+        "every 16 steps to 1024 rows",
+        [("every = 512, target_tokens = 2048", "every = 16, target_tokens = 1024")],
+    ),
+    "compression-ratio-decoding": (
+        "compression-ratio-decoding",
+        lambda r: K.CompressionRatioDecodingPress(
+            base_press=K.KnormPress(), target_compression_ratio=0.5, compression_interval=16
+        ),
+        "every 16 steps to half the rows seen",
+        [("every = 512", "every = 16")],
+    ),
+}
+DECODING = {"decoding", "compression-ratio-decoding"}
+
+
+def quanto(nbits):
+    # transformers' QuantizedCache (the quantized-cache path kvpress runs on):
+    # optimum-quanto, its default axes (0: groups of q_group_size consecutive
+    # channels of one token, here the whole 64-channel head vector), residual
+    # 128 (the prompt is quantized whole at prefill; decoded tokens stay
+    # full precision until 128 gather, then everything is re-quantized).
+    from transformers import QuantizedCache
+
+    return lambda config: QuantizedCache(
+        backend="quanto", config=config, nbits=nbits, q_group_size=64, residual_length=128
+    )
+
+
+# Quantized caches: name -> (minikv preset under configs/, transformers'
+# quantized cache for the model's config, note[, text edits]). No press.
+QUANTIZED = {
+    "kivi-2bit": ("../kivi-2bit", quanto(2), "different quantizers: see the text"),
+    "kivi-4bit": ("../kivi-4bit", quanto(4), "different quantizers: see the text"),
+    "kivi-2bit-as-quanto": (
+        "../kivi-2bit",
+        quanto(2),
+        "minikv with quanto's grouping: keys and values per token, one group of 64 channels",
+        [
+            ('keys = { type = "minmax", bits = 2, group = 32, axis = "channel" }',
+             'keys = { type = "minmax", bits = 2, group = 64, axis = "token" }'),
+            ('values = { type = "minmax", bits = 2, group = 32, axis = "token" }',
+             'values = { type = "minmax", bits = 2, group = 64, axis = "token" }'),
+        ],
+    ),
+}
 
 
 def kl_steps(full, comp):
@@ -126,18 +198,29 @@ def kl_steps(full, comp):
     return (lf.exp() * (lf - lc)).sum(-1).tolist()
 
 
-def teacher_forced(model, ids, press):
-    """Logits predicting ids[CONTEXT + j] for j < TOKENS, the prompt compressed by `press`."""
+def teacher_forced(model, ids, press, decoding=False, cache=None):
+    """Logits predicting ids[CONTEXT + j] for j < TOKENS, the prompt compressed by
+    `press` (with `decoding`, the press stays active through the decode steps:
+    kvpress's decoding presses compress there), in `cache` (default: a
+    DynamicCache)."""
     ctx = torch.tensor([ids[:CONTEXT]])
-    cache = DynamicCache()
-    with torch.no_grad():
-        with press(model) if press is not None else torch.no_grad():
-            out = model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
-        rows = [out.logits[0, -1]]
+    cache = DynamicCache() if cache is None else cache
+    rows = []
+
+    def decode():
         for j in range(1, TOKENS):
             pos = torch.tensor([[CONTEXT + j - 1]])
             out = model(input_ids=torch.tensor([[ids[CONTEXT + j - 1]]]), past_key_values=cache, position_ids=pos)
             rows.append(out.logits[0, -1])
+
+    with torch.no_grad():
+        with press(model) if press is not None else torch.no_grad():
+            out = model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+            rows.append(out.logits[0, -1])
+            if decoding:
+                decode()
+        if not decoding:
+            decode()
     return torch.stack(rows), cache.get_seq_length()
 
 
@@ -148,7 +231,9 @@ def minikv(preset, ratio, ids_file, edits=()):
         text = text.replace(old, new)
     if ratio is not None:
         text = re.sub(r"(?m)^heavy = 0\.5$", f"heavy = {1 - ratio}", text)
-    # (the kvpress presets name no files, so the copy may live anywhere)
+    # (a preset's files are named relative to configs/kvpress: made absolute,
+    # so the copy may live anywhere)
+    text = text.replace('"../patterns/', '"' + os.path.join(ROOT, "configs/patterns") + "/")
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(text)
     try:
@@ -186,17 +271,24 @@ def main():
         ids_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False).name
         json.dump(ids, open(ids_file, "w"))
         full, _ = teacher_forced(model, ids, None)
-        jobs = [(n, m, r) for n, m in METHODS.items() for r in RATIOS] + [(n, m, None) for n, m in FIXED.items()]
+        jobs = (
+            [(n, m, r) for n, m in METHODS.items() for r in RATIOS]
+            + [(n, m, None) for n, m in FIXED.items()]
+            + [(n, m, None) for n, m in QUANTIZED.items()]
+        )
         for name, (preset, make, note, *edits), ratio in jobs:
             key = (os.path.basename(idf), name, ratio)
             if (want and name not in want) or key in done:
                 continue
             t0 = time.time()
-            comp, kept = teacher_forced(model, ids, make(ratio if ratio is not None else 0.0))
+            if name in QUANTIZED:
+                comp, kept = teacher_forced(model, ids, None, cache=make(model.config))
+            else:
+                comp, kept = teacher_forced(model, ids, make(ratio if ratio is not None else 0.0), name in DECODING)
             kv = kl_steps(full, comp)
             mk, _ = minikv(preset, ratio, ids_file, edits[0] if edits else ())
             row = {
-                "context_file": key[0], "method": name, "ratio": ratio, "preset": f"configs/kvpress/{preset}.toml",
+                "context_file": key[0], "method": name, "ratio": ratio, "preset": os.path.normpath(f"configs/kvpress/{preset}.toml"),
                 "context": CONTEXT, "tokens": TOKENS, "kvpress_kept_tokens": kept,
                 "kvpress_kl": sum(kv) / len(kv), "minikv_kl": sum(mk) / len(mk),
                 "kvpress_kl_steps": kv, "minikv_kl_steps": mk, "note": note,

@@ -1,4 +1,4 @@
-//! `calibrate duo`.
+//! `calibrate duo`, `calibrate qfilters`.
 
 use super::*;
 
@@ -74,6 +74,79 @@ pub fn calibrate_duo(a: &crate::DuoArgs) -> Result<()> {
         sorted[0],
         sorted[sorted.len() / 2],
         sorted[sorted.len() - 1],
+        t0.elapsed().as_secs_f64(),
+        a.out.display()
+    );
+    Ok(())
+}
+
+/// `minikv calibrate qfilters`: per (layer, KV head) the dominant direction
+/// of the model's post-RoPE queries over consecutive text chunks, written
+/// (atomically) as a JSON filter file for the `q_filter` scorer.
+pub fn calibrate_qfilters(a: &crate::QFilterArgs) -> Result<()> {
+    let l = load_model(&a.model)?;
+    let m = l.model.as_ref();
+    if a.context > m.spec().max_seq_len {
+        return Err(Error::ContextOverflow {
+            len: a.context,
+            max: m.spec().max_seq_len,
+        });
+    }
+    let text_path = a.text.clone().unwrap_or_else(default_text);
+    let ids = l.tok.encode(&read_text(&text_path)?)?;
+    if ids.len() < a.context * a.chunks {
+        return Err(Error::Input(format!(
+            "calibrate qfilters: {} holds {} tokens, fewer than --chunks {} x --context {} (use a longer text or fewer chunks)",
+            text_path.display(),
+            ids.len(),
+            a.chunks,
+            a.context
+        )));
+    }
+    let chunks: Vec<Vec<u32>> = ids
+        .chunks_exact(a.context)
+        .take(a.chunks)
+        .map(<[u32]>::to_vec)
+        .collect();
+    let t0 = std::time::Instant::now();
+    let full = RunConfig::default();
+    let per = minikv_eval::qfilters::calibrate_qfilters(m, &chunks, || build_cache(m, &full))?;
+    let file = minikv_policies::QFilterFile {
+        format: minikv_policies::QFilterFile::FORMAT.into(),
+        model: l
+            .path
+            .file_name()
+            .map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
+        model_sha256: l.sha256()?,
+        calibration: serde_json::json!({
+            "statistic": "first right singular vector of the post-RoPE queries of the query heads of each KV head, stacked (uncentered), signed so that they project positively; score = <k, u>",
+            "context": a.context,
+            "chunks": a.chunks,
+            "text": text_path.file_name().map(|f| f.to_string_lossy().into_owned()),
+            "git_revision": crate::provenance::git_rev(),
+        }),
+        filters: per
+            .iter()
+            .map(|hs| hs.iter().map(|(u, _)| u.clone()).collect())
+            .collect(),
+        explained: per
+            .iter()
+            .map(|hs| hs.iter().map(|(_, s)| *s).collect())
+            .collect(),
+    };
+    let body = serde_json::to_string_pretty(&file).map_err(|e| Error::Input(e.to_string()))? + "\n";
+    let tmp = a.out.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, body).map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, &a.out).map_err(|e| Error::io(&a.out, e))?;
+    let mut shares: Vec<f32> = file.explained.iter().flatten().copied().collect();
+    shares.sort_by(|a, b| a.total_cmp(b));
+    eprintln!(
+        "q-filters: {} layers x {} KV heads, share of the queries' second moment along the filter min {:.3} median {:.3} max {:.3}, {:.1}s -> {}",
+        file.filters.len(),
+        file.filters[0].len(),
+        shares[0],
+        shares[shares.len() / 2],
+        shares[shares.len() - 1],
         t0.elapsed().as_secs_f64(),
         a.out.display()
     );
