@@ -409,6 +409,22 @@ fn kvpress_methods_on_the_real_model() {
     let z = eval("configs/kvzip.toml");
     let pass = z["metrics"]["reconstruction_pass_tokens"].as_f64().unwrap();
     assert!(pass > 384.0 && pass < 400.0, "{pass}");
+    // KVCompose's second reading: the 384-token prompt itself, once; its
+    // global budget gives the first layer the most (every token here).
+    let c = eval("configs/kvpress/kvcompose.toml");
+    assert_eq!(c["metrics"]["reconstruction_pass_tokens"], 384.0);
+    let kl = c["metrics"]["kl"].as_f64().unwrap();
+    assert!(kl.is_finite() && kl > 0.0 && kl < 1.0, "kvcompose {kl}");
+    let per: Vec<u64> = c["memory"]["per_layer_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    assert!(
+        per.iter().all(|&n| n <= per[0]) && per.iter().any(|&n| n < per[0]),
+        "{per:?}"
+    );
     let pat = |n: &str| {
         let out = dir.join(n);
         let (ok, _, err) = minikv(&[

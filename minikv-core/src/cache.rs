@@ -104,6 +104,9 @@ pub struct ModelWants {
     /// Context-reconstruction passes before the end of prefill (KVzip): the
     /// driver runs them ([`KvCache::begin_pass`]); models ignore this.
     pub reconstruction: bool,
+    /// The pass repeats the context as it is, in one pass (KVCompose),
+    /// rather than KVzip's instruction and chunks.
+    pub plain_pass: bool,
 }
 
 impl ModelWants {

@@ -464,6 +464,7 @@ impl KvCache for HybridCache {
             // layers ask, whichever layer the driver asks about.
             (_, Some(c)) => ModelWants {
                 reconstruction: c.wants(0).reconstruction,
+                plain_pass: c.wants(0).plain_pass,
                 ..ModelWants::default()
             },
             _ => ModelWants::default(),

@@ -146,6 +146,7 @@ impl KvCache for AttentionProbe {
             pre_rope_queries: a.pre_rope_queries || b.pre_rope_queries,
             output_projection: a.output_projection || b.output_projection,
             reconstruction: false,
+            plain_pass: false,
         }
     }
     fn observe(&mut self, layer: usize, obs: crate::Observation<'_>) -> Result<()> {

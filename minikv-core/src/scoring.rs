@@ -22,6 +22,10 @@ pub struct Needs {
     /// reconstruction pass (KVzip); the value is the number of leading sink
     /// tokens the pass's attention also sees.
     pub reconstruction: Option<usize>,
+    /// With `reconstruction`: the pass repeats the whole context as it is,
+    /// in one pass, its queries attending to every token before them
+    /// (KVCompose), instead of KVzip's instruction and chunks.
+    pub plain_pass: bool,
     /// The model's rotary embedding ([`LayerSignals::rope`]), for scorers that
     /// read pre-RoPE keys ([`crate::Rope::unrotate`]).
     pub rope: bool,
@@ -45,6 +49,7 @@ impl Needs {
                 (Some(a), Some(b)) => Some(a.max(b)),
                 (a, b) => a.or(b),
             },
+            plain_pass: self.plain_pass || o.plain_pass,
             rope: self.rope || o.rope,
         }
     }
@@ -119,8 +124,8 @@ pub struct LayerSignals<'a> {
     pub query_stats: Option<QueryStats<'a>>,
     /// The layer's output projection `[hidden][Hq * d]`, if requested.
     pub output_projection: Option<&'a [f32]>,
-    /// KVzip's reconstruction scores `[Hkv][T]` (max attention each prompt
-    /// token received from the reconstruction queries), if requested.
+    /// Reconstruction scores `[Hq][T]` (per query head, the maximum attention
+    /// each prompt token received from the pass's queries), if requested.
     pub reconstruction: Option<&'a [f32]>,
     /// Tokens the selection will keep per storage head in this layer (heavy
     /// hitters, recent window excluded), when scores feed a selection (not

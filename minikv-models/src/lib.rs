@@ -280,7 +280,8 @@ pub const RECONSTRUCTION_CHUNK: usize = 2048;
 /// the cache asks for context reconstruction (KVzip), runs one pass per chunk
 /// of at most [`RECONSTRUCTION_CHUNK`] tokens (instruction, the previous
 /// chunk's last 8 tokens for later chunks, a newline, the chunk itself) and
-/// removes the pass tokens; then compresses. Every driver calls this instead
+/// removes the pass tokens; when it asks for a plain pass (KVCompose), runs
+/// the context once more as it is, in one pass; then compresses. Every driver calls this instead
 /// of [`KvCache::end_prefill`] directly.
 pub fn finish_prefill(
     model: &dyn LanguageModel,
@@ -288,7 +289,21 @@ pub fn finish_prefill(
     context: &[u32],
     ws: &mut Workspace,
 ) -> Result<()> {
-    if cache.wants(0).reconstruction && !context.is_empty() {
+    let wants = cache.wants(0);
+    if wants.reconstruction && wants.plain_pass && !context.is_empty() {
+        // KVCompose: the context once more, as it is, in one pass.
+        if cache.seq_len(0) != context.len() {
+            return Err(Error::Input(format!(
+                "finish_prefill: the cache holds {} tokens, the context {}",
+                cache.seq_len(0),
+                context.len()
+            )));
+        }
+        cache.begin_pass(0..context.len())?;
+        let r = model.forward(context, cache, ws, Logits::None);
+        cache.end_pass()?;
+        r?;
+    } else if wants.reconstruction && !context.is_empty() {
         let p = model.reconstruction_prompts().ok_or_else(|| {
             Error::Unsupported(
                 "this cache scores by context reconstruction (KVzip), but the model has no reconstruction prompt".into(),

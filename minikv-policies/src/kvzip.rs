@@ -50,16 +50,19 @@ impl TokenScorer for KvZip {
                     .into(),
             )
         })?;
-        if r.len() != inp.spec.n_kv_heads * t {
-            return Err(Error::shape(
-                "reconstruction scores",
-                inp.spec.n_kv_heads * t,
-                r.len(),
-            ));
+        let hq = inp.spec.n_q_heads;
+        if r.len() != hq * t {
+            return Err(Error::shape("reconstruction scores", hq * t, r.len()));
         }
-        for h in 0..inp.spec.n_q_heads {
+        // The maximum over the query heads of the KV head's group.
+        for h in 0..hq {
+            let kv = h / g;
             let row = &mut out[h * t..(h + 1) * t];
-            row.copy_from_slice(&r[(h / g) * t..(h / g + 1) * t]);
+            row.copy_from_slice(&r[kv * g * t..(kv * g + 1) * t]);
+            for j in 1..g {
+                let other = &r[(kv * g + j) * t..(kv * g + j + 1) * t];
+                row.iter_mut().zip(other).for_each(|(a, &b)| *a = a.max(b));
+            }
             row[..self.n_sink.min(t)].fill(1.0);
         }
         Ok(())

@@ -979,3 +979,70 @@ fn q_filter_worked_example() {
     assert!(e.contains("calibrate the filters on this model"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// KVCompose on three layers (4 query / 2 KV heads, 6 tokens) from given
+/// reconstruction maxima: the KV-head scores and the layer counts of a plain
+/// Python mirror of kvpress's `KVComposePress` (mean over the group, plus
+/// the layer's mean over heads; composite rows of sorted scores averaged
+/// over heads, layer 0 raised to the maximum over layers; the 9 best
+/// composite entries of 18): 4, 3 and 2 tokens per head.
+#[test]
+fn kvcompose_worked_example() {
+    use minikv_core::budget::SelectionPolicy;
+    use minikv_policies::{KvCompose, KvComposeScore};
+    let (l, hq, hkv, t) = (3usize, 4usize, 2usize, 6usize);
+    let s = spec(l, hq, hkv, 1);
+    let r: Vec<Vec<f32>> = (0..l)
+        .map(|li| {
+            (0..hq)
+                .flat_map(|h| {
+                    (0..t).map(move |j| {
+                        ((li * 7 + h * 3 + j * 5) % 11) as f32 / 10.0
+                            + 0.013 * li as f32
+                            + 0.007 * h as f32
+                            + 0.001 * j as f32
+                    })
+                })
+                .collect()
+        })
+        .collect();
+    let k = vec![0.0f32; t];
+    let kk: [&[f32]; 2] = [&k, &k];
+    let sigs: Vec<LayerSignals<'_>> = (0..l)
+        .map(|li| LayerSignals {
+            layer: li,
+            reconstruction: Some(&r[li][..]),
+            ..signals(&s, &kk, &kk)
+        })
+        .collect();
+    let mut out = vec![0.0f32; hq * t];
+    KvComposeScore::default().score(&sigs[0], &mut out).unwrap();
+    let want = [
+        0.614, 1.066, 1.243, 1.145, 1.047, 0.949, 1.228, 0.58, 1.307, 1.209, 1.111, 1.013,
+    ];
+    // Query heads 0, 1 carry KV head 0's row, 2, 3 KV head 1's.
+    close(&out[..t], &want[..t], 1e-5);
+    close(&out[t..2 * t], &want[..t], 1e-5);
+    close(&out[2 * t..3 * t], &want[t..], 1e-5);
+    let req = BudgetRequest {
+        n_layers: l,
+        prompt_len: t,
+        heavy: 3,
+        recent: 0,
+        sinks: 0,
+        layers: &sigs,
+    };
+    let b = KvCompose::default().layer_budgets(&req).unwrap();
+    let heavy: Vec<usize> = b.iter().map(|x| x.heavy).collect();
+    assert_eq!(heavy, [4, 3, 2]);
+    // Without the reconstruction pass: a clear error, not a silent budget.
+    let bare: Vec<LayerSignals<'_>> = (0..l).map(|_| signals(&s, &kk, &kk)).collect();
+    let e = KvCompose::default()
+        .layer_budgets(&BudgetRequest {
+            layers: &bare,
+            ..req.clone()
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("reconstruction pass"), "{e}");
+}

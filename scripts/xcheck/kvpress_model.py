@@ -136,6 +136,7 @@ METHODS = {
     "block": ("block", lambda r: BlockPress(press=K.KeyDiffPress(compression_ratio=r), block_size=128), ""),
     "merge-similar": ("merge-similar", lambda r: MergingPress(press=K.KnormPress(compression_ratio=r)), ""),
     "qfilter": ("qfilter", qfilter, "the same filters on both sides (minikv's calibration)"),
+    "kvcompose": ("kvcompose", lambda r: K.KVComposePress(compression_ratio=r), ""),
 }
 # Methods whose budget is not a ratio of the prompt (run once).
 FIXED = {

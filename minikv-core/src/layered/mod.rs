@@ -235,6 +235,7 @@ impl KvCache for LayeredCache {
                 && self.pass.is_none(),
             output_projection: self.needs.output_projection && l.staging.out_proj.is_empty(),
             reconstruction: self.needs.reconstruction.is_some(),
+            plain_pass: self.needs.plain_pass,
         }
     }
 

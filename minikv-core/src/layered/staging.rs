@@ -20,7 +20,7 @@ pub(crate) struct Staging {
     pub qstats: Option<QuerySums>,
     /// The layer's output projection `[hidden][Hq * d]` (when needed).
     pub out_proj: Vec<f32>,
-    /// KVzip's reconstruction scores `[Hkv][t0]` (when a pass ran).
+    /// Reconstruction scores `[Hq][t0]` (when a pass ran).
     pub recon: Vec<f32>,
     /// The model's RoPE (when needed).
     pub rope: Option<crate::Rope>,
@@ -199,18 +199,21 @@ impl Staging {
         Ok(())
     }
 
-    /// KVzip scoring of a reconstruction pass's last `n` of `t` staged
-    /// tokens (queries `q`, token-major): per query head and query, the
-    /// softmax over the sinks, the reconstructed context and the pass tokens
-    /// so far (causal); each context token keeps the maximum probability it
-    /// receives over queries and the query heads of its KV head.
+    /// Scoring of a reconstruction pass's last `n` of `t` staged tokens
+    /// (queries `q`, token-major): per query head and query, the softmax over
+    /// the sinks, the reconstructed context and the pass tokens so far
+    /// (causal; a plain pass has no sinks and the whole prompt as its
+    /// context, so this is the query's ordinary attention); each context
+    /// token keeps, per query head, the maximum probability it receives over
+    /// the pass's queries (KVzip then takes the maximum over the group,
+    /// KVCompose the mean).
     pub fn pass_scores(&mut self, spec: &ModelSpec, pass: &Pass, q: &[f32], n: usize, t: usize) {
         use rayon::prelude::*;
         let (hq, hkv, d) = (spec.n_q_heads, spec.n_kv_heads, spec.head_dim);
         let g = hq / hkv;
         let t0 = pass.t0;
-        if self.recon.len() != hkv * t0 {
-            self.recon = vec![0.0; hkv * t0];
+        if self.recon.len() != hq * t0 {
+            self.recon = vec![0.0; hq * t0];
         }
         let sink = pass.sink.min(pass.context.start);
         let ctx = pass.context.clone();
@@ -237,7 +240,7 @@ impl Staging {
             })
             .collect();
         for (h, best) in per_head.iter().enumerate() {
-            let row = &mut self.recon[(h / g) * t0 + ctx.start..(h / g) * t0 + ctx.end];
+            let row = &mut self.recon[h * t0 + ctx.start..h * t0 + ctx.end];
             row.iter_mut().zip(best).for_each(|(r, &b)| *r = r.max(b));
         }
     }
