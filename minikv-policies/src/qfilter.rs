@@ -146,14 +146,20 @@ impl TokenScorer for QFilter {
     fn score(&self, inp: &ScoreInputs<'_>, out: &mut [f32]) -> Result<()> {
         let f = self.file()?;
         let (t, d, hkv) = (inp.t, inp.spec.head_dim, inp.spec.n_kv_heads);
-        let layer = f.filters.get(inp.layer).ok_or_else(|| {
-            Error::Input(format!(
-                "q_filter: {} has {} layers, the model has more (layer {})",
+        // One filter row per compressed layer, in order: a file of another
+        // depth would silently score with another layer's directions (a
+        // model with sliding-window layers compresses only its global ones,
+        // which a whole-model file does not index).
+        if f.filters.len() != inp.spec.n_layers {
+            return Err(Error::Input(format!(
+                "q_filter: {} holds {} layers, the cache compresses {} (calibrate the filters on this model; \
+                 models with sliding-window layers are not supported yet)",
                 self.filters,
                 f.filters.len(),
-                inp.layer
-            ))
-        })?;
+                inp.spec.n_layers
+            )));
+        }
+        let layer = &f.filters[inp.layer];
         if layer.len() != hkv || layer[0].len() != d {
             return Err(Error::Input(format!(
                 "q_filter: {} holds {} KV heads of dimension {} per layer, the model {hkv} of {d} (calibrate the filters on this model)",
