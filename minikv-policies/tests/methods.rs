@@ -969,23 +969,29 @@ fn q_filter_worked_example() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("minikv calibrate qfilters"), "{e}");
-    let p = write("heads.json", &file(vec![vec![u.clone(), u.clone()]]));
-    let mut c = CacheBuilder::new(s.clone())
-        .build(&cfg_for(&p).cache)
-        .unwrap();
-    c.append(0, &k, &v, T).unwrap();
-    c.attend(0, &q, T, &mut o).unwrap();
-    let e = c.end_prefill().unwrap_err().to_string();
-    assert!(e.contains("calibrate the filters on this model"), "{e}");
-    // Another depth: never another layer's directions.
-    let p = write("layers.json", &file(vec![vec![u.clone()], vec![u.clone()]]));
-    let mut c = CacheBuilder::new(s.clone())
-        .build(&cfg_for(&p).cache)
-        .unwrap();
-    c.append(0, &k, &v, T).unwrap();
-    c.attend(0, &q, T, &mut o).unwrap();
-    let e = c.end_prefill().unwrap_err().to_string();
-    assert!(e.contains("holds 2 layers, the cache compresses 1"), "{e}");
+    // Another model's heads, or another depth (never another layer's
+    // directions): errors at the end of prefill.
+    for (name, f, msg) in [
+        (
+            "heads.json",
+            file(vec![vec![u.clone(), u.clone()]]),
+            "calibrate the filters on this model",
+        ),
+        (
+            "layers.json",
+            file(vec![vec![u.clone()], vec![u.clone()]]),
+            "holds 2 layers, the cache compresses 1",
+        ),
+    ] {
+        let p = write(name, &f);
+        let mut c = CacheBuilder::new(s.clone())
+            .build(&cfg_for(&p).cache)
+            .unwrap();
+        c.append(0, &k, &v, T).unwrap();
+        c.attend(0, &q, T, &mut o).unwrap();
+        let e = c.end_prefill().unwrap_err().to_string();
+        assert!(e.contains(msg), "{name}: {e}");
+    }
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -59,25 +59,47 @@ pub fn calibrate_duo(a: &crate::DuoArgs) -> Result<()> {
         }),
         scores,
     };
-    let body =
-        serde_json::to_string_pretty(&pattern).map_err(|e| Error::Input(e.to_string()))? + "\n";
-    let tmp = a.out.with_extension(format!("tmp{}", std::process::id()));
+    write_atomically(&a.out, &pattern)?;
+    report(
+        "duo pattern",
+        "long-range mass",
+        &pattern.scores,
+        t0,
+        &a.out,
+    );
+    Ok(())
+}
+
+/// Writes `value` as pretty JSON to `out` through a temporary file and a
+/// rename (a kill never leaves half a file).
+fn write_atomically(out: &std::path::Path, value: &impl serde::Serialize) -> Result<()> {
+    let body = serde_json::to_string_pretty(value).map_err(|e| Error::Input(e.to_string()))? + "\n";
+    let tmp = out.with_extension(format!("tmp{}", std::process::id()));
     std::fs::write(&tmp, body).map_err(|e| Error::io(&tmp, e))?;
-    std::fs::rename(&tmp, &a.out).map_err(|e| Error::io(&a.out, e))?;
-    let flat: Vec<f32> = pattern.scores.iter().flatten().copied().collect();
-    let mut sorted = flat.clone();
+    std::fs::rename(&tmp, out).map_err(|e| Error::io(out, e))
+}
+
+/// One line on stderr: the table's shape and the min / median / max of
+/// `what` over every (layer, KV head).
+fn report(
+    name: &str,
+    what: &str,
+    table: &[Vec<f32>],
+    t0: std::time::Instant,
+    out: &std::path::Path,
+) {
+    let mut sorted: Vec<f32> = table.iter().flatten().copied().collect();
     sorted.sort_by(|a, b| a.total_cmp(b));
     eprintln!(
-        "duo pattern: {} layers x {} KV heads, long-range mass min {:.3} median {:.3} max {:.3}, {:.1}s -> {}",
-        pattern.scores.len(),
-        pattern.scores[0].len(),
+        "{name}: {} layers x {} KV heads, {what} min {:.3} median {:.3} max {:.3}, {:.1}s -> {}",
+        table.len(),
+        table[0].len(),
         sorted[0],
         sorted[sorted.len() / 2],
         sorted[sorted.len() - 1],
         t0.elapsed().as_secs_f64(),
-        a.out.display()
+        out.display()
     );
-    Ok(())
 }
 
 /// `minikv calibrate qfilters`: per (layer, KV head) the dominant direction
@@ -134,21 +156,13 @@ pub fn calibrate_qfilters(a: &crate::QFilterArgs) -> Result<()> {
             .map(|hs| hs.iter().map(|(_, s)| *s).collect())
             .collect(),
     };
-    let body = serde_json::to_string_pretty(&file).map_err(|e| Error::Input(e.to_string()))? + "\n";
-    let tmp = a.out.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, body).map_err(|e| Error::io(&tmp, e))?;
-    std::fs::rename(&tmp, &a.out).map_err(|e| Error::io(&a.out, e))?;
-    let mut shares: Vec<f32> = file.explained.iter().flatten().copied().collect();
-    shares.sort_by(|a, b| a.total_cmp(b));
-    eprintln!(
-        "q-filters: {} layers x {} KV heads, share of the queries' second moment along the filter min {:.3} median {:.3} max {:.3}, {:.1}s -> {}",
-        file.filters.len(),
-        file.filters[0].len(),
-        shares[0],
-        shares[shares.len() / 2],
-        shares[shares.len() - 1],
-        t0.elapsed().as_secs_f64(),
-        a.out.display()
+    write_atomically(&a.out, &file)?;
+    report(
+        "q-filters",
+        "share of the queries' second moment along the filter",
+        &file.explained,
+        t0,
+        &a.out,
     );
     Ok(())
 }
