@@ -117,6 +117,64 @@ enum CalibrateCmd {
     /// post-RoPE queries over text chunks (the queries of a GQA group
     /// stacked), written as a JSON filter file for the `q_filter` scorer.
     Qfilters(QFilterArgs),
+    /// LU-KV budget curve: per (layer, KV head) the future utility a
+    /// scorer keeps at each budget (the text's own continuation, teacher
+    /// forced), split across heads for target ratios 1% to 99%, written as a
+    /// JSON curve file for the `lukv` selector.
+    Lukv(LuKvArgs),
+}
+
+/// `--normalize` of `calibrate lukv`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum LuKvNormalize {
+    Layer,
+    Head,
+    None,
+}
+
+impl From<LuKvNormalize> for minikv_eval::lukv::Normalize {
+    fn from(n: LuKvNormalize) -> Self {
+        match n {
+            LuKvNormalize::Layer => Self::Layer,
+            LuKvNormalize::Head => Self::Head,
+            LuKvNormalize::None => Self::None,
+        }
+    }
+}
+
+#[derive(Args)]
+pub(crate) struct LuKvArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Config whose cache scorer (and sinks, recent window, head mode) the
+    /// curve is made for; its selector is not used (default: the LU-KV
+    /// preset, Expected Attention with epsilon 0.02, 4 sinks, window 1).
+    #[arg(long, default_value = "configs/kvpress/lukv.toml")]
+    pub config: PathBuf,
+    /// Calibration text file or directory (default: the fetched Paul Graham
+    /// essays; keep it apart from the texts you evaluate on).
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// Prompt tokens per chunk (the budget curve is in shares of them).
+    #[arg(long, default_value_t = 1024, value_parser = args::tokens)]
+    pub context: usize,
+    /// Future positions after each prompt whose attention defines the
+    /// oracle importance (the text's own continuation).
+    #[arg(long, default_value_t = 64, value_parser = args::tokens)]
+    pub future: usize,
+    /// Chunks: the first `chunks` consecutive `context + future`-token
+    /// pieces of the text.
+    #[arg(long, default_value_t = 4, value_parser = args::count)]
+    pub chunks: usize,
+    /// How the oracle importance is scaled before heads are compared:
+    /// `layer` (a share of the layer's total: every layer's future output
+    /// counts the same), `head` (a share of the head's own), `none` (as
+    /// measured).
+    #[arg(long, value_enum, default_value_t = LuKvNormalize::Layer)]
+    pub normalize: LuKvNormalize,
+    /// Output curve file (JSON; written atomically).
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 #[derive(Args)]
@@ -482,6 +540,9 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Calibrate {
             cmd: CalibrateCmd::Qfilters(a),
         } => commands::calibrate_qfilters(&a),
+        Cmd::Calibrate {
+            cmd: CalibrateCmd::Lukv(a),
+        } => commands::calibrate_lukv(&a),
     }
 }
 

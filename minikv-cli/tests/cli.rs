@@ -583,6 +583,145 @@ fn q_filters_calibrate_and_score_on_the_real_model() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// LU-KV end to end on the real model: `minikv calibrate lukv` writes a
+/// 99 x 30 x 3 curve, the same twice, whose every row keeps `1 - r` of the
+/// model's tokens; it records the scorer it was made for. A cache reading it
+/// holds ragged layers that add up to the curve's row; a curve of another
+/// depth, a missing file and a config without a scorer are clear errors.
+#[test]
+fn lukv_calibrates_and_splits_budgets_on_the_real_model() {
+    let dir = std::env::temp_dir().join(format!("minikv-lukv-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let calibrate = |n: &str, extra: &[&str]| {
+        let out = dir.join(n);
+        let mut args = vec![
+            "calibrate",
+            "lukv",
+            "--text",
+            "assets/paul_graham/avg.txt",
+            "--context",
+            "256",
+            "--future",
+            "32",
+            "--chunks",
+            "1",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let (ok, _, err) = minikv(&args);
+        assert!(ok, "{err}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        (out, v)
+    };
+    let ((p1, v1), (_, v2)) = (calibrate("a.json", &[]), calibrate("b.json", &[]));
+    assert_eq!(v1["prune"], v2["prune"]);
+    assert_eq!(v1["scorer"]["type"], "expected_attention");
+    assert!((v1["scorer"]["epsilon"].as_f64().unwrap() - 0.02).abs() < 1e-7);
+    assert_eq!(v1["calibration"]["normalize"], "layer");
+    let rows = v1["prune"].as_array().unwrap();
+    assert_eq!(rows.len(), 99);
+    for (i, row) in rows.iter().enumerate() {
+        let layers = row.as_array().unwrap();
+        assert_eq!(layers.len(), 30);
+        let kept: f64 = layers
+            .iter()
+            .flat_map(|l| l.as_array().unwrap())
+            .map(|p| {
+                let p = p.as_f64().unwrap();
+                assert!((0.0..=1.0).contains(&p), "{p}");
+                1.0 - p
+            })
+            .sum();
+        let want = 90.0 * (1.0 - (i + 1) as f64 / 100.0);
+        assert!((kept - want).abs() < 1e-3, "row {i}: {kept} against {want}");
+    }
+    let (_, raw) = calibrate("raw.json", &["--normalize", "none"]);
+    assert_ne!(raw["prune"], v1["prune"]);
+    assert_eq!(raw["calibration"]["normalize"], "none");
+    let cfg = |name: &str, curve: &std::path::Path| {
+        let p = dir.join(name);
+        std::fs::write(
+            &p,
+            format!(
+                "[cache]\nheavy = 0.5\nrecent_tokens = 1\nsinks = 4\nscorer = {{ type = \"expected_attention\", epsilon = 0.02 }}\nselector = {{ type = \"lukv\", curve = \"{}\" }}\n",
+                curve.display()
+            ),
+        )
+        .unwrap();
+        p.to_string_lossy().into_owned()
+    };
+    let eval = |c: &str| {
+        minikv(&[
+            "eval",
+            "--config",
+            c,
+            "--task",
+            "fidelity",
+            "--context",
+            "384",
+            "--tokens",
+            "6",
+            "--json",
+        ])
+    };
+    let (ok, out, err) = eval(&cfg("lukv.toml", &p1));
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v["metrics"]["kl"].as_f64().unwrap().is_finite());
+    let per: Vec<f64> = v["memory"]["per_layer_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    assert!(per.iter().any(|&n| n != per[0]), "{per:?}");
+    // 4 sinks + 192 + 1 of 384 tokens: row round(100 (1 - 197/384)) - 1 =
+    // 48 (ratio 0.49), every head keeps its share of the prompt, plus the
+    // 5 decoded tokens (the prefill predicts the first).
+    let prompt_rows: f64 = per.iter().map(|n| n - 3.0 * 5.0).sum();
+    let row: f64 = rows[48]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|l| l.as_array().unwrap())
+        .map(|p| (1.0 - p.as_f64().unwrap()) * 384.0)
+        .sum();
+    assert!(
+        (prompt_rows - row).abs() <= 45.0,
+        "{prompt_rows} against {row}"
+    );
+    assert!((row - 0.51 * 90.0 * 384.0).abs() < 1.0, "{row}");
+    // A curve of 29 layers is another model's.
+    let mut short = v1.clone();
+    for r in short["prune"].as_array_mut().unwrap() {
+        r.as_array_mut().unwrap().pop();
+    }
+    let p29 = dir.join("29.json");
+    std::fs::write(&p29, serde_json::to_string(&short).unwrap()).unwrap();
+    let (ok, _, err) = eval(&cfg("l29.toml", &p29));
+    assert!(
+        !ok && err.contains("29 layers") && err.contains("layer 29"),
+        "{err}"
+    );
+    let (ok, _, err) = eval(&cfg("none.toml", &dir.join("missing.json")));
+    assert!(
+        !ok && err.contains("missing.json") && err.contains("minikv calibrate lukv"),
+        "{err}"
+    );
+    let (ok, _, err) = minikv(&[
+        "calibrate",
+        "lukv",
+        "--config",
+        "configs/full.toml",
+        "--out",
+        dir.join("c.json").to_str().unwrap(),
+    ]);
+    assert!(!ok && err.contains("has none"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// ResKV on the real model: the proxy gives some heads cluster entries, which
 /// reconstruct the held-out attention better than dropping the evicted tokens;
 /// the diagnostics the review asks for (eta, numerator / denominator error)

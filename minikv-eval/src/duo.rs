@@ -7,7 +7,9 @@
 //! the keys and the last queries of each layer.
 
 use crate::{PasskeySpec, passkey_prompt};
-use minikv_core::{KvCache, LayerBudget, MemoryReport, ModelSpec, Phase, Result, simd};
+use minikv_core::{
+    KvCache, LayerBudget, MemoryReport, ModelSpec, ModelWants, Observation, Phase, Result, simd,
+};
 use minikv_models::{LanguageModel, Logits, Tokenizer, Workspace};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use serde::Serialize;
@@ -25,13 +27,39 @@ pub struct DuoCalibration {
     pub window: usize,
 }
 
-/// A full cache that also keeps every key and the last queries per layer.
+/// A full cache that also keeps every key (and value), the last queries and,
+/// when asked, the output projection of each layer.
 #[derive(Debug)]
 pub(crate) struct Recording {
     pub(crate) inner: Box<dyn KvCache>,
     pub(crate) keys: Vec<Vec<f32>>,
+    pub(crate) values: Option<Vec<Vec<f32>>>,
     pub(crate) queries: Vec<Vec<f32>>,
     pub(crate) window: usize,
+    /// `Some`: ask the model for each layer's output projection `W_o`
+    /// (`[hidden][Hq * d]`) and keep it here.
+    pub(crate) wo: Option<Vec<Vec<f32>>>,
+}
+
+impl Recording {
+    /// Keys and the last `window` queries of each of `layers` layers.
+    pub(crate) fn new(inner: Box<dyn KvCache>, layers: usize, window: usize) -> Self {
+        Self {
+            inner,
+            keys: vec![Vec::new(); layers],
+            values: None,
+            queries: vec![Vec::new(); layers],
+            window,
+            wo: None,
+        }
+    }
+    /// Also the values and the output projection.
+    pub(crate) fn with_values_and_wo(mut self) -> Self {
+        let l = self.keys.len();
+        self.values = Some(vec![Vec::new(); l]);
+        self.wo = Some(vec![Vec::new(); l]);
+        self
+    }
 }
 
 impl KvCache for Recording {
@@ -46,6 +74,9 @@ impl KvCache for Recording {
     }
     fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n: usize) -> Result<()> {
         self.keys[layer].extend_from_slice(k);
+        if let Some(vs) = &mut self.values {
+            vs[layer].extend_from_slice(v);
+        }
         self.inner.append(layer, k, v, n)
     }
     fn attend(&mut self, layer: usize, q: &[f32], n: usize, out: &mut [f32]) -> Result<()> {
@@ -70,7 +101,23 @@ impl KvCache for Recording {
         self.inner.reset()?;
         self.keys.iter_mut().for_each(Vec::clear);
         self.queries.iter_mut().for_each(Vec::clear);
+        if let Some(vs) = &mut self.values {
+            vs.iter_mut().for_each(Vec::clear);
+        }
         Ok(())
+    }
+    fn wants(&self, layer: usize) -> ModelWants {
+        let mut w = self.inner.wants(layer);
+        w.output_projection |= self.wo.is_some();
+        w
+    }
+    fn observe(&mut self, layer: usize, obs: Observation<'_>) -> Result<()> {
+        if let (Some(wo), Observation::OutputProjection { w, .. }) = (&mut self.wo, obs)
+            && wo[layer].is_empty()
+        {
+            wo[layer].extend_from_slice(w);
+        }
+        self.inner.observe(layer, obs)
     }
 }
 
@@ -99,12 +146,7 @@ pub fn calibrate_duo(
             .depth
             .unwrap_or_else(|| rng.random_range(0.0..1.0));
         let (ids, _) = passkey_prompt(tok, haystack, cal.prompts.context, depth, &mut rng)?;
-        let mut c = Recording {
-            inner: full_cache()?,
-            keys: vec![Vec::new(); l],
-            queries: vec![Vec::new(); l],
-            window: cal.window,
-        };
+        let mut c = Recording::new(full_cache()?, l, cal.window);
         model.forward(&ids, &mut c, &mut ws, Logits::None)?;
         let t = ids.len();
         let w = c.queries[0].len() / (hq * d);

@@ -20,6 +20,7 @@
 #![warn(missing_docs)]
 
 pub mod duo;
+pub mod lukv;
 pub mod qa;
 pub mod qfilters;
 pub mod ruler;

@@ -36,12 +36,7 @@ pub fn calibrate_qfilters(
         if ids.is_empty() {
             return Err(Error::Input("calibrate qfilters: an empty chunk".into()));
         }
-        let mut c = Recording {
-            inner: full_cache()?,
-            keys: vec![Vec::new(); l],
-            queries: vec![Vec::new(); l],
-            window: ids.len(),
-        };
+        let mut c = Recording::new(full_cache()?, l, ids.len());
         model.forward(ids, &mut c, &mut ws, Logits::None)?;
         for (layer, q) in c.queries.iter().enumerate() {
             // Queries arrive as [t][Hq][d].

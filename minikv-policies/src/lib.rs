@@ -6,7 +6,7 @@
 //! (KeyDiff, ChunkKV, Expected Attention, CriticalKV, LagKV, KVzip, ThinK,
 //! DuoAttention, CaM merge, Random, CurDKV, leverage scores, non-causal
 //! attention, Compactor, FINCH, CAPKV, entropy-gated ChunkKV, CriticalAdaKV,
-//! Block, similarity merge, SimLayerKV) that decide *which* tokens (and key channels) a KV
+//! Block, similarity merge, SimLayerKV, Q-Filters, KVCompose, LU-KV) that decide *which* tokens (and key channels) a KV
 //! cache keeps and what stands in for the others. Each component is one
 //! struct, one `typetag` impl and one `register!` line; configs name them by
 //! `type`.
@@ -42,6 +42,7 @@ pub mod kvcompose;
 pub mod kvzip;
 pub mod lagkv;
 pub mod leverage;
+pub mod lukv;
 pub mod merge;
 pub mod non_causal;
 pub mod page_mean;
@@ -64,6 +65,7 @@ pub use expected_attention::ExpectedAttention;
 pub use kvcompose::{KvCompose, KvComposeScore};
 pub use kvzip::KvZip;
 pub use lagkv::LagKv;
+pub use lukv::{LuKv, LuKvCurve};
 pub use page_mean::PageMean;
 pub use qfilter::{QFilter, QFilterFile};
 pub use reskv::ResKvConfig;

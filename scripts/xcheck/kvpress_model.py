@@ -68,6 +68,20 @@ def qfilter(r):
     return Press(compression_ratio=r)
 
 
+LUKV = os.path.join(ROOT, "configs/patterns/smollm2-135m-instruct-q4_1.lukv.json")
+
+
+def lukv(r):
+    # kvpress ships one budget curve (an 8B model, fetched at run time):
+    # it gets minikv's SmolLM2 curve (`minikv calibrate lukv`), the same
+    # [99][layer][KV head] pruned shares, so both sides split the same way.
+    import numpy as np
+
+    p = K.LUKVPress(press=K.ExpectedAttentionPress(epsilon=2e-2), compression_ratio=r, sink=4, window=1)
+    p._budget_curves = np.array(json.load(open(LUKV))["prune"], dtype=np.float32)
+    return p
+
+
 # name -> (minikv preset under configs/kvpress, kvpress press for ratio r, note
 #          [, text edits of the preset for this row])
 METHODS = {
@@ -136,6 +150,7 @@ METHODS = {
     "block": ("block", lambda r: BlockPress(press=K.KeyDiffPress(compression_ratio=r), block_size=128), ""),
     "merge-similar": ("merge-similar", lambda r: MergingPress(press=K.KnormPress(compression_ratio=r)), ""),
     "qfilter": ("qfilter", qfilter, "the same filters on both sides (minikv's calibration)"),
+    "lukv": ("lukv", lukv, "the same budget curve on both sides (minikv's calibration)"),
     "kvcompose": ("kvcompose", lambda r: K.KVComposePress(compression_ratio=r), ""),
 }
 # Methods whose budget is not a ratio of the prompt (run once).

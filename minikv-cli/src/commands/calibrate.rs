@@ -1,4 +1,4 @@
-//! `calibrate duo`, `calibrate qfilters`.
+//! `calibrate duo`, `calibrate qfilters`, `calibrate lukv`.
 
 use super::*;
 
@@ -161,6 +161,106 @@ pub fn calibrate_qfilters(a: &crate::QFilterArgs) -> Result<()> {
         "q-filters",
         "share of the queries' second moment along the filter",
         &file.explained,
+        t0,
+        &a.out,
+    );
+    Ok(())
+}
+
+/// `minikv calibrate lukv`: the utility curves of the config's scorer on
+/// consecutive text chunks, the LU-KV budget split solved from them, written
+/// (atomically) as a JSON curve file for the `lukv` selector.
+pub fn calibrate_lukv(a: &crate::LuKvArgs) -> Result<()> {
+    let l = load_model(&a.model)?;
+    let m = l.model.as_ref();
+    let span = a.context + a.future;
+    if span > m.spec().max_seq_len {
+        return Err(Error::ContextOverflow {
+            len: span,
+            max: m.spec().max_seq_len,
+        });
+    }
+    // The config's scorer and cache settings; the selector is replaced by
+    // the tap, so a config naming a curve not made yet still serves.
+    let text = read_text(&a.config)?;
+    let json = a.config.extension().is_some_and(|e| e == "json");
+    let mut cfg = RunConfig::parse(&text, json)
+        .map_err(|e| Error::Parse(format!("{}: {e}", a.config.display())))?;
+    let Some(scorer) = cfg.cache.scorer.as_mut() else {
+        return Err(Error::config(
+            "cache.scorer",
+            format!(
+                "{}: calibrate lukv measures a scorer, and this config has none",
+                a.config.display()
+            ),
+        ));
+    };
+    if let Some(dir) = a.config.parent() {
+        scorer.resolve_paths(dir);
+    }
+    let scorer_json = serde_json::to_value(&*scorer).map_err(|e| Error::Input(e.to_string()))?;
+    let tap = minikv_eval::lukv::ScoreTap::default();
+    cfg.cache.selector = Some(Box::new(tap.clone()));
+    cfg.cache.quant = None;
+    cfg.resolve()?;
+    cfg.validate(Some(&m.spec()))?;
+    let text_path = a.text.clone().unwrap_or_else(default_text);
+    let ids = l.tok.encode(&read_text(&text_path)?)?;
+    if ids.len() < span * a.chunks {
+        return Err(Error::Input(format!(
+            "calibrate lukv: {} holds {} tokens, fewer than --chunks {} x (--context {} + --future {}) (use a longer text or fewer chunks)",
+            text_path.display(),
+            ids.len(),
+            a.chunks,
+            a.context,
+            a.future
+        )));
+    }
+    let chunks: Vec<Vec<u32>> = ids
+        .chunks_exact(span)
+        .take(a.chunks)
+        .map(<[u32]>::to_vec)
+        .collect();
+    let t0 = std::time::Instant::now();
+    let full = RunConfig::default();
+    let util = minikv_eval::lukv::utility_curves(
+        m,
+        &chunks,
+        a.context,
+        a.normalize.into(),
+        &tap,
+        || build_cache(m, &cfg),
+        || build_cache(m, &full),
+        minikv_policies::lukv::keep_order,
+    )?;
+    let prune = minikv_policies::lukv::solve_budget_curve(&util, a.context)?;
+    let file = minikv_policies::LuKvCurve {
+        format: minikv_policies::LuKvCurve::FORMAT.into(),
+        model: l
+            .path
+            .file_name()
+            .map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
+        model_sha256: l.sha256()?,
+        scorer: scorer_json,
+        calibration: serde_json::json!({
+            "statistic": "oracle importance max over the group's query heads and the next `future` positions of attention x |W_o^q v| (text continuation, teacher forced), scaled as `normalize` says; utility of budget b = importance of the b tokens the lukv selector would keep (sinks and window first, then by score), averaged over chunks; budgets split greedily over the utilities' upper concave hulls",
+            "context": a.context,
+            "future": a.future,
+            "chunks": a.chunks,
+            "normalize": minikv_eval::lukv::Normalize::from(a.normalize),
+            "sinks": cfg.cache.sinks,
+            "text": text_path.file_name().map(|f| f.to_string_lossy().into_owned()),
+            "config": a.config.file_name().map(|f| f.to_string_lossy().into_owned()),
+            "git_revision": crate::provenance::git_rev(),
+        }),
+        prune,
+    };
+    file.check().map_err(Error::Input)?;
+    write_atomically(&a.out, &file)?;
+    report(
+        "lukv curve",
+        "pruned share at ratio 0.5",
+        &file.prune[49],
         t0,
         &a.out,
     );
