@@ -409,6 +409,19 @@ fn kvpress_methods_on_the_real_model() {
     let z = eval("configs/kvzip.toml");
     let pass = z["metrics"]["reconstruction_pass_tokens"].as_f64().unwrap();
     assert!(pass > 384.0 && pass < 400.0, "{pass}");
+    // kvpress's KVzip budget: one ranking over the model gives each layer
+    // its share (a multiple of the 3 heads), the total stays 30 x 3 x 192
+    // prompt rows (plus the 5 decoded tokens of every head).
+    let zk = eval("configs/kvpress/kvzip.toml");
+    let per: Vec<u64> = zk["memory"]["per_layer_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    assert_eq!(per.iter().sum::<u64>(), 30 * 3 * (192 + 5), "{per:?}");
+    assert!(per.iter().any(|&n| n != per[0]), "{per:?}");
+    assert!(zk["metrics"]["kl"].as_f64().unwrap().is_finite());
     // KVCompose's second reading: the 384-token prompt itself, once; its
     // global budget gives the first layer the most (every token here).
     let c = eval("configs/kvpress/kvcompose.toml");

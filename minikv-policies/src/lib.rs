@@ -63,7 +63,7 @@ pub use duo::{DuoAttention, DuoPattern};
 pub use evict::Evict;
 pub use expected_attention::ExpectedAttention;
 pub use kvcompose::{KvCompose, KvComposeScore};
-pub use kvzip::KvZip;
+pub use kvzip::{KvZip, KvZipBudget};
 pub use lagkv::LagKv;
 pub use lukv::{LuKv, LuKvCurve};
 pub use page_mean::PageMean;

@@ -1061,3 +1061,59 @@ fn kvcompose_worked_example() {
         .to_string();
     assert!(e.contains("reconstruction pass"), "{e}");
 }
+
+/// KVzip's model-wide budget by hand (2 layers, 2 KV heads of one query
+/// head each, 3 tokens, mean heavy 1: the model keeps 4). Scores: layer 0
+/// (0.9, 0.8, 0.1) and (0.85, 0.2, 0.1), layer 1 (0.7, 0.1, 0.1) and
+/// (0.05, 0.02, 0.01): the best four are three of layer 0 and one of
+/// layer 1 (kvpress's per-layer counts); per head 1.5 and 0.5, rounded by
+/// largest remainders (a tie: the lower layer) to 2 and 0. With one sink
+/// per head the sinks are the best four: 1 and 1.
+#[test]
+fn kvzip_budget_worked_example() {
+    use minikv_core::budget::SelectionPolicy;
+    use minikv_policies::KvZipBudget;
+    let (l, hq, hkv, t) = (2usize, 2usize, 2usize, 3usize);
+    let s = spec(l, hq, hkv, 1);
+    let r: [Vec<f32>; 2] = [
+        vec![0.9, 0.8, 0.1, 0.85, 0.2, 0.1],
+        vec![0.7, 0.1, 0.1, 0.05, 0.02, 0.01],
+    ];
+    let k = vec![0.0f32; t];
+    let kk: [&[f32]; 2] = [&k, &k];
+    let sigs: Vec<LayerSignals<'_>> = (0..l)
+        .map(|li| LayerSignals {
+            layer: li,
+            reconstruction: Some(&r[li][..]),
+            ..signals(&s, &kk, &kk)
+        })
+        .collect();
+    let req = BudgetRequest {
+        n_layers: l,
+        prompt_len: t,
+        heavy: 1,
+        recent: 0,
+        sinks: 0,
+        layers: &sigs,
+    };
+    let heavy = |p: KvZipBudget| -> Vec<usize> {
+        p.layer_budgets(&req)
+            .unwrap()
+            .iter()
+            .map(|b| b.heavy)
+            .collect()
+    };
+    assert_eq!(heavy(KvZipBudget { n_sink: 0 }), [2, 0]);
+    assert_eq!(heavy(KvZipBudget { n_sink: 1 }), [1, 1]);
+    // The total is conserved: L * heavy.
+    assert_eq!(heavy(KvZipBudget::default()).iter().sum::<usize>(), 2);
+    // Without the pass's scores (no model): a clear error.
+    let e = KvZipBudget::default()
+        .layer_budgets(&BudgetRequest {
+            layers: &[],
+            ..req.clone()
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("kvzip policy"), "{e}");
+}

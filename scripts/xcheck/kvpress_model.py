@@ -82,6 +82,45 @@ def lukv(r):
     return p
 
 
+DUO = os.path.join(ROOT, "configs/patterns/smollm2-135m-instruct-q4_1.duo.json")
+
+
+def duo(r):
+    # kvpress downloads DuoAttention patterns for six 7-8B models: it gets
+    # minikv's SmolLM2 pattern (per layer and KV head, higher = retrieval)
+    # with the sinks and window it was calibrated for; the lowest-scored
+    # half of the heads stream (kvpress's own rule).
+    import numpy as np
+
+    pat = json.load(open(DUO))
+
+    class Press(K.DuoAttentionPress):
+        def post_init_from_model(self, model):
+            self.sink_size, self.recent_size = pat["calibration"]["sinks"], pat["calibration"]["recent"]
+            scores = np.array(pat["scores"], dtype=float)
+            n_pruned = round(scores.size * self.head_compression_ratio)
+            self.streaming_mask = torch.zeros(scores.shape, dtype=bool)
+            idx = np.argsort(scores, axis=None, kind="stable")[:n_pruned]
+            self.streaming_mask[np.unravel_index(idx, scores.shape)] = True
+
+    return Press(head_compression_ratio=0.5)
+
+
+def kvzip(r, layerwise=False):
+    # KVzipPress reads the tokenizer from the model's name and wraps the
+    # reconstruction instructions in its chat template when it has one;
+    # minikv repeats the context with no template (suffix "\n", as kvpress
+    # does for a model without one). kvpress gets the GGUF's tokenizer with
+    # its template removed, so both sides feed the same pass tokens.
+    import kvpress.presses.kvzip_press as kz
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets"), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok.chat_template = None
+    kz.AutoTokenizer.from_pretrained = lambda *a, **k: tok
+    return K.KVzipPress(compression_ratio=r, layerwise=layerwise)
+
+
 # name -> (minikv preset under configs/kvpress, kvpress press for ratio r, note
 #          [, text edits of the preset for this row])
 METHODS = {
@@ -152,6 +191,13 @@ METHODS = {
     "qfilter": ("qfilter", qfilter, "the same filters on both sides (minikv's calibration)"),
     "lukv": ("lukv", lukv, "the same budget curve on both sides (minikv's calibration)"),
     "kvcompose": ("kvcompose", lambda r: K.KVComposePress(compression_ratio=r), ""),
+    "kvzip": ("kvzip", kvzip, "no chat template on either side"),
+    "kvzip-layerwise": (
+        "kvzip",
+        lambda r: kvzip(r, layerwise=True),
+        "kvpress's layerwise = True: every layer keeps 1 - ratio",
+        [('policy = { type = "kvzip" }\n', "")],
+    ),
 }
 # Methods whose budget is not a ratio of the prompt (run once).
 FIXED = {
@@ -172,8 +218,20 @@ FIXED = {
         "every 16 steps to half the rows seen",
         [("every = 512", "every = 16")],
     ),
+    "duo-attention": ("duo-attention", duo, "half the heads stream (4 sinks + 128); the same pattern on both sides (minikv's calibration)"),
+    # SnapKV on the prompt (half removed), key norm while decoding: every 16
+    # steps each head back to 768 rows (the prompt keeps 1024).
+    "prefill-decoding": (
+        "prefill-decoding",
+        lambda r: K.PrefillDecodingPress(
+            prefilling_press=K.SnapKVPress(compression_ratio=0.5, window_size=64, kernel_size=5),
+            decoding_press=K.DecodingPress(base_press=K.KnormPress(), compression_interval=16, target_size=768),
+        ),
+        "SnapKV 0.5 on the prompt, every 16 steps to 768 rows by key norm",
+        [("every = 512, target_tokens = 2048", "every = 16, target_tokens = 768")],
+    ),
 }
-DECODING = {"decoding", "compression-ratio-decoding"}
+DECODING = {"decoding", "compression-ratio-decoding", "prefill-decoding"}
 
 
 def quanto(nbits):
