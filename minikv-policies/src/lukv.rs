@@ -12,7 +12,9 @@
 //! does what kvpress does:
 //! 1. the target ratio is the share of the prompt the layer's budget removes,
 //!    `r = 1 - (sinks + heavy + recent) / T`; the curve row is
-//!    `round(100 r) - 1`, clamped to `0..=98` (`r <= 0` keeps everything);
+//!    `ceil(100 r) - 1`, clamped to `0..=98` (`r <= 0` keeps everything;
+//!    kvpress rounds to the nearest percent, minikv up, so that a curve
+//!    never keeps more than the budget);
 //! 2. head `h` ideally keeps `(1 - prune[h]) · T` tokens; the layer keeps
 //!    `round(Σ_h ideal)` (at least `H`, at most `H·T`), each head the floor of
 //!    its ideal, the remainder one each to the heads with the largest
@@ -122,13 +124,18 @@ impl LuKvCurve {
     }
 }
 
-/// The curve row of target compression ratio `ratio` (kvpress:
-/// `round(100 r) - 1`, clamped to `0..=98`); `None` when nothing is removed.
+/// The curve row of target compression ratio `ratio`: `ceil(100 r) - 1`,
+/// clamped to `0..=98` (the whole percent at or above `r`, so the curve
+/// never keeps more than the budget; kvpress rounds to the nearest, the same
+/// row whenever `r` is a whole percent or its fraction is at least a half);
+/// `None` when nothing is removed.
 pub fn curve_row(ratio: f64) -> Option<usize> {
     if ratio <= 0.0 {
         return None;
     }
-    Some(((ratio * 100.0).round() as i64 - 1).clamp(0, CURVE_ROWS as i64 - 1) as usize)
+    // The tolerance keeps a ratio computed as 1 - k/T on its whole percent.
+    let pct = (ratio * 100.0 - 1e-9).ceil() as i64;
+    Some((pct - 1).clamp(0, CURVE_ROWS as i64 - 1) as usize)
 }
 
 /// Per-head keep counts from one layer's pruned shares and the prompt
@@ -384,13 +391,18 @@ mod tests {
         assert_eq!(head_keep_counts(&[0.55, 0.55, 0.0], 10), vec![5, 4, 10]);
     }
 
+    /// Rows round the removed share up to a whole percent.
     #[test]
-    fn rows_follow_kvpress() {
+    fn rows_round_the_ratio_up() {
         assert_eq!(curve_row(0.0), None);
         assert_eq!(curve_row(0.5), Some(49));
+        assert_eq!(curve_row(1.0 - 1024.0 / 2048.0), Some(49));
+        assert_eq!(curve_row(1.0 - 71.0 / 100.0), Some(28));
         assert_eq!(curve_row(0.004), Some(0));
         assert_eq!(curve_row(0.996), Some(98));
-        assert_eq!(curve_row(0.2549), Some(24));
+        assert_eq!(curve_row(0.2549), Some(25));
+        // The cross-check's budgets (sinks 4 + window 1 + half of 2048).
+        assert_eq!(curve_row(1.0 - 1029.0 / 2048.0), Some(49));
     }
 
     /// By hand: head A's utility is concave (slopes 4, 2, 1, 0.5), head B's
