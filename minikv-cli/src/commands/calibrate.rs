@@ -7,14 +7,8 @@ use minikv_core::{Error, Result, RunConfig};
 /// `minikv calibrate duo`: measures the DuoAttention head pattern of a model
 /// on seeded passkey prompts and writes it (atomically) as JSON.
 pub fn calibrate_duo(a: &crate::DuoArgs) -> Result<()> {
-    let l = load_model(&a.model)?;
+    let l = load_model_for(&a.model, a.context)?;
     let m = l.model.as_ref();
-    if a.context > m.spec().max_seq_len {
-        return Err(Error::ContextOverflow {
-            len: a.context,
-            max: m.spec().max_seq_len,
-        });
-    }
     if a.sinks + a.recent >= a.context {
         return Err(Error::Input(format!(
             "calibrate duo: --sinks {} + --recent {} leave no token of the {}-token context outside them: nothing to measure (make --context larger)",
@@ -40,10 +34,7 @@ pub fn calibrate_duo(a: &crate::DuoArgs) -> Result<()> {
         minikv_eval::duo::calibrate_duo(m, &l.tok, &haystack, cal, || build_cache(m, &full))?;
     let pattern = minikv_policies::DuoPattern {
         format: minikv_policies::DuoPattern::FORMAT.into(),
-        model: l
-            .path
-            .file_name()
-            .map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
+        model: model_file_name(&l),
         model_sha256: l.sha256()?,
         calibration: serde_json::json!({
             "task": "passkey",
@@ -106,39 +97,22 @@ fn report(
 /// of the model's post-RoPE queries over consecutive text chunks, written
 /// (atomically) as a JSON filter file for the `q_filter` scorer.
 pub fn calibrate_qfilters(a: &crate::QFilterArgs) -> Result<()> {
-    let l = load_model(&a.model)?;
+    let l = load_model_for(&a.model, a.context)?;
     let m = l.model.as_ref();
-    if a.context > m.spec().max_seq_len {
-        return Err(Error::ContextOverflow {
-            len: a.context,
-            max: m.spec().max_seq_len,
-        });
-    }
-    let text_path = a.text.clone().unwrap_or_else(default_text);
-    let ids = l.tok.encode(&read_text(&text_path)?)?;
-    if ids.len() < a.context * a.chunks {
-        return Err(Error::Input(format!(
-            "calibrate qfilters: {} holds {} tokens, fewer than --chunks {} x --context {} (use a longer text or fewer chunks)",
-            text_path.display(),
-            ids.len(),
-            a.chunks,
-            a.context
-        )));
-    }
-    let chunks: Vec<Vec<u32>> = ids
-        .chunks_exact(a.context)
-        .take(a.chunks)
-        .map(<[u32]>::to_vec)
-        .collect();
+    let (text_path, chunks) = text_chunks(
+        &l,
+        a.text.as_ref(),
+        a.context,
+        a.chunks,
+        "calibrate qfilters",
+        &format!("--chunks {} x --context {}", a.chunks, a.context),
+    )?;
     let t0 = std::time::Instant::now();
     let full = RunConfig::default();
     let per = minikv_eval::qfilters::calibrate_qfilters(m, &chunks, || build_cache(m, &full))?;
     let file = minikv_policies::QFilterFile {
         format: minikv_policies::QFilterFile::FORMAT.into(),
-        model: l
-            .path
-            .file_name()
-            .map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
+        model: model_file_name(&l),
         model_sha256: l.sha256()?,
         calibration: serde_json::json!({
             "statistic": "first right singular vector of the post-RoPE queries of the query heads of each KV head, stacked (uncentered), signed so that they project positively; score = <k, u>",
@@ -171,15 +145,9 @@ pub fn calibrate_qfilters(a: &crate::QFilterArgs) -> Result<()> {
 /// consecutive text chunks, the LU-KV budget split solved from them, written
 /// (atomically) as a JSON curve file for the `lukv` selector.
 pub fn calibrate_lukv(a: &crate::LuKvArgs) -> Result<()> {
-    let l = load_model(&a.model)?;
-    let m = l.model.as_ref();
     let span = a.context + a.future;
-    if span > m.spec().max_seq_len {
-        return Err(Error::ContextOverflow {
-            len: span,
-            max: m.spec().max_seq_len,
-        });
-    }
+    let l = load_model_for(&a.model, span)?;
+    let m = l.model.as_ref();
     // The config's scorer and cache settings; the selector is replaced by
     // the tap, so a config naming a curve not made yet still serves.
     let text = read_text(&a.config)?;
@@ -204,23 +172,17 @@ pub fn calibrate_lukv(a: &crate::LuKvArgs) -> Result<()> {
     cfg.cache.quant = None;
     cfg.resolve()?;
     cfg.validate(Some(&m.spec()))?;
-    let text_path = a.text.clone().unwrap_or_else(default_text);
-    let ids = l.tok.encode(&read_text(&text_path)?)?;
-    if ids.len() < span * a.chunks {
-        return Err(Error::Input(format!(
-            "calibrate lukv: {} holds {} tokens, fewer than --chunks {} x (--context {} + --future {}) (use a longer text or fewer chunks)",
-            text_path.display(),
-            ids.len(),
-            a.chunks,
-            a.context,
-            a.future
-        )));
-    }
-    let chunks: Vec<Vec<u32>> = ids
-        .chunks_exact(span)
-        .take(a.chunks)
-        .map(<[u32]>::to_vec)
-        .collect();
+    let (text_path, chunks) = text_chunks(
+        &l,
+        a.text.as_ref(),
+        span,
+        a.chunks,
+        "calibrate lukv",
+        &format!(
+            "--chunks {} x (--context {} + --future {})",
+            a.chunks, a.context, a.future
+        ),
+    )?;
     let t0 = std::time::Instant::now();
     let full = RunConfig::default();
     let util = minikv_eval::lukv::utility_curves(
@@ -236,10 +198,7 @@ pub fn calibrate_lukv(a: &crate::LuKvArgs) -> Result<()> {
     let prune = minikv_policies::lukv::solve_budget_curve(&util, a.context)?;
     let file = minikv_policies::LuKvCurve {
         format: minikv_policies::LuKvCurve::FORMAT.into(),
-        model: l
-            .path
-            .file_name()
-            .map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
+        model: model_file_name(&l),
         model_sha256: l.sha256()?,
         scorer: scorer_json,
         calibration: serde_json::json!({
@@ -265,4 +224,49 @@ pub fn calibrate_lukv(a: &crate::LuKvArgs) -> Result<()> {
         &a.out,
     );
     Ok(())
+}
+
+/// The model after the check that `len` tokens fit its context.
+fn load_model_for(model: &crate::ModelArg, len: usize) -> Result<Loaded> {
+    let l = load_model(model)?;
+    let max = l.model.spec().max_seq_len;
+    if len > max {
+        return Err(Error::ContextOverflow { len, max });
+    }
+    Ok(l)
+}
+
+/// The model's file name, as the calibration files record it.
+fn model_file_name(l: &Loaded) -> String {
+    l.path
+        .file_name()
+        .map_or_else(String::new, |f| f.to_string_lossy().into_owned())
+}
+
+/// The calibration text (`text`, else the fetched essays) cut into its
+/// first `chunks` consecutive `span`-token pieces; a text too short is an
+/// error of command `who` that names what was `asked`.
+fn text_chunks(
+    l: &Loaded,
+    text: Option<&std::path::PathBuf>,
+    span: usize,
+    chunks: usize,
+    who: &str,
+    asked: &str,
+) -> Result<(std::path::PathBuf, Vec<Vec<u32>>)> {
+    let path = text.cloned().unwrap_or_else(default_text);
+    let ids = l.tok.encode(&read_text(&path)?)?;
+    if ids.len() < span * chunks {
+        return Err(Error::Input(format!(
+            "{who}: {} holds {} tokens, fewer than {asked} (use a longer text or fewer chunks)",
+            path.display(),
+            ids.len(),
+        )));
+    }
+    let pieces = ids
+        .chunks_exact(span)
+        .take(chunks)
+        .map(<[u32]>::to_vec)
+        .collect();
+    Ok((path, pieces))
 }
