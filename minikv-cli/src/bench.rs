@@ -1,6 +1,7 @@
 //! `minikv bench attention`: decode attention per token, full fp16 vs fused low-bit.
 
 use clap::Args;
+use clap::builder::TypedValueParser;
 use minikv_core::attention::{AttentionBackend, DecodeArgs, HeadView};
 use minikv_core::storage::FpStore;
 use minikv_core::{Axis, Error, QuantStore, Result};
@@ -31,6 +32,13 @@ pub struct AttentionArgs {
     /// Minimum measuring time per variant, seconds in (0, 3600].
     #[arg(long, default_value_t = 1.0, value_parser = crate::args::seconds, allow_negative_numbers = true)]
     pub seconds: f64,
+    /// Code widths of the fused rows (the fp16 row always runs: it is the
+    /// baseline of the ratios).
+    #[arg(long, value_delimiter = ',', default_values_t = [2u32, 4], value_parser = clap::builder::PossibleValuesParser::new(["2", "4"]).map(|s| s.parse::<u32>().expect("2 or 4")))]
+    pub bits: Vec<u32>,
+    /// Arithmetic of the fused rows: `exact`, `int8` or both.
+    #[arg(long, value_delimiter = ',', default_values_t = ["exact".to_string(), "int8".to_string()], value_parser = ["exact", "int8"])]
+    pub arithmetic: Vec<String>,
     /// JSON output.
     #[arg(long)]
     pub json: bool,
@@ -209,8 +217,11 @@ pub fn attention(a: &AttentionArgs) -> Result<()> {
     let mut rows = vec![
         json!({"cache": "fp16", "seconds_per_token": tf, "bytes_read_per_token": full.bytes(), "speedup_vs_fp16": 1.0}),
     ];
-    for b in [2u32, 4] {
+    for &b in &a.bits {
         for (ar, an) in [(Arithmetic::Exact, "exact"), (Arithmetic::Int8, "int8")] {
+            if !a.arithmetic.iter().any(|x| x == an) {
+                continue;
+            }
             let h = match build(a, be.as_ref(), Some(b), ar) {
                 Ok(h) => h,
                 // A backend without integer kernels (CUDA) refuses int8:

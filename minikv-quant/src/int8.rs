@@ -2,20 +2,26 @@
 //! §1, "Integer products"): the query and the attention weights are rounded to 8 bits and
 //! multiplied with the stored codes in integers.
 //!
-//! * Keys (per channel): per head and key group `qs_c = q_c * scale_c`,
-//!   `sigma = max |qs| / 127`, `q8_c = round(qs_c / sigma)`; a token's score is
-//!   `sigma * sum_c q8_c * code_c + q . min` (the min term stays f32).
+//! * Keys (per channel): one rounding step per head and segment of
+//!   [`SEG_TOKENS`] tokens, `sigma = max |q_c * scale_gc| / 127` over the
+//!   segment's key groups `g` and channels (computed as `max_c |q_c| *
+//!   max_g scale_gc`, the same number), `qi_c = q_c * (127 / max)`; per key
+//!   group `q8_c = round(qi_c * scale_gc)`, and a token's score is
+//!   `sigma * sum_c q8_c * code_c + q . min_g` (the min term stays f32).
 //! * Values (per token): per head, channel group and block of [`TB`] tokens
 //!   `a_t = p_t * scale_t`, `tau = max a / 255`, `a8_t = round(a_t / tau)`;
 //!   `out_c += sum_blocks tau * sum_t a8_t * code_tc + sum_t p_t * min_t`.
 //!
 //! Integer sums are exact, so every kernel (the portable loops here, AVX2
-//! `vpmaddubsw`, AVX-VNNI and AVX-512 VNNI `vpdpbusd` in `x86_int8`) gives
-//! bitwise the same result: the float steps around them are shared or done
-//! with the same single-rounding operations in the same order.
+//! `vpmaddubsw`, AVX-VNNI and AVX-512 VNNI `vpdpbusd` on 256 bits in
+//! `x86_int8`, the 512-bit AVX-512 VNNI + VBMI kernels in `x86_int8_512`)
+//! gives bitwise the same result: the float steps around them are shared or
+//! done with the same single-rounding operations in the same order. The two
+//! float sums (`q . min` per head and key group, `p . min` per head, value
+//! group and segment) run in [`LANES`] lanes ([`dot16`]), the order a
+//! 512-bit register accumulates in.
 
 use crate::store::{MAX_D, MAX_G, MinMaxStore};
-use minikv_core::simd;
 use std::cell::RefCell;
 use std::thread::LocalKey;
 
@@ -55,6 +61,10 @@ pub(crate) enum Isa {
     /// AVX-512 VNNI `vpdpbusd` on 256-bit vectors (32 registers).
     #[cfg(target_arch = "x86_64")]
     Avx512Vnni,
+    /// AVX-512 VNNI and VBMI on 512-bit vectors: the query and the weights
+    /// rounded in registers, one byte permute per four value rows.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 impl Isa {
@@ -79,6 +89,9 @@ impl Isa {
                     && std::is_x86_feature_detected!("avx512vl")
                 {
                     v.push(Isa::Avx512Vnni);
+                    if crate::x86_int8_512::detected() {
+                        v.push(Isa::Avx512);
+                    }
                 }
             }
         }
@@ -91,6 +104,37 @@ thread_local! {
     static OUTER: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// Rounded weights of one segment.
     static INNER: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Lanes of the float sums next to the integer products (see the module doc).
+pub(crate) const LANES: usize = 16;
+
+/// Adds [`LANES`] partial sums as the kernels do: lane `l` and `l + 8`, then
+/// `l + 4`, then `l + 2`, then the last two.
+#[inline]
+pub(crate) fn tree16(a: &[f32; LANES]) -> f32 {
+    let s8: [f32; 8] = std::array::from_fn(|l| a[l] + a[l + 8]);
+    let s4: [f32; 4] = std::array::from_fn(|l| s8[l] + s8[l + 4]);
+    (s4[0] + s4[2]) + (s4[1] + s4[3])
+}
+
+/// `sum_i a_i b_i` in [`LANES`] lanes: element `i` goes to lane `i % 16` with
+/// a fused multiply-add (always fused, as the vector kernels), in order; the
+/// lanes are added by [`tree16`].
+pub(crate) fn dot16(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb) = (a[..n].chunks_exact(LANES), b[..n].chunks_exact(LANES));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
+        acc[l] = x.mul_add(*y, acc[l]);
+    }
+    tree16(&acc)
 }
 
 /// Takes a thread-local scratch buffer out for one call (a nested call on
@@ -109,12 +153,6 @@ fn give_back<T>(key: &'static LocalKey<RefCell<Vec<T>>>, v: Vec<T>) {
     });
 }
 
-/// The rounding step of a row `qs` to `q8`: `(step, 1 / step)`, `(0, 0)` for
-/// a zero row.
-fn query_step(qs: &[f32]) -> (f32, f32) {
-    steps(qs.iter().fold(0.0f32, |a, x| a.max(x.abs())), 127.0)
-}
-
 /// The rounding step of values up to `amax` onto `0 ..= levels` and its
 /// inverse: `(amax * (1 / levels), levels / amax)`, `(0, 0)` for `amax = 0`.
 #[inline]
@@ -126,14 +164,28 @@ pub(crate) fn steps(amax: f32, levels: f32) -> (f32, f32) {
     }
 }
 
-/// Rounds `qs` to `q8` with one step for the row; returns the step (0 for a
-/// zero row, whose codes are then all 0).
-fn round_query(qs: &[f32], q8: &mut [i8]) -> f32 {
-    let (step, inv) = query_step(qs);
-    for (o, x) in q8.iter_mut().zip(qs) {
-        *o = (x * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+/// One segment's query rounding of head `q` (see the module doc): `smax`
+/// the largest scale of each channel over the segment's groups; fills `qi`
+/// and returns the step `sigma` (0 for a zero query, whose codes are then all
+/// 0).
+pub(crate) fn segment_query(q: &[f32], smax: &[f32], qi: &mut [f32]) -> f32 {
+    let amax = q
+        .iter()
+        .zip(smax)
+        .fold(0.0f32, |m, (x, s)| m.max(x.abs() * s));
+    let (step, inv) = steps(amax, 127.0);
+    for (o, x) in qi.iter_mut().zip(q) {
+        *o = x * inv;
     }
     step
+}
+
+/// One key group's query bytes: `q8_c = round(qi_c * scale_c)`, half to even,
+/// within +-127.
+fn round_query(qi: &[f32], sc: &[f32], q8: &mut [i8]) {
+    for ((o, x), s) in q8.iter_mut().zip(qi).zip(sc) {
+        *o = (x * s).round_ties_even().clamp(-127.0, 127.0) as i8;
+    }
 }
 
 /// Portable scores of one key block (`d` words, one per channel):
@@ -235,36 +287,50 @@ impl MinMaxStore {
         let (d, grp, bits) = (self.d, self.q.group, self.q.bits);
         let p = 32 / bits as usize;
         #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 && crate::x86_int8_512::keys_ok(self, g) {
+            // SAFETY: as this function's contract.
+            unsafe { crate::x86_int8_512::keys(self, q, g, out, stride, g0, g1) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         let simd = crate::x86_int8::keys_ok(isa, self, g);
         #[cfg(not(target_arch = "x86_64"))]
         let simd = false;
         let mut sc = [0.0f32; MAX_D];
         let mut mn = [0.0f32; MAX_D];
-        let mut qs = [0.0f32; MAX_D];
         let mut q8 = [[0i8; MAX_D]; MAX_G];
         let mut qx = [0i32; MAX_G * MAX_D];
         let mut sig = [0.0f32; MAX_G];
         let mut bias = [0.0f32; MAX_G];
+        // The segment's rounding step per head.
+        let mut smax = [0.0f32; MAX_D];
+        for gi in g0..g1 {
+            self.scale[0].read(gi * d, &mut sc[..d]);
+            for (m, s) in smax[..d].iter_mut().zip(&sc[..d]) {
+                *m = m.max(*s);
+            }
+        }
+        let mut qi = [0.0f32; MAX_G * MAX_D];
+        for j in 0..g {
+            sig[j] = segment_query(
+                &q[j * d..(j + 1) * d],
+                &smax[..d],
+                &mut qi[j * d..(j + 1) * d],
+            );
+        }
         for gi in g0..g1 {
             self.scale[0].read(gi * d, &mut sc[..d]);
             self.min[0].read(gi * d, &mut mn[..d]);
             for j in 0..g {
                 let qj = &q[j * d..(j + 1) * d];
+                let qij = &qi[j * d..(j + 1) * d];
+                bias[j] = dot16(qj, &mn[..d]);
                 #[cfg(target_arch = "x86_64")]
                 if simd {
-                    (sig[j], bias[j]) = crate::x86_int8::query_group(
-                        qj,
-                        &sc[..d],
-                        &mn[..d],
-                        &mut qx[j * d..(j + 1) * d],
-                    );
+                    crate::x86_int8::query_group(qij, &sc[..d], &mut qx[j * d..(j + 1) * d]);
                     continue;
                 }
-                for c in 0..d {
-                    qs[c] = qj[c] * sc[c];
-                }
-                bias[j] = simd::dot(qj, &mn[..d]);
-                sig[j] = round_query(&qs[..d], &mut q8[j][..d]);
+                round_query(qij, &sc[..d], &mut q8[j][..d]);
             }
             for k in (gi * grp / p)..((gi + 1) * grp / p) {
                 let words = &self.words[k * d..(k + 1) * d];
@@ -305,8 +371,9 @@ impl MinMaxStore {
 
     /// Per-token value accumulation with integer products (see the module
     /// doc). Long heads are cut into segments of [`SEG_TOKENS`] run in
-    /// parallel, each with its own accumulator, added in segment order (the
-    /// cut is fixed, so the result does not depend on the thread count).
+    /// parallel, each with its own accumulators (the integer parts and the
+    /// `p . min` sums), added in segment order (the cut is fixed, so the
+    /// result does not depend on the thread count).
     pub(crate) fn accumulate_int8(
         &self,
         isa: Isa,
@@ -321,61 +388,78 @@ impl MinMaxStore {
         }
         let (d, grp) = (self.d, self.q.group);
         let gpt = d / grp;
+        assert!(p.len() >= (g - 1) * stride + n && out.len() >= g * d);
         let nseg = n.div_ceil(SEG_TOKENS);
         #[cfg(target_arch = "x86_64")]
-        let simd = crate::x86_int8::values_ok(isa, self, g);
+        let wide = isa == Isa::Avx512 && crate::x86_int8_512::values_ok(self, g);
+        #[cfg(not(target_arch = "x86_64"))]
+        let wide = false;
+        #[cfg(target_arch = "x86_64")]
+        let simd = !wide && crate::x86_int8::values_ok(isa, self, g);
         #[cfg(not(target_arch = "x86_64"))]
         let simd = false;
         let mut fb = take(&OUTER);
-        let need = gpt * n + g * gpt + nseg * g * d;
+        // The narrower kernels read scales and minimums widened to f32.
+        let nsv = if wide { 0 } else { 2 * gpt * n };
+        let part = g * (d + gpt);
+        let need = nsv + nseg * part;
         if fb.len() < need {
             fb.resize(need, 0.0);
         }
-        let (sv, rest) = fb.split_at_mut(gpt * n);
-        let (macc, facc) = rest.split_at_mut(g * gpt);
-        let facc = &mut facc[..nseg * g * d];
-        facc.fill(0.0);
-        for gi in 0..gpt {
-            let s = &mut sv[gi * n..(gi + 1) * n];
-            self.min[gi].read(0, s);
-            for j in 0..g {
-                macc[j * gpt + gi] = simd::dot(&p[j * stride..j * stride + n], s);
-            }
-            self.scale[gi].read(0, s);
+        let (sv, acc) = fb.split_at_mut(nsv);
+        for gi in 0..gpt.min(nsv) {
+            self.scale[gi].read(0, &mut sv[gi * n..(gi + 1) * n]);
+            self.min[gi].read(0, &mut sv[(gpt + gi) * n..(gpt + gi + 1) * n]);
         }
+        let acc = &mut acc[..nseg * part];
+        acc.fill(0.0);
         let sv = &*sv;
         let seg = |s: usize, f: &mut [f32]| {
             let (a, b) = (s * SEG_TOKENS, ((s + 1) * SEG_TOKENS).min(n));
-            self.values_segment(isa, simd, p, g, stride, sv, a, b, f);
+            let (facc, msum) = f.split_at_mut(g * d);
+            #[cfg(target_arch = "x86_64")]
+            if wide {
+                crate::x86_int8_512::values(self, p, g, stride, a, b, facc, msum);
+                return;
+            }
+            self.values_segment(isa, simd, p, g, stride, sv, a, b, facc);
+            for j in 0..g {
+                let pj = &p[j * stride + a..j * stride + b];
+                for gi in 0..gpt {
+                    msum[j * gpt + gi] = dot16(pj, &sv[(gpt + gi) * n + a..(gpt + gi) * n + b]);
+                }
+            }
         };
         if nseg == 1 {
-            seg(0, facc);
+            seg(0, acc);
         } else {
             use rayon::prelude::*;
-            facc.par_chunks_mut(g * d)
+            acc.par_chunks_mut(part)
                 .enumerate()
                 .for_each(|(s, f)| seg(s, f));
-            let (first, rest) = facc.split_at_mut(g * d);
-            for part in rest.chunks(g * d) {
-                for (x, y) in first.iter_mut().zip(part) {
+            let (first, rest) = acc.split_at_mut(part);
+            for other in rest.chunks(part) {
+                for (x, y) in first.iter_mut().zip(other) {
                     *x += y;
                 }
             }
         }
-        let facc = &mut facc[..g * d];
+        let (facc, msum) = acc[..part].split_at_mut(g * d);
         #[cfg(target_arch = "x86_64")]
-        if simd {
+        if wide {
+            crate::x86_int8_512::unpermute(self, g, facc);
+        } else if simd {
             crate::x86_int8::unpermute(self, g, facc);
         }
         for j in 0..g {
             for c in 0..d {
-                out[j * d + c] += facc[j * d + c] + macc[j * gpt + c / grp];
+                out[j * d + c] += facc[j * d + c] + msum[j * gpt + c / grp];
             }
         }
         give_back(&OUTER, fb);
     }
 
-    /// Value sums of tokens `a .. b` (`sv`: the scales, `[group][token]`)
+    /// Integer value sums of tokens `a .. b` (`sv`: the scales, `[group][token]`)
     /// into `facc` (zeroed, permuted when `simd`).
     #[allow(clippy::too_many_arguments)]
     fn values_segment(

@@ -6,12 +6,24 @@ use minikv_core::{Axis, QuantStore};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
 fn store(axis: Axis, bits: u32, group: usize, d: usize, n: usize, seed: u64) -> MinMaxStore {
+    store_as(axis, bits, group, d, n, seed, ScaleDtype::F16)
+}
+
+fn store_as(
+    axis: Axis,
+    bits: u32,
+    group: usize,
+    d: usize,
+    n: usize,
+    seed: u64,
+    scale_dtype: ScaleDtype,
+) -> MinMaxStore {
     let mut rng = StdRng::seed_from_u64(seed);
     let q = MinMax {
         bits,
         group,
         axis,
-        scale_dtype: ScaleDtype::F16,
+        scale_dtype,
         arithmetic: Arithmetic::Int8,
     };
     let mut st = MinMaxStore::new(q, d, 64);
@@ -41,14 +53,25 @@ fn key_kernels_agree_bitwise_and_within_bound() {
         (2, 16, 24, 32, 5),
         (2, 16, 64, 32, 16),
         (2, 16, 64, 2 * SEG_TOKENS + 160, 3),
+        (2, 16, 256, 64, 4),
+        (4, 16, 256, 48, 8),
+        (2, 32, 512, 64, 2),
+        (4, 8, 48, 40, 6),
     ] {
-        let st = store(
+        // The 512-bit kernels read f16 or f32 scales: both, on a share of shapes.
+        let dtype = if n % 3 == 0 {
+            ScaleDtype::F32
+        } else {
+            ScaleDtype::F16
+        };
+        let st = store_as(
             Axis::Channel,
             bits,
             group,
             d,
             n,
             bits as u64 * 31 + d as u64,
+            dtype,
         );
         let q: Vec<f32> = (0..g * d).map(|_| rng.random_range(-2.0f32..2.0)).collect();
         let stride = n + 3;
@@ -100,8 +123,28 @@ fn value_kernels_agree_bitwise_and_within_bound() {
         (2, 16, 64, 50, 5),
         (2, 16, 64, 2 * SEG_TOKENS + 77, 3),
         (4, 16, 64, SEG_TOKENS + 32, 2),
+        (2, 16, 256, 45, 8),
+        (4, 16, 256, 71, 4),
+        (4, 8, 64, 33, 3),
+        (2, 32, 128, 19, 2),
+        (2, 16, 512, 35, 3),
+        (4, 16, 64, 15, 1),
+        (2, 64, 64, 96, 6),
     ] {
-        let st = store(Axis::Token, bits, group, d, n, bits as u64 * 17 + n as u64);
+        let dtype = if n % 3 == 0 {
+            ScaleDtype::F32
+        } else {
+            ScaleDtype::F16
+        };
+        let st = store_as(
+            Axis::Token,
+            bits,
+            group,
+            d,
+            n,
+            bits as u64 * 17 + n as u64,
+            dtype,
+        );
         let stride = n + 2;
         let mut p = vec![0.0f32; g * stride];
         for j in 0..g {
@@ -141,6 +184,29 @@ fn value_kernels_agree_bitwise_and_within_bound() {
     }
 }
 
+/// On a CPU with AVX-512 VNNI and VBMI the 512-bit kernels are among those
+/// compared (and the shapes above reach them and the fallbacks).
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn the_512_bit_kernels_are_compared_where_the_cpu_has_them() {
+    assert_eq!(
+        Isa::available().contains(&Isa::Avx512),
+        crate::x86_int8_512::detected()
+    );
+    let keys = store(Axis::Channel, 2, 16, 64, 32, 1);
+    assert!(crate::x86_int8_512::keys_ok(&keys, 3));
+    assert!(!crate::x86_int8_512::keys_ok(
+        &store(Axis::Channel, 2, 16, 512, 32, 1),
+        3
+    ));
+    let values = store(Axis::Token, 2, 16, 64, 32, 1);
+    assert!(crate::x86_int8_512::values_ok(&values, 3));
+    assert!(!crate::x86_int8_512::values_ok(
+        &store(Axis::Token, 2, 16, 512, 32, 1),
+        3
+    ));
+}
+
 #[test]
 fn int8_is_taken_only_where_it_applies() {
     let st = store(Axis::Channel, 2, 16, 64, 32, 1);
@@ -153,10 +219,14 @@ fn int8_is_taken_only_where_it_applies() {
 
 #[test]
 fn query_rounding_is_symmetric_and_bounded() {
-    let mut q8 = [0i8; 4];
-    let s = round_query(&[1.0, -0.5, 0.25, -1.0], &mut q8);
-    assert_eq!(q8, [127, -64, 32, -127]); // -63.5 and 31.75 round to even/nearest
+    // The step comes from the largest |q_c| * max scale_c: here 2 * 0.5.
+    let mut qi = [0.0f32; 4];
+    let s = segment_query(&[1.0, -0.5, 0.25, -2.0], &[1.0, 1.0, 1.0, 0.5], &mut qi);
     assert_eq!(s, 1.0 / 127.0);
-    assert_eq!(round_query(&[0.0; 4], &mut q8), 0.0);
+    let mut q8 = [0i8; 4];
+    round_query(&qi, &[1.0, 1.0, 1.0, 0.5], &mut q8);
+    assert_eq!(q8, [127, -64, 32, -127]); // -63.5 and 31.75 round to even/nearest
+    assert_eq!(segment_query(&[0.0; 4], &[1.0; 4], &mut qi), 0.0);
+    round_query(&qi, &[1.0; 4], &mut q8);
     assert_eq!(q8, [0; 4]);
 }

@@ -41,6 +41,8 @@ mod store;
 mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_int8;
+#[cfg(target_arch = "x86_64")]
+mod x86_int8_512;
 
 pub use residual::KiviResidual;
 pub use store::MinMaxStore;

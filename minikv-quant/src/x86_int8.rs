@@ -245,7 +245,8 @@ macro_rules! dispatch {
         match $isa {
             Isa::Avx2 => cpb!(avx2),
             Isa::AvxVnni => cpb!(avxvnni),
-            Isa::Avx512Vnni => cpb!(avx512vnni),
+            // Shapes the 512-bit kernels do not take run the 256-bit ones.
+            Isa::Avx512Vnni | Isa::Avx512 => cpb!(avx512vnni),
             Isa::Portable => false,
         }
     }};
@@ -260,58 +261,34 @@ pub(crate) fn keys_ok(isa: Isa, st: &MinMaxStore, g: usize) -> bool {
     isa != Isa::Portable && supported_g(g) && st.d.is_multiple_of(8)
 }
 
-/// One head's query for one key group, as the key kernels read it: `qs =
-/// q * scale`, the step `sig = max |qs| / 127`, `qx` (for channels
-/// `8m .. 8m + 8`: the bytes of `round(qs / sig)` for channels `8m .. 8m + 4`
-/// four times, then those of `8m + 4 .. 8m + 8` four times) and
-/// `bias = q . min` exactly as `minikv_core::simd::dot` computes it.
-/// Returns `(sig, bias)`; the same numbers as the portable loops.
-pub(crate) fn query_group(q: &[f32], sc: &[f32], mn: &[f32], qx: &mut [i32]) -> (f32, f32) {
-    let d = q.len();
+/// One head's query bytes for one key group, as the key kernels read them:
+/// `round(qi * sc)` (see `crate::int8`), for channels `8m .. 8m + 8` the
+/// bytes of channels `8m .. 8m + 4` four times, then those of `8m + 4 .. 8m +
+/// 8` four times; the same numbers as the portable loops.
+pub(crate) fn query_group(qi: &[f32], sc: &[f32], qx: &mut [i32]) {
+    let d = qi.len();
     assert!(d.is_multiple_of(8) && d <= crate::store::MAX_D);
-    assert!(sc.len() == d && mn.len() == d && qx.len() == d);
+    assert!(sc.len() == d && qx.len() == d);
     // SAFETY: the key kernels run only where AVX2 and FMA were detected
     // (`keys_ok`); the lengths are asserted above.
-    unsafe { query_group_avx2(q, sc, mn, qx) }
+    unsafe { query_group_avx2(qi, sc, qx) }
 }
 
 #[target_feature(enable = "avx2,fma")]
-unsafe fn query_group_avx2(q: &[f32], sc: &[f32], mn: &[f32], qx: &mut [i32]) -> (f32, f32) {
+unsafe fn query_group_avx2(qi: &[f32], sc: &[f32], qx: &mut [i32]) {
     // SAFETY: as `query_group`.
     unsafe {
-        let d = q.len();
-        let mut amax = _mm256_setzero_ps();
-        let mut bacc = _mm256_setzero_ps();
-        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
-        for m in 0..d / 8 {
-            let qv = _mm256_loadu_ps(q.as_ptr().add(8 * m));
-            let qs = _mm256_mul_ps(qv, _mm256_loadu_ps(sc.as_ptr().add(8 * m)));
-            amax = _mm256_max_ps(amax, _mm256_and_ps(qs, abs));
-            bacc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(mn.as_ptr().add(8 * m)), bacc);
-        }
-        // `simd::dot`'s reduction: (l0 + l4) + (l1 + l5) + ((l2 + l6) + (l3 + l7)).
-        let v = _mm_add_ps(
-            _mm256_castps256_ps128(bacc),
-            _mm256_extractf128_ps::<1>(bacc),
-        );
-        let t = _mm_add_ps(v, _mm_shuffle_ps::<0b10_11_00_01>(v, v));
-        let bias = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehl_ps(t, t)));
-        let amax = hmax(amax);
-        let (sig, inv) = crate::int8::steps(amax, 127.0);
-        let iv = _mm256_set1_ps(inv);
-        for m in 0..d / 8 {
+        for m in 0..qi.len() / 8 {
             // Round half to even (the default MXCSR mode), as the portable
             // loop; |x| <= 127 so the saturating packs change nothing.
-            let qs = _mm256_mul_ps(
-                _mm256_loadu_ps(q.as_ptr().add(8 * m)),
+            let x = _mm256_cvtps_epi32(_mm256_mul_ps(
+                _mm256_loadu_ps(qi.as_ptr().add(8 * m)),
                 _mm256_loadu_ps(sc.as_ptr().add(8 * m)),
-            );
-            let x = _mm256_cvtps_epi32(_mm256_mul_ps(qs, iv));
+            ));
             let w = _mm256_packs_epi32(x, x);
             let b = _mm256_packs_epi16(w, w);
             _mm256_storeu_si256(qx.as_mut_ptr().add(8 * m) as *mut __m256i, b);
         }
-        (sig, bias)
     }
 }
 
