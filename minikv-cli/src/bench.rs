@@ -32,6 +32,12 @@ pub struct AttentionArgs {
     /// Minimum measuring time per variant, seconds in (0, 3600].
     #[arg(long, default_value_t = 1.0, value_parser = crate::args::seconds, allow_negative_numbers = true)]
     pub seconds: f64,
+    /// Layers: each timed step decodes this many layers' caches in turn
+    /// (distinct data), as a model's decode step does; times are per layer.
+    /// With 1 (the default) a cache of a few MB stays in the last-level
+    /// cache between steps, which a model's 30 layers do not.
+    #[arg(long, default_value_t = 1, value_parser = crate::args::layers)]
+    pub layers: usize,
     /// Code widths of the fused rows (the fp16 row always runs: it is the
     /// baseline of the ratios).
     #[arg(long, value_delimiter = ',', default_values_t = [2u32, 4], value_parser = clap::builder::PossibleValuesParser::new(["2", "4"]).map(|s| s.parse::<u32>().expect("2 or 4")))]
@@ -92,11 +98,24 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
+/// One [`Heads`] per layer (`--layers`), with distinct data.
 fn build(
     a: &AttentionArgs,
     be: &dyn AttentionBackend,
     bits: Option<u32>,
     arithmetic: Arithmetic,
+) -> Result<Vec<Heads>> {
+    (0..a.layers)
+        .map(|l| build_layer(a, be, bits, arithmetic, 1000 * l as u32))
+        .collect()
+}
+
+fn build_layer(
+    a: &AttentionArgs,
+    be: &dyn AttentionBackend,
+    bits: Option<u32>,
+    arithmetic: Arithmetic,
+    seed: u32,
 ) -> Result<Heads> {
     let (t, d) = (a.tokens, a.head_dim);
     let st = be.storage();
@@ -107,8 +126,8 @@ fn build(
         fv: vec![],
     };
     for s in 0..a.kv_heads {
-        let k = data(t * d, 17 + s as u32);
-        let v = data(t * d, 91 + s as u32);
+        let k = data(t * d, seed + 17 + s as u32);
+        let v = data(t * d, seed + 91 + s as u32);
         let mut fk = st.fp_store(d, 256);
         let mut fv = st.fp_store(d, 256);
         match bits {
@@ -161,18 +180,22 @@ fn build(
     Ok(h)
 }
 
-fn time(a: &AttentionArgs, be: &dyn AttentionBackend, h: &Heads) -> Result<f64> {
+/// Median seconds of one step per layer.
+fn time(a: &AttentionArgs, be: &dyn AttentionBackend, layers: &[Heads]) -> Result<f64> {
     let q = data(a.q_heads * a.head_dim, 5);
     let mut out = vec![0.0f32; q.len()];
-    let views = h.views();
+    let views: Vec<Vec<HeadView<'_>>> = layers.iter().map(|h| h.views()).collect();
     let mut step = || {
-        be.decode(DecodeArgs {
-            q: &q,
-            heads: &views,
-            head_dim: a.head_dim,
-            out: &mut out,
-            probs: None,
-        })
+        for v in &views {
+            be.decode(DecodeArgs {
+                q: &q,
+                heads: v,
+                head_dim: a.head_dim,
+                out: &mut out,
+                probs: None,
+            })?;
+        }
+        Ok::<(), Error>(())
     };
     for _ in 0..3 {
         step()?;
@@ -182,10 +205,15 @@ fn time(a: &AttentionArgs, be: &dyn AttentionBackend, h: &Heads) -> Result<f64> 
     while t0.elapsed().as_secs_f64() < a.seconds || samples.len() < 5 {
         let t = Instant::now();
         step()?;
-        samples.push(t.elapsed().as_secs_f64());
+        samples.push(t.elapsed().as_secs_f64() / layers.len() as f64);
     }
     samples.sort_by(f64::total_cmp);
     Ok(samples[samples.len() / 2])
+}
+
+/// Bytes one layer's caches hold.
+fn layer_bytes(layers: &[Heads]) -> usize {
+    layers.first().map_or(0, Heads::bytes)
 }
 
 pub fn attention(a: &AttentionArgs) -> Result<()> {
@@ -196,14 +224,20 @@ pub fn attention(a: &AttentionArgs) -> Result<()> {
         )));
     }
     // Sized before allocating: f32 inputs and fp16 copies of K and V per head.
-    let need = (a.tokens as u128) * (a.kv_heads as u128) * (a.head_dim as u128) * 12;
+    // The f32 inputs of one layer at a time, and the fp16 caches of every
+    // layer (the fused rows are built after the fp16 ones are dropped).
+    let need = (a.tokens as u128)
+        * (a.kv_heads as u128)
+        * (a.head_dim as u128)
+        * (8 + 4 * a.layers as u128);
     const LIMIT: u128 = 8 << 30;
     if need > LIMIT {
         return Err(Error::Input(format!(
-            "--tokens {} x --kv-heads {} x --head-dim {} needs {:.1} GiB; the benchmark allows 8 GiB (lower --tokens)",
+            "--tokens {} x --kv-heads {} x --head-dim {} x --layers {} needs {:.1} GiB; the benchmark allows 8 GiB (lower --tokens or --layers)",
             a.tokens,
             a.kv_heads,
             a.head_dim,
+            a.layers,
             need as f64 / (1u64 << 30) as f64
         )));
     }
@@ -214,8 +248,10 @@ pub fn attention(a: &AttentionArgs) -> Result<()> {
     let be: Arc<dyn AttentionBackend> = minikv_core::attention::make_backend(&name)?;
     let full = build(a, be.as_ref(), None, Arithmetic::Exact)?;
     let tf = time(a, be.as_ref(), &full)?;
+    let full_bytes = layer_bytes(&full);
+    drop(full);
     let mut rows = vec![
-        json!({"cache": "fp16", "seconds_per_token": tf, "bytes_read_per_token": full.bytes(), "speedup_vs_fp16": 1.0}),
+        json!({"cache": "fp16", "seconds_per_token": tf, "bytes_read_per_token": full_bytes, "speedup_vs_fp16": 1.0}),
     ];
     for &b in &a.bits {
         for (ar, an) in [(Arithmetic::Exact, "exact"), (Arithmetic::Int8, "int8")] {
@@ -233,13 +269,17 @@ pub fn attention(a: &AttentionArgs) -> Result<()> {
                 Err(e) => return Err(e),
             };
             let tq = time(a, be.as_ref(), &h)?;
-            rows.push(json!({"cache": format!("fused {b}-bit {an} (G=16, keys per channel, values per token)"), "bits": b, "arithmetic": an, "seconds_per_token": tq, "bytes_read_per_token": h.bytes(), "speedup_vs_fp16": tf / tq, "bytes_ratio_vs_fp16": full.bytes() as f64 / h.bytes() as f64}));
+            let hb = layer_bytes(&h);
+            rows.push(json!({"cache": format!("fused {b}-bit {an} (G=16, keys per channel, values per token)"), "bits": b, "arithmetic": an, "seconds_per_token": tq, "bytes_read_per_token": hb, "speedup_vs_fp16": tf / tq, "bytes_ratio_vs_fp16": full_bytes as f64 / hb as f64}));
         }
     }
-    let v = json!({"backend": name, "tokens": a.tokens, "head_dim": a.head_dim, "q_heads": a.q_heads, "kv_heads": a.kv_heads, "threads": rayon_threads(), "results": rows});
+    let v = json!({"backend": name, "tokens": a.tokens, "layers": a.layers, "head_dim": a.head_dim, "q_heads": a.q_heads, "kv_heads": a.kv_heads, "threads": rayon_threads(), "results": rows});
     if a.json {
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     } else {
+        if a.layers > 1 {
+            println!("{} layers per step; times and bytes per layer", a.layers);
+        }
         for r in v["results"].as_array().expect("array") {
             if r.get("not_run").is_some() {
                 println!("{}", r["cache"].as_str().unwrap_or(""));
