@@ -5,6 +5,7 @@ use crate::Result;
 use serde::{Deserialize, Serialize};
 use std::any::Any;
 use std::fmt::Debug;
+use std::ops::Range;
 
 /// Which axis quantization groups run along.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -76,6 +77,44 @@ pub struct QuantBytes {
     pub scales: usize,
 }
 
+/// [`QuantStore::scores_range`] from [`QuantStore::scores`] of every token
+/// (the default; for stores without ranged kernels).
+pub fn scores_range_by_whole<S: QuantStore + ?Sized>(
+    st: &S,
+    q: &[f32],
+    g: usize,
+    out: &mut [f32],
+    stride: usize,
+    rows: Range<usize>,
+) {
+    let n = st.len();
+    let mut all = vec![0.0f32; g * n];
+    st.scores(q, g, &mut all, n);
+    for j in 0..g {
+        out[j * stride..j * stride + rows.len()]
+            .copy_from_slice(&all[j * n + rows.start..j * n + rows.end]);
+    }
+}
+
+/// [`QuantStore::accumulate_range`] from [`QuantStore::accumulate`] with the
+/// weights spread over every token, zeros outside `rows` (the default).
+pub fn accumulate_range_by_whole<S: QuantStore + ?Sized>(
+    st: &S,
+    p: &[f32],
+    g: usize,
+    stride: usize,
+    out: &mut [f32],
+    rows: Range<usize>,
+) {
+    let n = st.len();
+    let mut all = vec![0.0f32; g * n];
+    for j in 0..g {
+        all[j * n + rows.start..j * n + rows.end]
+            .copy_from_slice(&p[j * stride..j * stride + rows.len()]);
+    }
+    st.accumulate(&all, g, n, out);
+}
+
 /// One head's quantized keys or values, with fused attention primitives.
 ///
 /// The fused methods work straight from the packed codes and the per-group
@@ -105,6 +144,46 @@ pub trait QuantStore: Send + Sync + Debug {
     fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize);
     /// `out[j][c] += sum_t p[j * stride + t] * x_hat_t[c]` for `g` weight rows.
     fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]);
+    /// Tokens per block of the ranged calls ([`scores_range`](QuantStore::scores_range),
+    /// [`accumulate_range`](QuantStore::accumulate_range)) for a group of `g`
+    /// queries, when this store has kernels over blocks of tokens: decode
+    /// then splits a long head into blocks starting at multiples of it,
+    /// flash-decoding style (one task per head and block, weights
+    /// unnormalized per block, blocks combined exactly). `None` (the
+    /// default): whole heads only, with [`scores`](QuantStore::scores) and
+    /// [`accumulate`](QuantStore::accumulate).
+    fn split_rows(&self, g: usize) -> Option<usize> {
+        let _ = g;
+        None
+    }
+    /// [`scores`](QuantStore::scores) of tokens `rows` only (`rows.start` a
+    /// multiple of [`split_rows`](QuantStore::split_rows), `rows.end` the
+    /// next multiple or the end): `out[j * stride + (t - rows.start)]`. The
+    /// default scores every token and keeps the range.
+    fn scores_range(
+        &self,
+        q: &[f32],
+        g: usize,
+        out: &mut [f32],
+        stride: usize,
+        rows: Range<usize>,
+    ) {
+        scores_range_by_whole(self, q, g, out, stride, rows)
+    }
+    /// [`accumulate`](QuantStore::accumulate) of tokens `rows` only (as
+    /// [`scores_range`](QuantStore::scores_range)), with
+    /// `p[j * stride + (t - rows.start)]` as the weights. The default spreads
+    /// the weights over every token (zeros elsewhere).
+    fn accumulate_range(
+        &self,
+        p: &[f32],
+        g: usize,
+        stride: usize,
+        out: &mut [f32],
+        rows: Range<usize>,
+    ) {
+        accumulate_range_by_whole(self, p, g, stride, out, rows)
+    }
     /// Writes the dequantized rows `[len][d]` (for reference checks and tools).
     fn dequantize(&self, out: &mut [f32]);
     /// Bytes actually allocated.

@@ -139,16 +139,21 @@ pub fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
 /// Maximum of a slice (vectorized); `-inf` when empty.
 #[inline]
 pub fn max(x: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; 16];
-    let chunks = x.chunks_exact(16);
+    // Four banks of 16 lanes: independent chains (one bank waits on the
+    // max's latency every 16 elements). The maximum does not depend on the
+    // order, so the result is the same as one pass.
+    let mut acc = [[f32::NEG_INFINITY; 16]; 4];
+    let chunks = x.chunks_exact(64);
     let rem = chunks.remainder();
     for c in chunks {
-        for i in 0..16 {
-            acc[i] = acc[i].max(c[i]);
+        for (b, a) in acc.iter_mut().enumerate() {
+            for i in 0..16 {
+                a[i] = a[i].max(c[16 * b + i]);
+            }
         }
     }
     rem.iter()
-        .chain(acc.iter())
+        .chain(acc.iter().flatten())
         .copied()
         .fold(f32::NEG_INFINITY, f32::max)
 }

@@ -256,7 +256,7 @@ impl MinMaxStore {
         let run = |g0: usize, g1: usize| {
             // SAFETY: `out` holds `g` rows of `stride` covering every token
             // (asserted above); segments write disjoint token ranges.
-            unsafe { self.scores_int8_range(isa, q, g, ptr.get(), stride, g0, g1) }
+            unsafe { self.scores_int8_range(isa, q, g, ptr.get(), stride, g0, g1, 0) }
         };
         if groups <= per {
             run(0, groups);
@@ -268,13 +268,15 @@ impl MinMaxStore {
         }
     }
 
-    /// Key scores of groups `g0 .. g1`.
+    /// Key scores of groups `g0 .. g1` (one segment: one rounding step per
+    /// head), token `t`'s at `out[j * stride + t - origin]`.
     ///
     /// # Safety
-    /// `out` must be valid for writes at `j * stride + t` for `j < g` and
-    /// every token `t` of the groups, and no other thread may touch those.
+    /// `out` must be valid for writes at `j * stride + t - origin` for `j <
+    /// g` and every token `t` of the groups (all at least `origin`), and no
+    /// other thread may touch those.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn scores_int8_range(
+    pub(crate) unsafe fn scores_int8_range(
         &self,
         isa: Isa,
         q: &[f32],
@@ -283,13 +285,15 @@ impl MinMaxStore {
         stride: usize,
         g0: usize,
         g1: usize,
+        origin: usize,
     ) {
         let (d, grp, bits) = (self.d, self.q.group, self.q.bits);
+        debug_assert!(g0 * grp >= origin);
         let p = 32 / bits as usize;
         #[cfg(target_arch = "x86_64")]
         if isa == Isa::Avx512 && crate::x86_int8_512::keys_ok(self, g) {
             // SAFETY: as this function's contract.
-            unsafe { crate::x86_int8_512::keys(self, q, g, out, stride, g0, g1) };
+            unsafe { crate::x86_int8_512::keys(self, q, g, out, stride, g0, g1, origin) };
             return;
         }
         #[cfg(target_arch = "x86_64")]
@@ -347,7 +351,7 @@ impl MinMaxStore {
                             &bias[..g],
                             out,
                             stride,
-                            k * p,
+                            k * p - origin,
                         )
                     };
                     continue;
@@ -362,7 +366,7 @@ impl MinMaxStore {
                         &bias[..g],
                         out,
                         stride,
-                        k * p,
+                        k * p - origin,
                     )
                 };
             }
@@ -382,14 +386,30 @@ impl MinMaxStore {
         stride: usize,
         out: &mut [f32],
     ) {
-        let n = self.len;
-        if n == 0 {
+        self.accumulate_int8_span(isa, p, g, stride, out, 0..self.len);
+    }
+
+    /// [`accumulate_int8`](Self::accumulate_int8) of tokens `span` only
+    /// (`span.start` a multiple of [`SEG_TOKENS`]), token `t`'s weights at
+    /// `p[j * stride + t - span.start]`.
+    pub(crate) fn accumulate_int8_span(
+        &self,
+        isa: Isa,
+        p: &[f32],
+        g: usize,
+        stride: usize,
+        out: &mut [f32],
+        span: std::ops::Range<usize>,
+    ) {
+        let (a0, m) = (span.start, span.len());
+        if m == 0 {
             return;
         }
         let (d, grp) = (self.d, self.q.group);
         let gpt = d / grp;
-        assert!(p.len() >= (g - 1) * stride + n && out.len() >= g * d);
-        let nseg = n.div_ceil(SEG_TOKENS);
+        assert!(a0.is_multiple_of(SEG_TOKENS) && span.end <= self.len);
+        assert!(p.len() >= (g - 1) * stride + m && out.len() >= g * d);
+        let nseg = m.div_ceil(SEG_TOKENS);
         #[cfg(target_arch = "x86_64")]
         let wide = isa == Isa::Avx512 && crate::x86_int8_512::values_ok(self, g);
         #[cfg(not(target_arch = "x86_64"))]
@@ -399,8 +419,9 @@ impl MinMaxStore {
         #[cfg(not(target_arch = "x86_64"))]
         let simd = false;
         let mut fb = take(&OUTER);
-        // The narrower kernels read scales and minimums widened to f32.
-        let nsv = if wide { 0 } else { 2 * gpt * n };
+        // The narrower kernels read the span's scales and minimums widened
+        // to f32, `[group][t - a0]`.
+        let nsv = if wide { 0 } else { 2 * gpt * m };
         let part = g * (d + gpt);
         let need = nsv + nseg * part;
         if fb.len() < need {
@@ -408,25 +429,29 @@ impl MinMaxStore {
         }
         let (sv, acc) = fb.split_at_mut(nsv);
         for gi in 0..gpt.min(nsv) {
-            self.scale[gi].read(0, &mut sv[gi * n..(gi + 1) * n]);
-            self.min[gi].read(0, &mut sv[(gpt + gi) * n..(gpt + gi + 1) * n]);
+            self.scale[gi].read(a0, &mut sv[gi * m..(gi + 1) * m]);
+            self.min[gi].read(a0, &mut sv[(gpt + gi) * m..(gpt + gi + 1) * m]);
         }
         let acc = &mut acc[..nseg * part];
         acc.fill(0.0);
         let sv = &*sv;
         let seg = |s: usize, f: &mut [f32]| {
-            let (a, b) = (s * SEG_TOKENS, ((s + 1) * SEG_TOKENS).min(n));
+            let (a, b) = (
+                a0 + s * SEG_TOKENS,
+                (a0 + (s + 1) * SEG_TOKENS).min(span.end),
+            );
             let (facc, msum) = f.split_at_mut(g * d);
             #[cfg(target_arch = "x86_64")]
             if wide {
-                crate::x86_int8_512::values(self, p, g, stride, a, b, facc, msum);
+                crate::x86_int8_512::values(self, p, g, stride, a, b, a0, facc, msum);
                 return;
             }
-            self.values_segment(isa, simd, p, g, stride, sv, a, b, facc);
+            self.values_segment(isa, simd, p, g, stride, sv, a, b, a0, facc);
+            let (ra, rb) = (a - a0, b - a0);
             for j in 0..g {
-                let pj = &p[j * stride + a..j * stride + b];
+                let pj = &p[j * stride + ra..j * stride + rb];
                 for gi in 0..gpt {
-                    msum[j * gpt + gi] = dot16(pj, &sv[(gpt + gi) * n + a..(gpt + gi) * n + b]);
+                    msum[j * gpt + gi] = dot16(pj, &sv[(gpt + gi) * m + ra..(gpt + gi) * m + rb]);
                 }
             }
         };
@@ -447,8 +472,12 @@ impl MinMaxStore {
         let (facc, msum) = acc[..part].split_at_mut(g * d);
         #[cfg(target_arch = "x86_64")]
         if wide {
-            crate::x86_int8_512::unpermute(self, g, facc);
-        } else if simd {
+            crate::x86_int8_512::add_out(self, g, facc, msum, out);
+            give_back(&OUTER, fb);
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if simd {
             crate::x86_int8::unpermute(self, g, facc);
         }
         for j in 0..g {
@@ -459,8 +488,10 @@ impl MinMaxStore {
         give_back(&OUTER, fb);
     }
 
-    /// Integer value sums of tokens `a .. b` (`sv`: the scales, `[group][token]`)
-    /// into `facc` (zeroed, permuted when `simd`).
+    /// Integer value sums of tokens `a .. b` into `facc` (zeroed, permuted
+    /// when `simd`); `sv` holds the scales `[group][t - a0]` of a span of
+    /// `sv.len() / (2 groups)` tokens from `a0`, whose weights are at `p[j *
+    /// stride + t - a0]`.
     #[allow(clippy::too_many_arguments)]
     fn values_segment(
         &self,
@@ -472,10 +503,11 @@ impl MinMaxStore {
         sv: &[f32],
         a: usize,
         b: usize,
+        a0: usize,
         facc: &mut [f32],
     ) {
-        let n = self.len;
         let gpt = self.d / self.q.group;
+        let m = sv.len() / (2 * gpt);
         let nq = TB / 4;
         // At most MAX_D / 8 groups per token (groups hold >= 8 channels).
         let mut tau = [0.0f32; MAX_G * MAX_D / 8];
@@ -488,19 +520,20 @@ impl MinMaxStore {
         let mut t0 = a;
         while t0 < b {
             let nb = TB.min(b - t0);
+            let tr = t0 - a0;
             #[cfg(target_arch = "x86_64")]
             if simd {
                 if nb == TB {
-                    crate::x86_int8::round_weights(p, stride, sv, n, t0, g, gpt, tau, a8);
+                    crate::x86_int8::round_weights(p, stride, sv, m, tr, g, gpt, tau, a8);
                 } else {
-                    round_weights(p, stride, sv, n, t0, nb, g, gpt, tau, a8);
+                    round_weights(p, stride, sv, m, tr, nb, g, gpt, tau, a8);
                 }
                 crate::x86_int8::value_block(isa, self, t0, nb, g, a8, tau, facc);
                 t0 += nb;
                 continue;
             }
             let _ = (isa, simd);
-            round_weights(p, stride, sv, n, t0, nb, g, gpt, tau, a8);
+            round_weights(p, stride, sv, m, tr, nb, g, gpt, tau, a8);
             self.value_block_portable(t0, nb, g, a8, tau, facc);
             t0 += nb;
         }

@@ -230,3 +230,72 @@ fn query_rounding_is_symmetric_and_bounded() {
     round_query(&qi, &[1.0; 4], &mut q8);
     assert_eq!(q8, [0; 4]);
 }
+
+/// The ranged calls decode uses for one segment of a long head (weights and
+/// scores indexed from the segment's start) agree bitwise across kernel sets
+/// and with the whole-head scores of that segment.
+#[test]
+fn segment_ranges_agree_across_kernels() {
+    let mut rng = StdRng::seed_from_u64(11);
+    for (bits, d, g) in [(2, 64, 3), (4, 64, 2), (2, 128, 4)] {
+        let n = 2 * SEG_TOKENS + 96;
+        let span = SEG_TOKENS..2 * SEG_TOKENS;
+        let m = span.len();
+        let keys = store(Axis::Channel, bits, 16, d, n, 5 + bits as u64);
+        let q: Vec<f32> = (0..g * d).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let mut whole = vec![0.0f32; g * n];
+        keys.scores_int8(Isa::Portable, &q, g, &mut whole, n);
+        for isa in Isa::available() {
+            let mut got = vec![0.0f32; g * m];
+            // SAFETY: `got` holds `g` rows of `m`, the segment's tokens.
+            unsafe {
+                keys.scores_int8_range(
+                    isa,
+                    &q,
+                    g,
+                    got.as_mut_ptr(),
+                    m,
+                    span.start / 16,
+                    span.end / 16,
+                    span.start,
+                )
+            };
+            for j in 0..g {
+                let w = &whole[j * n + span.start..j * n + span.end];
+                assert!(
+                    got[j * m..(j + 1) * m]
+                        .iter()
+                        .zip(w)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{isa:?} keys bits {bits} d {d}"
+                );
+            }
+        }
+        let values = store(Axis::Token, bits, 16, d, n, 9 + bits as u64);
+        let p: Vec<f32> = (0..g * m)
+            .map(|_| rng.random_range(0.0f32..1.0).powi(4))
+            .collect();
+        let mut want = vec![0.0f32; g * d];
+        values.accumulate_int8_span(Isa::Portable, &p, g, m, &mut want, span.clone());
+        for isa in Isa::available() {
+            let mut got = vec![0.0f32; g * d];
+            values.accumulate_int8_span(isa, &p, g, m, &mut got, span.clone());
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{isa:?} values bits {bits} d {d}"
+            );
+        }
+        // Against the exact store with the weights spread over the head.
+        let mut spread = vec![0.0f32; g * n];
+        for j in 0..g {
+            spread[j * n + span.start..j * n + span.end].copy_from_slice(&p[j * m..(j + 1) * m]);
+        }
+        let mut ex = vec![0.0f32; g * d];
+        exact(&values).accumulate(&spread, g, n, &mut ex);
+        let mass: f32 = p.iter().sum::<f32>() / g as f32;
+        for (a, b) in want.iter().zip(&ex) {
+            assert!((a - b).abs() <= 0.01 * mass, "{a} vs {b} (mass {mass})");
+        }
+    }
+}

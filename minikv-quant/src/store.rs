@@ -10,6 +10,7 @@ use crate::{MinMax, ScaleDtype, code_of, store_pair};
 use half::f16;
 use minikv_core::{Axis, Error, QuantBytes, QuantStore, Result, check_finite, simd};
 use std::any::Any;
+use std::ops::Range;
 
 #[derive(Debug, Clone)]
 pub(crate) enum Buf {
@@ -406,6 +407,73 @@ impl QuantStore for MinMaxStore {
             }
             t0 += n;
         }
+    }
+
+    /// The integer kernels run per segment of
+    /// [`SEG_TOKENS`](crate::int8::SEG_TOKENS) tokens: keys (per channel)
+    /// score by ranges, values (per token) accumulate by ranges.
+    fn split_rows(&self, g: usize) -> Option<usize> {
+        self.int8_ok(g).then_some(crate::int8::SEG_TOKENS)
+    }
+
+    fn scores_range(
+        &self,
+        q: &[f32],
+        g: usize,
+        out: &mut [f32],
+        stride: usize,
+        rows: Range<usize>,
+    ) {
+        let grp = self.q.group;
+        let ok = self.q.axis == Axis::Channel
+            && self.int8_ok(g)
+            && rows.start.is_multiple_of(crate::int8::SEG_TOKENS)
+            && rows.end.is_multiple_of(grp)
+            && rows.end <= self.len;
+        if !ok {
+            return minikv_core::quant::scores_range_by_whole(self, q, g, out, stride, rows);
+        }
+        let m = rows.len();
+        assert!(q.len() >= g * self.d && out.len() >= (g - 1) * stride + m && m <= stride);
+        // SAFETY: `out` holds `g` rows of `stride >= m` (asserted); the
+        // groups' tokens are `rows`, written at `t - rows.start`.
+        unsafe {
+            self.scores_int8_range(
+                crate::int8::Isa::detected(),
+                q,
+                g,
+                out.as_mut_ptr(),
+                stride,
+                rows.start / grp,
+                rows.end / grp,
+                rows.start,
+            )
+        }
+    }
+
+    fn accumulate_range(
+        &self,
+        p: &[f32],
+        g: usize,
+        stride: usize,
+        out: &mut [f32],
+        rows: Range<usize>,
+    ) {
+        if self.q.axis == Axis::Token
+            && self.int8_ok(g)
+            && rows.start.is_multiple_of(crate::int8::SEG_TOKENS)
+            && rows.end <= self.len
+        {
+            return self.accumulate_int8_span(
+                crate::int8::Isa::detected(),
+                p,
+                g,
+                stride,
+                out,
+                rows,
+            );
+        }
+        minikv_core::quant::accumulate_range_by_whole(self, p, g, stride, out, rows)
     }
 
     fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {

@@ -79,9 +79,12 @@ unsafe fn ld<const H: bool>(p: *const u8, i: usize, k: __mmask16) -> __m512 {
     // SAFETY: the caller's buffer holds every index of `k`'s lanes.
     unsafe {
         if H {
-            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (p as *const i16).add(i)))
+            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                k,
+                (p as *const i16).wrapping_add(i),
+            ))
         } else {
-            _mm512_maskz_loadu_ps(k, (p as *const f32).add(i))
+            _mm512_maskz_loadu_ps(k, (p as *const f32).wrapping_add(i))
         }
     }
 }
@@ -196,12 +199,15 @@ macro_rules! dispatch {
     }};
 }
 
-/// Key scores of groups `g0 .. g1` (only when [`keys_ok`] and [`detected`]):
-/// `out[j * stride + t] = sig * sum + bias` as `crate::int8` documents.
+/// Key scores of groups `g0 .. g1`, one segment (only when [`keys_ok`] and
+/// [`detected`]): `out[j * stride + t - origin] = sig * sum + bias` as
+/// `crate::int8` documents.
 ///
 /// # Safety
-/// `out` must be valid for writes at `j * stride + t` for `j < g` and every
-/// token `t` of the groups, and no other thread may touch those.
+/// `out` must be valid for writes at `j * stride + t - origin` for `j < g`
+/// and every token `t` of the groups (all at least `origin`), and no other
+/// thread may touch those.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn keys(
     st: &MinMaxStore,
     q: &[f32],
@@ -210,6 +216,7 @@ pub(crate) unsafe fn keys(
     stride: usize,
     g0: usize,
     g1: usize,
+    origin: usize,
 ) {
     let (d, grp, bits) = (st.d, st.q.group, st.q.bits);
     let (sc, h, ns) = src(&st.scale[0]);
@@ -236,7 +243,8 @@ pub(crate) unsafe fn keys(
                     out,
                     stride,
                     g0,
-                    g1
+                    g1,
+                    origin
                 )
             );
             return;
@@ -256,7 +264,8 @@ pub(crate) unsafe fn keys(
                 out,
                 stride,
                 g0,
-                g1
+                g1,
+                origin
             )
         )
     }
@@ -277,9 +286,12 @@ macro_rules! keys_nm {
             stride: usize,
             g0: usize,
             g1: usize,
+            origin: usize,
         ) {
             // SAFETY: as `keys`.
-            unsafe { keys_k::<CPB, NG, H, $nm>(words, d, grp, sc, mn, q, out, stride, g0, g1) }
+            unsafe {
+                keys_k::<CPB, NG, H, $nm>(words, d, grp, sc, mn, q, out, stride, g0, g1, origin)
+            }
         }
     };
 }
@@ -300,6 +312,7 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
     stride: usize,
     g0: usize,
     g1: usize,
+    origin: usize,
 ) {
     // SAFETY: as `keys`.
     unsafe {
@@ -407,7 +420,7 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
                             _mm512_mul_ps(_mm512_set1_ps(sig[j]), v),
                             _mm512_set1_ps(bias[j][k]),
                         );
-                        let o = out.add(j * stride + blk * per);
+                        let o = out.add(j * stride + blk * per - origin);
                         if CPB == 4 {
                             _mm512_storeu_ps(o, f);
                         } else {
@@ -422,8 +435,9 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
 }
 
 /// Value sums of tokens `a .. b` (`a` a multiple of 16; only when
-/// [`values_ok`] and [`detected`]): the integer parts flushed into `facc`
-/// (`g x d`, zeroed by the caller, in the permuted layout [`unpermute`]
+/// [`values_ok`] and [`detected`]), token `t`'s weights at `p[j * stride + t
+/// - origin]`: the integer parts flushed into `facc`
+/// (`g x d`, zeroed by the caller, in the permuted layout [`add_out`]
 /// restores) and the `p . min` sums of every head and group into `msum`
 /// (`g x groups`).
 #[allow(clippy::too_many_arguments)]
@@ -434,6 +448,7 @@ pub(crate) fn values(
     stride: usize,
     a: usize,
     b: usize,
+    origin: usize,
     facc: &mut [f32],
     msum: &mut [f32],
 ) {
@@ -441,7 +456,8 @@ pub(crate) fn values(
     let gpt = d / grp;
     let rb = d * bits / 8;
     assert!(values_ok(st, g) && detected() && a.is_multiple_of(16) && a <= b && b <= st.len);
-    assert!(p.len() >= (g - 1) * stride + b && facc.len() >= g * d && msum.len() >= g * gpt);
+    assert!(origin <= a && p.len() >= (g - 1) * stride + b - origin);
+    assert!(facc.len() >= g * d && msum.len() >= g * gpt);
     assert!(st.words.len() * 4 >= st.len * rb);
     let mut sc = [std::ptr::null::<u8>(); 16];
     let mut mn = [std::ptr::null::<u8>(); 16];
@@ -469,7 +485,7 @@ pub(crate) fn values(
                     grp,
                     &sc[..gpt],
                     &mn[..gpt],
-                    p.as_ptr(),
+                    p.as_ptr().wrapping_sub(origin),
                     stride,
                     a,
                     b,
@@ -490,7 +506,7 @@ pub(crate) fn values(
                 grp,
                 &sc[..gpt],
                 &mn[..gpt],
-                p.as_ptr(),
+                p.as_ptr().wrapping_sub(origin),
                 stride,
                 a,
                 b,
@@ -620,9 +636,9 @@ unsafe fn values_k<const CPB: usize, const NG: usize, const H: bool, const D64: 
                     0
                 };
                 for j in 0..NG {
-                    let pj = p.add(j * stride + t0);
+                    let pj = p.wrapping_add(j * stride + t0);
                     let p0 = _mm512_maskz_loadu_ps(k0, pj);
-                    let p1 = _mm512_maskz_loadu_ps(k1, pj.add(16));
+                    let p1 = _mm512_maskz_loadu_ps(k1, pj.wrapping_add(16));
                     for z in 0..nz {
                         let ng = (gpt - 4 * z).min(4);
                         let mut xs = [[zero; 2]; 4];
@@ -718,18 +734,27 @@ unsafe fn values_k<const CPB: usize, const NG: usize, const H: bool, const D64: 
     }
 }
 
-/// Restores channel order in `facc` (`g` heads of `d`) from the value
-/// kernels' layout: position `(h * CPB + s) * 16 + i` is channel
-/// `(16h + i) * CPB + s`.
-pub(crate) fn unpermute(st: &MinMaxStore, g: usize, facc: &mut [f32]) {
-    let (d, cpb) = (st.d, 8 / st.q.bits as usize);
-    let mut tmp = [0.0f32; crate::store::MAX_D];
+/// `out[j][c] += facc + msum` of the value kernels' layout: position `(h *
+/// CPB + s) * 16 + i` of `facc` is channel `(16h + i) * CPB + s`, whose
+/// group's `p . min` sum is `msum[j * groups + c / G]`.
+pub(crate) fn add_out(st: &MinMaxStore, g: usize, facc: &[f32], msum: &[f32], out: &mut [f32]) {
+    let (d, grp, cpb) = (st.d, st.q.group, 8 / st.q.bits as usize);
+    let gpt = d / grp;
     for j in 0..g {
-        let row = &mut facc[j * d..(j + 1) * d];
-        for (pos, &x) in row.iter().enumerate() {
-            let (h, s, i) = (pos / (16 * cpb), (pos / 16) % cpb, pos % 16);
-            tmp[(16 * h + i) * cpb + s] = x;
+        let (f, o, ms) = (
+            &facc[j * d..(j + 1) * d],
+            &mut out[j * d..(j + 1) * d],
+            &msum[j * gpt..],
+        );
+        let mut pos = 0;
+        for h in 0..d / (16 * cpb) {
+            for s in 0..cpb {
+                for i in 0..16 {
+                    let c = (16 * h + i) * cpb + s;
+                    o[c] += f[pos] + ms[c / grp];
+                    pos += 1;
+                }
+            }
         }
-        row.copy_from_slice(&tmp[..d]);
     }
 }

@@ -353,7 +353,11 @@ impl AttentionBackend for TiledBackend {
                 .iter()
                 .all(|h| h.quant_keys.is_none() && h.quant_values.is_none() && h.extra.is_none());
         if plain && nmax >= 2 * SPLIT_ROWS {
-            split_decode(a, g, nmax);
+            split_decode(a, g, nmax, SPLIT_ROWS);
+            return Ok(());
+        }
+        if let Some(rows) = ranged_rows(&a, g) {
+            split_decode(a, g, nmax, rows);
             return Ok(());
         }
         let d = a.head_dim;
@@ -426,15 +430,38 @@ impl AttentionBackend for TiledBackend {
     }
 }
 
-/// Flash-decoding over full-precision heads: every head's tokens are cut into
-/// blocks of [`SPLIT_ROWS`], each (head, block) task computes its block's
-/// maximum logit, exp-sum and unnormalized output per query head, and the
-/// blocks are combined exactly (`out = Σ e^{m_b - M} o_b / Σ e^{m_b - M} l_b`).
-/// Balances 3 KV heads over 2 cores (or any heads over any cores).
-fn split_decode(a: DecodeArgs<'_>, g: usize, nmax: usize) {
+/// The block of a flash-decoding split over quantized heads: when no
+/// probabilities are asked for, no head has extra entries, and every
+/// quantized store of the call has ranged kernels with one block size
+/// ([`QuantStore::split_rows`](crate::QuantStore::split_rows)).
+fn ranged_rows(a: &DecodeArgs<'_>, g: usize) -> Option<usize> {
+    if a.probs.is_some() || a.heads.iter().any(|h| h.extra.is_some()) {
+        return None;
+    }
+    let mut rows = None;
+    for h in a.heads {
+        for st in [h.quant_keys, h.quant_values].into_iter().flatten() {
+            let r = st.split_rows(g)?;
+            if rows.is_some_and(|x| x != r) || r == 0 {
+                return None;
+            }
+            rows = Some(r);
+        }
+    }
+    rows
+}
+
+/// Flash-decoding: every head's tokens are cut into blocks of `rows`, each
+/// (head, block) task computes its block's maximum logit, exp-sum and
+/// unnormalized output per query head, and the blocks are combined exactly
+/// (`out = Σ e^{m_b - M} o_b / Σ e^{m_b - M} l_b`). Balances 3 KV heads over
+/// 2 cores (or any heads over any cores). Quantized tokens (the first
+/// `n_quant_*` of a head) go through the stores' ranged kernels, the rest
+/// through the full-precision rows.
+fn split_decode(a: DecodeArgs<'_>, g: usize, nmax: usize, rows: usize) {
     let d = a.head_dim;
     let scale = 1.0 / (d as f32).sqrt();
-    let blocks = nmax.div_ceil(SPLIT_ROWS);
+    let blocks = nmax.div_ceil(rows);
     let part = g * (d + 2);
     let heads = a.heads;
     let q = a.q;
@@ -450,7 +477,7 @@ fn split_decode(a: DecodeArgs<'_>, g: usize, nmax: usize) {
             .for_each(|(task, pt)| {
                 let (s, b) = (task / blocks, task % blocks);
                 let head = &heads[s];
-                let (lo, hi) = (b * SPLIT_ROWS, ((b + 1) * SPLIT_ROWS).min(head.len()));
+                let (lo, hi) = (b * rows, ((b + 1) * rows).min(head.len()));
                 let (ms, rest) = pt.split_at_mut(g);
                 let (ls, os) = rest.split_at_mut(g);
                 if lo >= hi {
@@ -464,7 +491,16 @@ fn split_decode(a: DecodeArgs<'_>, g: usize, nmax: usize) {
                     for (dst, src) in qs.iter_mut().zip(&q[s * g * d..(s + 1) * g * d]) {
                         *dst = src * scale;
                     }
-                    head.fp_keys.scores_rows(qs, g, sc, len, lo..hi);
+                    // Quantized keys of the block, then full-precision ones.
+                    let nqk = head.n_quant_keys();
+                    let kq = hi.min(nqk).max(lo);
+                    if let Some(qk) = head.quant_keys.filter(|_| kq > lo) {
+                        qk.scores_range(qs, g, sc, len, lo..kq);
+                    }
+                    if hi > kq {
+                        let fp = &mut sc[kq - lo..];
+                        head.fp_keys.scores_rows(qs, g, fp, len, kq - nqk..hi - nqk);
+                    }
                     for j in 0..g {
                         let row = &mut sc[j * len..(j + 1) * len];
                         let m = crate::simd::max(row);
@@ -472,7 +508,16 @@ fn split_decode(a: DecodeArgs<'_>, g: usize, nmax: usize) {
                         ls[j] = crate::simd::exp_sub_sum(row, m);
                     }
                     os.fill(0.0);
-                    head.fp_values.accumulate_rows(sc, g, len, os, lo..hi);
+                    let nqv = head.n_quant_values();
+                    let vq = hi.min(nqv).max(lo);
+                    if let Some(qv) = head.quant_values.filter(|_| vq > lo) {
+                        qv.accumulate_range(sc, g, len, os, lo..vq);
+                    }
+                    if hi > vq {
+                        let fp = &sc[vq - lo..];
+                        head.fp_values
+                            .accumulate_rows(fp, g, len, os, vq - nqv..hi - nqv);
+                    }
                 });
             });
         for (s, out) in a.out.chunks_mut(g * d).enumerate() {
