@@ -11,8 +11,8 @@
 # by scripts/build-llamacpp.sh. Knobs (env): MODEL (the fetched SmolLM2 GGUF),
 # THREADS (nproc), DEPTHS (0,4096,8192), N (64), REPS (3), PROMPTS (4096,8000),
 # OUT (results/bench-llamacpp), CONFIGS (configs/minikv.toml configs/kivi-2bit.toml),
-# Q8 (1: also time the full cache with `--activations q8`, llama.cpp's 8-bit
-# activation arithmetic; 0: skip).
+# Q8 (1: also time the full cache and CONFIGS with `--activations q8`,
+# llama.cpp's 8-bit activation arithmetic; 0: skip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-assets/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -55,7 +55,7 @@ RAYON_NUM_THREADS=$THREADS $MK bench decode --model "$MODEL" --config configs/fu
   --depth "$DEPTHS" --tokens "$N" --runs "$REPS" --json > "$OUT/minikv-decode.json"
 if [ "$Q8" = 1 ]; then
   echo "bench-llamacpp: minikv decode, q8 activations" >&2
-  RAYON_NUM_THREADS=$THREADS $MK bench decode --model "$MODEL" --config configs/full.toml --activations q8 \
+  RAYON_NUM_THREADS=$THREADS $MK bench decode --model "$MODEL" --config configs/full.toml "${CFG_ARGS[@]}" --activations q8 \
     --depth "$DEPTHS" --tokens "$N" --runs "$REPS" --json > "$OUT/minikv-decode-q8.json"
 fi
 echo "bench-llamacpp: minikv prefill" >&2
@@ -94,9 +94,10 @@ for r in mk["results"]:
 dec = {(r["config"], r["depth"]): r for r in mk["results"]}
 q8 = os.path.join(out, "minikv-decode-q8.json")
 if sys.argv[3] == "1" and os.path.exists(q8):
-    cfgs.append("full, q8 activations")
     for r in json.load(open(q8))["results"]:
-        dec[("full, q8 activations", r["depth"])] = r
+        c = f"{r['config']}, q8 activations"
+        if c not in cfgs: cfgs.append(c)
+        dec[(c, r["depth"])] = r
 lowered = sorted({(r["depth"], r["depth_used"]) for r in mk["results"] if r["depth"] > 0 and r.get("depth_used", r["depth"]) != r["depth"]})
 print(f"Decode tokens/s ({threads} threads, {mk['model']}, minikv {mk['git_rev']}; median of runs, minikv spread in brackets; llama.cpp at the faster of flash attention off and on per cell, `fa` says which; ratio = minikv / llama.cpp f16 at its fastest):\n")
 print("| depth | llama.cpp f16 KV | llama.cpp q4_0 KV | " + " | ".join(f"minikv {c}" for c in cfgs) + " |")

@@ -144,12 +144,18 @@ pub fn max(x: &[f32]) -> f32 {
     // order, so the result is the same as one pass.
     let mut acc = [[f32::NEG_INFINITY; 16]; 4];
     let chunks = x.chunks_exact(64);
-    let rem = chunks.remainder();
+    let tail = chunks.remainder().chunks_exact(16);
+    let rem = tail.remainder();
     for c in chunks {
         for (b, a) in acc.iter_mut().enumerate() {
             for i in 0..16 {
                 a[i] = a[i].max(c[16 * b + i]);
             }
+        }
+    }
+    for c in tail {
+        for i in 0..16 {
+            acc[0][i] = acc[0][i].max(c[i]);
         }
     }
     rem.iter()

@@ -113,11 +113,14 @@ impl Default for MinMax {
 ///
 /// `exact` multiplies the codes in f32 (the scores and outputs of
 /// dequantize-then-attend up to f32 rounding). `int8` rounds the query
-/// (scales folded in, one step per head and key group) and the attention
-/// weights (times the value scales, one step per head, channel group and
-/// block of 32 tokens) to 8 bits and multiplies codes in integers
-/// (`vpdpbusd` where the CPU has VNNI, `vpmaddubsw` otherwise, a portable
-/// loop elsewhere: all give bitwise the same result). Only 2- and 4-bit
+/// (scales folded in per key group, one step per head and segment of 4096
+/// tokens) and the attention weights (times the value scales, one step per
+/// head, channel group and block of 32 tokens) to 8 bits and multiplies
+/// codes in integers (512-bit `vpdpbusd` and `vpermb` where the CPU has
+/// AVX-512 VNNI and VBMI, 256-bit `vpdpbusd` with VNNI, `vpmaddubsw`
+/// otherwise, a portable loop elsewhere: all give bitwise the same result);
+/// decode then splits long heads into those segments flash-decoding style
+/// (docs/algorithms.md §1). Only 2- and 4-bit
 /// codes with `group` a multiple of the codes per word have integer
 /// kernels; other stores run `exact`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,0 +1,262 @@
+//! The key kernels (see the parent module).
+
+#![allow(clippy::needless_range_loop)]
+
+use super::*;
+
+/// Key scores of groups `g0 .. g1`, one segment (only when [`keys_ok`] and
+/// [`detected`]): `out[j * stride + t - origin] = sig * sum + bias` as
+/// `crate::int8` documents.
+///
+/// # Safety
+/// `out` must be valid for writes at `j * stride + t - origin` for `j < g`
+/// and every token `t` of the groups (all at least `origin`), and no other
+/// thread may touch those.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn keys(
+    st: &MinMaxStore,
+    q: &[f32],
+    g: usize,
+    out: *mut f32,
+    stride: usize,
+    g0: usize,
+    g1: usize,
+    origin: usize,
+) {
+    let (d, grp, bits) = (st.d, st.q.group, st.q.bits);
+    let (sc, h, ns) = src(&st.scale[0]);
+    let (mn, _, nm) = src(&st.min[0]);
+    assert!(keys_ok(st, g) && detected() && q.len() >= g * d);
+    assert!(g1 * grp <= st.len && st.words.len() >= g1 * grp * d * bits as usize / 32);
+    assert!(ns >= g1 * d && nm >= g1 * d);
+    // SAFETY: the features were detected; the buffers hold the groups'
+    // words, scales and minimums (asserted), `out` as the caller guarantees.
+    unsafe {
+        if d == 64 {
+            dispatch!(
+                bits,
+                g,
+                h,
+                keys_k64,
+                (
+                    st.words.as_ptr(),
+                    d,
+                    grp,
+                    sc,
+                    mn,
+                    q.as_ptr(),
+                    out,
+                    stride,
+                    g0,
+                    g1,
+                    origin
+                )
+            );
+            return;
+        }
+        dispatch!(
+            bits,
+            g,
+            h,
+            keys_k0,
+            (
+                st.words.as_ptr(),
+                d,
+                grp,
+                sc,
+                mn,
+                q.as_ptr(),
+                out,
+                stride,
+                g0,
+                g1,
+                origin
+            )
+        )
+    }
+}
+
+macro_rules! keys_nm {
+    ($name:ident, $nm:literal) => {
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma,f16c")]
+        unsafe fn $name<const CPB: usize, const NG: usize, const H: bool>(
+            words: *const u32,
+            d: usize,
+            grp: usize,
+            sc: *const u8,
+            mn: *const u8,
+            q: *const f32,
+            out: *mut f32,
+            stride: usize,
+            g0: usize,
+            g1: usize,
+            origin: usize,
+        ) {
+            // SAFETY: as `keys`.
+            unsafe {
+                keys_k::<CPB, NG, H, $nm>(words, d, grp, sc, mn, q, out, stride, g0, g1, origin)
+            }
+        }
+    };
+}
+keys_nm!(keys_k64, 4);
+keys_nm!(keys_k0, 0);
+
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma,f16c")]
+unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usize>(
+    words: *const u32,
+    d: usize,
+    grp: usize,
+    sc: *const u8,
+    mn: *const u8,
+    q: *const f32,
+    out: *mut f32,
+    stride: usize,
+    g0: usize,
+    g1: usize,
+    origin: usize,
+) {
+    // SAFETY: as `keys`.
+    unsafe {
+        let bits = 8 / CPB;
+        let per = 4 * CPB;
+        let nm = if NM > 0 { NM } else { d / 16 };
+        let all: __mmask16 = 0xffff;
+        let zero = _mm512_setzero_ps();
+        // The segment's rounding step per head (`int8::segment_query`).
+        let mut qi = [zero; 8 * (KEYS_MAX_D / 16)];
+        let mut sig = [0.0f32; NG];
+        segment_query::<NG, H>(sc, q, d, nm, g0, g1, &mut qi, &mut sig);
+        // One 64-byte load holds 16 channels' words; `vpermb` puts byte
+        // position k (tokens 4k .. 4k + 3 at 2 bits, 2k .. 2k + 1 at 4) of
+        // the 16 channels in lane k, channel order within the lane, so that
+        // the query's 16 bytes broadcast to every lane multiply them.
+        let tr: [u8; 64] = std::array::from_fn(|o| (4 * (o % 16) + o / 16) as u8);
+        let tr = _mm512_loadu_si512(tr.as_ptr() as *const __m512i);
+        let masks: [__m512i; CPB] =
+            std::array::from_fn(|s| _mm512_set1_epi8((((1u32 << bits) - 1) << (bits * s)) as i8));
+        // Token t's code position: t % 4 at 2 bits, t % 2 at 4.
+        let unshift: [f32; 16] = std::array::from_fn(|t| 1.0 / (1u32 << (bits * (t % CPB))) as f32);
+        let unshift = _mm512_loadu_ps(unshift.as_ptr());
+        // 4-bit: lane k dwords 0 and 1 hold tokens 2k and 2k + 1.
+        let pack2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+        let mut q8 = [_mm_setzero_si128(); 8 * (KEYS_MAX_D / 16)];
+        let mut bias = [[0.0f32; 4]; NG];
+        let blocks = grp / per;
+        let mut gc = g0;
+        while gc < g1 {
+            let ng = (g1 - gc).min(4);
+            // `q . min` of four groups at once, in `dot16`'s order.
+            let mut b = [[zero; 4]; NG];
+            for k in 0..ng {
+                for m in 0..nm {
+                    let mv = ld::<H>(mn, (gc + k) * d + 16 * m, all);
+                    for j in 0..NG {
+                        b[j][k] =
+                            _mm512_fmadd_ps(_mm512_loadu_ps(q.add(j * d + 16 * m)), mv, b[j][k]);
+                    }
+                }
+            }
+            for j in 0..NG {
+                let mut t = [0.0f32; 16];
+                _mm512_storeu_ps(t.as_mut_ptr(), tree16x4(b[j]));
+                bias[j] = [t[0], t[4], t[8], t[12]];
+            }
+            for k in 0..ng {
+                let gi = gc + k;
+                for m in 0..nm {
+                    let s = ld::<H>(sc, gi * d + 16 * m, all);
+                    for j in 0..NG {
+                        // Round half to even (MXCSR default) as the portable
+                        // loop; |x| <= 127, so the saturation changes nothing.
+                        let x = _mm512_cvtps_epi32(_mm512_mul_ps(qi[j * nm + m], s));
+                        q8[j * nm + m] = _mm512_cvtsepi32_epi8(x);
+                    }
+                }
+                for kb in 0..blocks {
+                    let blk = gi * blocks + kb;
+                    let wp = words.add(blk * d) as *const __m512i;
+                    let mut acc = [[_mm512_setzero_si512(); CPB]; NG];
+                    for m in 0..nm {
+                        let x = _mm512_permutexvar_epi8(tr, _mm512_loadu_si512(wp.add(m)));
+                        let qv: [__m512i; NG] =
+                            std::array::from_fn(|j| _mm512_broadcast_i32x4(q8[j * nm + m]));
+                        // Code position s stays in place (times 2^(bits s),
+                        // at most 240: still a u8), undone exactly below.
+                        for s in 0..CPB {
+                            let c = _mm512_and_si512(x, masks[s]);
+                            for j in 0..NG {
+                                acc[j][s] = _mm512_dpbusd_epi32(acc[j][s], c, qv[j]);
+                            }
+                        }
+                    }
+                    for j in 0..NG {
+                        let a = &acc[j];
+                        let v = if CPB == 4 {
+                            dwords4([a[0], a[1 % CPB], a[2 % CPB], a[3 % CPB]])
+                        } else {
+                            _mm512_permutexvar_epi32(pack2, dwords2([a[0], a[1 % CPB]]))
+                        };
+                        // The sums times 2^(bits s) are exact in f32 (below
+                        // 2^24), so times 2^-(bits s) gives the sum exactly.
+                        let v = _mm512_mul_ps(_mm512_cvtepi32_ps(v), unshift);
+                        let f = _mm512_add_ps(
+                            _mm512_mul_ps(_mm512_set1_ps(sig[j]), v),
+                            _mm512_set1_ps(bias[j][k]),
+                        );
+                        let o = out.add(j * stride + blk * per - origin);
+                        if CPB == 4 {
+                            _mm512_storeu_ps(o, f);
+                        } else {
+                            _mm512_mask_storeu_ps(o, 0x00ff, f);
+                        }
+                    }
+                }
+            }
+            gc += ng;
+        }
+    }
+}
+
+/// The segment's step per head and the scaled query `qi` (see
+/// `crate::int8::segment_query`), `nm` registers per head.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn segment_query<const NG: usize, const H: bool>(
+    sc: *const u8,
+    q: *const f32,
+    d: usize,
+    nm: usize,
+    g0: usize,
+    g1: usize,
+    qi: &mut [__m512],
+    sig: &mut [f32; NG],
+) {
+    // SAFETY: as `keys`.
+    unsafe {
+        let zero = _mm512_setzero_ps();
+        let mut smax = [zero; KEYS_MAX_D / 16];
+        for gi in g0..g1 {
+            for m in 0..nm {
+                smax[m] = _mm512_max_ps(smax[m], ld::<H>(sc, gi * d + 16 * m, 0xffff));
+            }
+        }
+        for j in 0..NG {
+            let mut mx = zero;
+            for m in 0..nm {
+                let x = _mm512_abs_ps(_mm512_loadu_ps(q.add(j * d + 16 * m)));
+                mx = _mm512_max_ps(mx, _mm512_mul_ps(x, smax[m]));
+            }
+            let (s, inv) = crate::int8::steps(_mm512_reduce_max_ps(mx), 127.0);
+            sig[j] = s;
+            for m in 0..nm {
+                qi[j * nm + m] =
+                    _mm512_mul_ps(_mm512_loadu_ps(q.add(j * d + 16 * m)), _mm512_set1_ps(inv));
+            }
+        }
+    }
+}

@@ -1,0 +1,384 @@
+//! The value kernels (see the parent module).
+
+#![allow(clippy::needless_range_loop)]
+
+use super::*;
+
+/// Value sums of tokens `a .. b` (`a` a multiple of 16; only when
+/// [`values_ok`] and [`detected`]), token `t`'s weights at `p[j * stride + t
+/// - origin]`: the integer parts flushed into `facc`
+/// (`g x d`, zeroed by the caller, in the permuted layout [`add_out`]
+/// restores) and the `p . min` sums of every head and group into `msum`
+/// (`g x groups`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn values(
+    st: &MinMaxStore,
+    p: &[f32],
+    g: usize,
+    stride: usize,
+    a: usize,
+    b: usize,
+    origin: usize,
+    facc: &mut [f32],
+    msum: &mut [f32],
+) {
+    let (d, grp, bits) = (st.d, st.q.group, st.q.bits as usize);
+    let gpt = d / grp;
+    let rb = d * bits / 8;
+    assert!(values_ok(st, g) && detected() && a.is_multiple_of(16) && a <= b && b <= st.len);
+    assert!(origin <= a && p.len() >= (g - 1) * stride + b - origin);
+    assert!(facc.len() >= g * d && msum.len() >= g * gpt);
+    assert!(st.words.len() * 4 >= st.len * rb);
+    let mut sc = [std::ptr::null::<u8>(); 16];
+    let mut mn = [std::ptr::null::<u8>(); 16];
+    let mut half = true;
+    for gi in 0..gpt {
+        let (s, h, ns) = src(&st.scale[gi]);
+        let (m, _, nm) = src(&st.min[gi]);
+        assert!(ns >= b && nm >= b);
+        (sc[gi], mn[gi], half) = (s, m, h);
+    }
+    let rows = st.words.as_ptr() as *const u8;
+    // SAFETY: the features were detected; rows, scales and minimums hold
+    // every token below `b`, `p`, `facc` and `msum` their lengths (asserted).
+    unsafe {
+        // The models' shape (d = 64, G = 16) with its loops unrolled.
+        if d == 64 && grp == 16 {
+            dispatch!(
+                bits,
+                g,
+                half,
+                values_k64,
+                (
+                    rows,
+                    rb,
+                    grp,
+                    &sc[..gpt],
+                    &mn[..gpt],
+                    p.as_ptr().wrapping_sub(origin),
+                    stride,
+                    a,
+                    b,
+                    facc.as_mut_ptr(),
+                    msum.as_mut_ptr()
+                )
+            );
+            return;
+        }
+        dispatch!(
+            bits,
+            g,
+            half,
+            values_k0,
+            (
+                rows,
+                rb,
+                grp,
+                &sc[..gpt],
+                &mn[..gpt],
+                p.as_ptr().wrapping_sub(origin),
+                stride,
+                a,
+                b,
+                facc.as_mut_ptr(),
+                msum.as_mut_ptr()
+            )
+        )
+    }
+}
+
+/// Value group of dword `i` of row chunk `h` (channels `(16h + i) * CPB ..`).
+#[inline(always)]
+fn group_of(h: usize, i: usize, cpb: usize, grp: usize) -> usize {
+    ((16 * h + i) * cpb) / grp
+}
+
+macro_rules! values_shape {
+    ($name:ident, $d64:literal) => {
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma,f16c")]
+        unsafe fn $name<const CPB: usize, const NG: usize, const H: bool>(
+            rows: *const u8,
+            rb: usize,
+            grp: usize,
+            sc: &[*const u8],
+            mn: &[*const u8],
+            p: *const f32,
+            stride: usize,
+            a: usize,
+            b: usize,
+            facc: *mut f32,
+            msum: *mut f32,
+        ) {
+            // SAFETY: as `values`.
+            unsafe {
+                values_k::<CPB, NG, H, $d64>(rows, rb, grp, sc, mn, p, stride, a, b, facc, msum)
+            }
+        }
+    };
+}
+values_shape!(values_k64, true);
+values_shape!(values_k0, false);
+
+/// The value kernel; `D64`: d = 64 and G = 16 known at compile time.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma,f16c")]
+unsafe fn values_k<const CPB: usize, const NG: usize, const H: bool, const D64: bool>(
+    rows: *const u8,
+    rb: usize,
+    grp: usize,
+    sc: &[*const u8],
+    mn: &[*const u8],
+    p: *const f32,
+    stride: usize,
+    a: usize,
+    b: usize,
+    facc: *mut f32,
+    msum: *mut f32,
+) {
+    // SAFETY: as `values`.
+    unsafe {
+        let bits = 8 / CPB;
+        let gpt = if D64 { 4 } else { sc.len() };
+        let d = rb * CPB;
+        let nh = if D64 { 4 / CPB } else { rb / 16 };
+        // Codes are the signed operand here: code position s is kept times
+        // 2^e(s) below 128, e(s) = bits s except the top position, shifted
+        // down by `bits` first (e = bits (s - 1)).
+        let e = |s: usize| {
+            if s + 1 == CPB {
+                bits * (s - 1)
+            } else {
+                bits * s
+            }
+        };
+        let masks: [__m512i; CPB] =
+            std::array::from_fn(|s| _mm512_set1_epi8((((1u32 << bits) - 1) << e(s)) as i8));
+        // vpermb: output byte 4i + r = byte i of row r (input lane r).
+        let il: [u8; 64] = std::array::from_fn(|o| (16 * (o % 4) + o / 4) as u8);
+        let il = _mm512_loadu_si512(il.as_ptr() as *const __m512i);
+        let (zone, avi, tvi) = chunk_tables::<CPB>(nh, grp);
+        let zero = _mm512_setzero_ps();
+        let zi = _mm512_setzero_si512();
+        let nz = gpt.div_ceil(4);
+        let mut macc = [zero; 8 * 16];
+        // Rounded weights and taus of up to SB blocks, per block, head and
+        // zone: `zb` two registers (groups 0-1 and 2-3 of the zone, packed:
+        // lane L holds quads L and 4 + L of the first group, then of the
+        // second), `tauz` lane k: group 4 zone + k's tau in every dword.
+        const SB: usize = 4;
+        let mut zb = [[[[zi; 2]; 4]; NG]; SB];
+        let mut tauz = [[[zero; 4]; NG]; SB];
+        let mut t00 = a;
+        while t00 < b {
+            let nblk = (b - t00).div_ceil(TB).min(SB);
+            // Rounding of every block first: independent chains the core
+            // overlaps (one block's division no longer waits on products).
+            for bi in 0..nblk {
+                let t0 = t00 + bi * TB;
+                let nb = TB.min(b - t0);
+                let (k0, k1) = block_masks(nb);
+                for j in 0..NG {
+                    let pj = p.wrapping_add(j * stride + t0);
+                    let p0 = _mm512_maskz_loadu_ps(k0, pj);
+                    let p1 = _mm512_maskz_loadu_ps(k1, pj.wrapping_add(16));
+                    for z in 0..nz {
+                        let ng = (gpt - 4 * z).min(4);
+                        let mut xs = [[zero; 2]; 4];
+                        let mut mx = [zero; 4];
+                        for k in 0..ng {
+                            let gi = 4 * z + k;
+                            let x0 = _mm512_mul_ps(p0, ld::<H>(sc[gi], t0, k0));
+                            let x1 = _mm512_mul_ps(p1, ld::<H>(sc[gi], t0 + 16, k1));
+                            mx[k] = _mm512_max_ps(x0, x1);
+                            xs[k] = [x0, x1];
+                            let m = &mut macc[j * gpt + gi];
+                            *m = _mm512_mask3_fmadd_ps(p0, ld::<H>(mn[gi], t0, k0), *m, k0);
+                            *m = _mm512_mask3_fmadd_ps(p1, ld::<H>(mn[gi], t0 + 16, k1), *m, k1);
+                        }
+                        (tauz[bi][j][z], zb[bi][j][z]) = round_zone(mx, xs, ng);
+                    }
+                }
+            }
+            for bi in 0..nblk {
+                let t0 = t00 + bi * TB;
+                let nb = TB.min(b - t0);
+                let quads = nb.div_ceil(4);
+                for h in 0..nh {
+                    let zh = zone[h];
+                    let mut acc = [[_mm512_setzero_si512(); CPB]; NG];
+                    for qd in 0..quads {
+                        let r0 = rows.add((t0 + 4 * qd) * rb + 16 * h);
+                        let x = _mm512_permutexvar_epi8(il, quad(r0, rb, (nb - 4 * qd).min(4)));
+                        let ix = avi[h][qd];
+                        let av: [__m512i; NG] = std::array::from_fn(|j| {
+                            let w = &zb[bi][j][zh];
+                            _mm512_permutex2var_epi32(w[0], ix, w[1])
+                        });
+                        // Times 2^e(s), undone exactly at the flush.
+                        let top = _mm512_srl_epi16(x, _mm_cvtsi32_si128(bits as i32));
+                        for s in 0..CPB {
+                            let src = if s + 1 == CPB { top } else { x };
+                            let c = _mm512_and_si512(src, masks[s]);
+                            for j in 0..NG {
+                                acc[j][s] = _mm512_dpbusd_epi32(acc[j][s], av[j], c);
+                            }
+                        }
+                    }
+                    for j in 0..NG {
+                        let tv = _mm512_permutexvar_ps(tvi[h], tauz[bi][j][zh]);
+                        flush::<CPB>(&acc[j], tv, facc.add(j * d + h * CPB * 16), bits);
+                    }
+                }
+            }
+            t00 += nblk * TB;
+        }
+        for j in 0..NG {
+            for gi in 0..gpt {
+                *msum.add(j * gpt + gi) = hsum16(macc[j * gpt + gi]);
+            }
+        }
+    }
+}
+
+/// `out[j][c] += facc + msum` of the value kernels' layout: position `(h *
+/// CPB + s) * 16 + i` of `facc` is channel `(16h + i) * CPB + s`, whose
+/// group's `p . min` sum is `msum[j * groups + c / G]`.
+pub(crate) fn add_out(st: &MinMaxStore, g: usize, facc: &[f32], msum: &[f32], out: &mut [f32]) {
+    let (d, grp, cpb) = (st.d, st.q.group, 8 / st.q.bits as usize);
+    let gpt = d / grp;
+    for j in 0..g {
+        let (f, o, ms) = (
+            &facc[j * d..(j + 1) * d],
+            &mut out[j * d..(j + 1) * d],
+            &msum[j * gpt..],
+        );
+        let mut pos = 0;
+        for h in 0..d / (16 * cpb) {
+            for s in 0..cpb {
+                for i in 0..16 {
+                    let c = (16 * h + i) * cpb + s;
+                    o[c] += f[pos] + ms[c / grp];
+                    pos += 1;
+                }
+            }
+        }
+    }
+}
+
+/// Chunk `r0` of four rows `rb` bytes apart (the first `valid`; zeros after)
+/// in the four 128-bit lanes.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn quad(r0: *const u8, rb: usize, valid: usize) -> __m512i {
+    // SAFETY: the caller's rows hold `valid` chunks from `r0`.
+    unsafe {
+        if valid == 4 && rb == 16 {
+            return _mm512_loadu_si512(r0 as *const __m512i);
+        }
+        let mut z = _mm512_setzero_si512();
+        for r in 0..valid {
+            let x = _mm_loadu_si128(r0.add(r * rb) as *const __m128i);
+            z = _mm512_mask_broadcast_i32x4(z, 0xf << (4 * r), x);
+        }
+        z
+    }
+}
+
+/// Per row chunk `h`: the zone of four groups its weights come from, the
+/// weight dword of each of its dwords per token quad (in the zone's two
+/// packed registers), and the lane of its dwords' taus in the zone's tau
+/// register.
+#[inline]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::type_complexity)]
+fn chunk_tables<const CPB: usize>(
+    nh: usize,
+    grp: usize,
+) -> ([usize; 16], [[__m512i; 8]; 16], [__m512i; 16]) {
+    // SAFETY: the loads read local arrays of 16 i32.
+    unsafe {
+        let mut zone = [0usize; 16];
+        let mut avi = [[_mm512_setzero_si512(); 8]; 16];
+        let mut tvi = [_mm512_setzero_si512(); 16];
+        for h in 0..nh {
+            zone[h] = group_of(h, 0, CPB, grp) / 4;
+            let gr: [i32; 16] =
+                std::array::from_fn(|i| (group_of(h, i, CPB, grp) - 4 * zone[h]) as i32);
+            let tx: [i32; 16] = std::array::from_fn(|i| 4 * gr[i]);
+            tvi[h] = _mm512_loadu_si512(tx.as_ptr() as *const __m512i);
+            for qq in 0..8i32 {
+                let ix: [i32; 16] = std::array::from_fn(|i| {
+                    (gr[i] / 2) * 16 + 4 * (qq % 4) + 2 * (gr[i] % 2) + qq / 4
+                });
+                avi[h][qq as usize] = _mm512_loadu_si512(ix.as_ptr() as *const __m512i);
+            }
+        }
+        (zone, avi, tvi)
+    }
+}
+
+/// Lane masks of the two halves of a block of `nb` tokens.
+fn block_masks(nb: usize) -> (u16, u16) {
+    let k0 = if nb >= 16 { 0xffff } else { (1u16 << nb) - 1 };
+    let k1 = if nb >= 32 {
+        0xffff
+    } else if nb > 16 {
+        (1u16 << (nb - 16)) - 1
+    } else {
+        0
+    };
+    (k0, k1)
+}
+
+/// One zone's rounding (`int8::steps(amax, 255)` of four groups at once,
+/// then `round(x / tau)`): the taus (lane k: group k's) and the two packed
+/// weight registers (lane L: quads L and 4 + L of groups 0 and 1, then of 2
+/// and 3). `mx` holds each group's lane maxima, `xs` its two halves.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn round_zone(mx: [__m512; 4], xs: [[__m512; 2]; 4], ng: usize) -> (__m512, [__m512i; 2]) {
+    let zero = _mm512_setzero_ps();
+    let am = hmax4(mx);
+    let pos = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(am, zero);
+    let tau = _mm512_maskz_mul_ps(pos, am, _mm512_set1_ps(1.0 / 255.0));
+    let inv = _mm512_maskz_div_ps(pos, _mm512_set1_ps(255.0), am);
+    let mut y = [[_mm512_setzero_si512(); 2]; 4];
+    for k in 0..ng {
+        let iv = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * k as i32), inv);
+        for hf in 0..2 {
+            y[k][hf] = _mm512_cvtps_epi32(_mm512_mul_ps(xs[k][hf], iv));
+        }
+    }
+    // Codes are 0 ..= 255: the saturating packs keep them.
+    let w = std::array::from_fn(|pr| {
+        let c = _mm512_packus_epi32(y[2 * pr][0], y[2 * pr][1]);
+        let e = _mm512_packus_epi32(y[2 * pr + 1][0], y[2 * pr + 1][1]);
+        _mm512_packus_epi16(c, e)
+    });
+    (tau, w)
+}
+
+/// `facc = fma(tau, sum, facc)` for the `CPB` code positions of one chunk
+/// (sums held times `2^e(s)`, below 2^24: exact to undo in f32).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn flush<const CPB: usize>(acc: &[__m512i; CPB], tv: __m512, o: *mut f32, bits: usize) {
+    for s in 0..CPB {
+        let e = if s + 1 == CPB {
+            bits * (s - 1)
+        } else {
+            bits * s
+        };
+        // SAFETY: the caller's `facc` holds `CPB` registers from `o`.
+        unsafe {
+            let o = o.add(16 * s);
+            let f = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(acc[s]),
+                _mm512_set1_ps(1.0 / (1u32 << e) as f32),
+            );
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(tv, f, _mm512_loadu_ps(o)));
+        }
+    }
+}
