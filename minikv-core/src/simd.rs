@@ -136,12 +136,16 @@ pub fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
     s
 }
 
-/// Maximum of a slice (vectorized); `-inf` when empty.
+/// Maximum of a slice (vectorized); `-inf` when empty. NaNs are ignored,
+/// as in a fold with `f32::max` from `-inf`.
 #[inline]
 pub fn max(x: &[f32]) -> f32 {
     // Four banks of 16 lanes: independent chains (one bank waits on the
     // max's latency every 16 elements). The maximum does not depend on the
-    // order, so the result is the same as one pass.
+    // order, so the result is the same as one pass. `gt` keeps a bank's
+    // value unless the element is larger (a NaN never is, and banks start
+    // at -inf, so they never hold one): one `vmaxps` per 16 elements.
+    let gt = |a: f32, c: f32| if c > a { c } else { a };
     let mut acc = [[f32::NEG_INFINITY; 16]; 4];
     let chunks = x.chunks_exact(64);
     let tail = chunks.remainder().chunks_exact(16);
@@ -149,19 +153,22 @@ pub fn max(x: &[f32]) -> f32 {
     for c in chunks {
         for (b, a) in acc.iter_mut().enumerate() {
             for i in 0..16 {
-                a[i] = a[i].max(c[16 * b + i]);
+                a[i] = gt(a[i], c[16 * b + i]);
             }
         }
     }
     for c in tail {
         for i in 0..16 {
-            acc[0][i] = acc[0][i].max(c[i]);
+            acc[0][i] = gt(acc[0][i], c[i]);
         }
     }
-    rem.iter()
-        .chain(acc.iter().flatten())
-        .copied()
-        .fold(f32::NEG_INFINITY, f32::max)
+    let mut m = acc[0];
+    for a in &acc[1..] {
+        for i in 0..16 {
+            m[i] = gt(m[i], a[i]);
+        }
+    }
+    m.iter().chain(rem).copied().fold(f32::NEG_INFINITY, gt)
 }
 
 /// In-place softmax of `x` (max-subtracted); returns the log-sum-exp.
@@ -216,5 +223,37 @@ mod tests {
         let s = exp_sub_sum(&mut v, 0.0);
         assert_eq!(v[3], 0.0);
         assert!((s as f64 - (1.0 + (-1f64).exp() + (-2f64).exp())).abs() < 1e-6);
+    }
+
+    /// `max` equals a plain `f32::max` fold from `-inf` bit for bit, for
+    /// every length around the 16- and 64-element blocks and with NaNs,
+    /// infinities and the maximum in every position class.
+    #[test]
+    fn max_matches_a_fold() {
+        let fold = |x: &[f32]| x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut seed = 7u32;
+        for n in 0..200 {
+            let mut x: Vec<f32> = (0..n)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
+                    (seed >> 8) as f32 / (1u32 << 24) as f32 * 20.0 - 15.0
+                })
+                .collect();
+            assert_eq!(max(&x).to_bits(), fold(&x).to_bits(), "n = {n}");
+            for (k, special) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e6]
+                .into_iter()
+                .enumerate()
+            {
+                if n > 0 {
+                    let i = (n * (k + 1) * 37 / 5) % n;
+                    let old = x[i];
+                    x[i] = special;
+                    assert_eq!(max(&x).to_bits(), fold(&x).to_bits(), "n = {n}, at {i}");
+                    x[i] = old;
+                }
+            }
+        }
+        assert_eq!(max(&[f32::NAN; 70]), f32::NEG_INFINITY);
+        assert_eq!(max(&[]), f32::NEG_INFINITY);
     }
 }

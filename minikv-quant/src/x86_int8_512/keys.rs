@@ -37,7 +37,7 @@ pub(crate) unsafe fn keys(
                 bits,
                 g,
                 h,
-                keys_k64,
+                keys_k::<4>,
                 (
                     st.words.as_ptr(),
                     d,
@@ -58,7 +58,7 @@ pub(crate) unsafe fn keys(
             bits,
             g,
             h,
-            keys_k0,
+            keys_k::<0>,
             (
                 st.words.as_ptr(),
                 d,
@@ -76,35 +76,9 @@ pub(crate) unsafe fn keys(
     }
 }
 
-macro_rules! keys_nm {
-    ($name:ident, $nm:literal) => {
-        #[allow(clippy::too_many_arguments)]
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma,f16c")]
-        unsafe fn $name<const CPB: usize, const NG: usize, const H: bool>(
-            words: *const u32,
-            d: usize,
-            grp: usize,
-            sc: *const u8,
-            mn: *const u8,
-            q: *const f32,
-            out: *mut f32,
-            stride: usize,
-            g0: usize,
-            g1: usize,
-            origin: usize,
-        ) {
-            // SAFETY: as `keys`.
-            unsafe {
-                keys_k::<CPB, NG, H, $nm>(words, d, grp, sc, mn, q, out, stride, g0, g1, origin)
-            }
-        }
-    };
-}
-keys_nm!(keys_k64, 4);
-keys_nm!(keys_k0, 0);
-
+/// The key kernel; `NM`: the number of 16-channel blocks when known at
+/// compile time (the models' d = 64), else 0.
 #[allow(clippy::too_many_arguments)]
-#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma,f16c")]
 unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usize>(
     words: *const u32,

@@ -172,18 +172,19 @@ fn tree16x4(b: [__m512; 4]) -> __m512 {
     _mm512_add_ps(w, _mm512_permute_ps::<0xB1>(w))
 }
 
-/// Runs `$f::<CPB, NG, H>` for `$bits`, `$g` and the scale dtype `$h`.
+/// Runs `$f::<CPB, NG, H, $x>` for `$bits`, `$g`, the scale dtype `$h` and
+/// the kernel's shape parameter `$x` (a literal).
 macro_rules! dispatch {
-    ($bits:expr, $g:expr, $h:expr, $f:ident, ($($arg:expr),*)) => {{
+    ($bits:expr, $g:expr, $h:expr, $f:ident::<$x:literal>, ($($arg:expr),*)) => {{
         macro_rules! ng {
             ($cpb:literal, $hh:literal) => {
                 match $g {
-                    1 => $f::<$cpb, 1, $hh>($($arg),*),
-                    2 => $f::<$cpb, 2, $hh>($($arg),*),
-                    3 => $f::<$cpb, 3, $hh>($($arg),*),
-                    4 => $f::<$cpb, 4, $hh>($($arg),*),
-                    6 => $f::<$cpb, 6, $hh>($($arg),*),
-                    8 => $f::<$cpb, 8, $hh>($($arg),*),
+                    1 => $f::<$cpb, 1, $hh, $x>($($arg),*),
+                    2 => $f::<$cpb, 2, $hh, $x>($($arg),*),
+                    3 => $f::<$cpb, 3, $hh, $x>($($arg),*),
+                    4 => $f::<$cpb, 4, $hh, $x>($($arg),*),
+                    6 => $f::<$cpb, 6, $hh, $x>($($arg),*),
+                    8 => $f::<$cpb, 8, $hh, $x>($($arg),*),
                     _ => unreachable!("GQA group checked by keys_ok / values_ok"),
                 }
             };

@@ -48,7 +48,7 @@ pub(crate) fn values(
                 bits,
                 g,
                 half,
-                values_k64,
+                values_k::<true>,
                 (
                     rows,
                     rb,
@@ -69,7 +69,7 @@ pub(crate) fn values(
             bits,
             g,
             half,
-            values_k0,
+            values_k::<false>,
             (
                 rows,
                 rb,
@@ -93,36 +93,8 @@ fn group_of(h: usize, i: usize, cpb: usize, grp: usize) -> usize {
     ((16 * h + i) * cpb) / grp
 }
 
-macro_rules! values_shape {
-    ($name:ident, $d64:literal) => {
-        #[allow(clippy::too_many_arguments)]
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma,f16c")]
-        unsafe fn $name<const CPB: usize, const NG: usize, const H: bool>(
-            rows: *const u8,
-            rb: usize,
-            grp: usize,
-            sc: &[*const u8],
-            mn: &[*const u8],
-            p: *const f32,
-            stride: usize,
-            a: usize,
-            b: usize,
-            facc: *mut f32,
-            msum: *mut f32,
-        ) {
-            // SAFETY: as `values`.
-            unsafe {
-                values_k::<CPB, NG, H, $d64>(rows, rb, grp, sc, mn, p, stride, a, b, facc, msum)
-            }
-        }
-    };
-}
-values_shape!(values_k64, true);
-values_shape!(values_k0, false);
-
 /// The value kernel; `D64`: d = 64 and G = 16 known at compile time.
 #[allow(clippy::too_many_arguments)]
-#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,fma,f16c")]
 unsafe fn values_k<const CPB: usize, const NG: usize, const H: bool, const D64: bool>(
     rows: *const u8,
@@ -141,23 +113,20 @@ unsafe fn values_k<const CPB: usize, const NG: usize, const H: bool, const D64: 
     unsafe {
         let bits = 8 / CPB;
         let gpt = if D64 { 4 } else { sc.len() };
+        let (rb, grp) = if D64 { (8 * bits, 16) } else { (rb, grp) };
         let d = rb * CPB;
         let nh = if D64 { 4 / CPB } else { rb / 16 };
-        // Codes are the signed operand here: code position s is kept times
-        // 2^e(s) below 128, e(s) = bits s except the top position, shifted
-        // down by `bits` first (e = bits (s - 1)).
-        let e = |s: usize| {
-            if s + 1 == CPB {
-                bits * (s - 1)
-            } else {
-                bits * s
-            }
-        };
-        let masks: [__m512i; CPB] =
-            std::array::from_fn(|s| _mm512_set1_epi8((((1u32 << bits) - 1) << e(s)) as i8));
+        let masks: [__m512i; CPB] = std::array::from_fn(|s| {
+            _mm512_set1_epi8((((1u32 << bits) - 1) << shift::<CPB>(s)) as i8)
+        });
         // vpermb: output byte 4i + r = byte i of row r (input lane r).
         let il: [u8; 64] = std::array::from_fn(|o| (16 * (o % 4) + o / 4) as u8);
         let il = _mm512_loadu_si512(il.as_ptr() as *const __m512i);
+        // The same from two registers of four 32-byte rows, per chunk.
+        let il2: [__m512i; 2] = std::array::from_fn(|h| {
+            let x: [u8; 64] = std::array::from_fn(|o| (32 * (o % 4) + 16 * h + o / 4) as u8);
+            _mm512_loadu_si512(x.as_ptr() as *const __m512i)
+        });
         let (zone, avi, tvi) = chunk_tables::<CPB>(nh, grp);
         let zero = _mm512_setzero_ps();
         let zi = _mm512_setzero_si512();
@@ -209,14 +178,14 @@ unsafe fn values_k<const CPB: usize, const NG: usize, const H: bool, const D64: 
                     let zh = zone[h];
                     let mut acc = [[_mm512_setzero_si512(); CPB]; NG];
                     for qd in 0..quads {
-                        let r0 = rows.add((t0 + 4 * qd) * rb + 16 * h);
-                        let x = _mm512_permutexvar_epi8(il, quad(r0, rb, (nb - 4 * qd).min(4)));
+                        let (r0, valid) = (rows.add((t0 + 4 * qd) * rb), (nb - 4 * qd).min(4));
+                        let x = interleaved(r0, rb, h, valid, il, &il2);
                         let ix = avi[h][qd];
                         let av: [__m512i; NG] = std::array::from_fn(|j| {
                             let w = &zb[bi][j][zh];
                             _mm512_permutex2var_epi32(w[0], ix, w[1])
                         });
-                        // Times 2^e(s), undone exactly at the flush.
+                        // Times 2^shift(s), undone exactly at the flush.
                         let top = _mm512_srl_epi16(x, _mm_cvtsi32_si128(bits as i32));
                         for s in 0..CPB {
                             let src = if s + 1 == CPB { top } else { x };
@@ -228,7 +197,7 @@ unsafe fn values_k<const CPB: usize, const NG: usize, const H: bool, const D64: 
                     }
                     for j in 0..NG {
                         let tv = _mm512_permutexvar_ps(tvi[h], tauz[bi][j][zh]);
-                        flush::<CPB>(&acc[j], tv, facc.add(j * d + h * CPB * 16), bits);
+                        flush::<CPB>(&acc[j], tv, facc.add(j * d + h * CPB * 16));
                     }
                 }
             }
@@ -263,6 +232,30 @@ pub(crate) fn add_out(st: &MinMaxStore, g: usize, facc: &[f32], msum: &[f32], ou
                     pos += 1;
                 }
             }
+        }
+    }
+}
+
+/// Chunk `h` of the four rows from `r0` (the first `valid`), bytewise
+/// interleaved (`il`: from one register; `il2[h]`: from two registers of
+/// four whole 32-byte rows, one permute without the chunk gathering).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+unsafe fn interleaved(
+    r0: *const u8,
+    rb: usize,
+    h: usize,
+    valid: usize,
+    il: __m512i,
+    il2: &[__m512i; 2],
+) -> __m512i {
+    // SAFETY: the caller's rows hold `valid` rows of `rb` bytes from `r0`.
+    unsafe {
+        if valid == 4 && rb == 32 {
+            let (lo, hi) = (r0 as *const __m512i, r0.add(64) as *const __m512i);
+            _mm512_permutex2var_epi8(_mm512_loadu_si512(lo), il2[h], _mm512_loadu_si512(hi))
+        } else {
+            _mm512_permutexvar_epi8(il, quad(r0.add(16 * h), rb, valid))
         }
     }
 }
@@ -319,6 +312,19 @@ fn chunk_tables<const CPB: usize>(
     }
 }
 
+/// Codes are the signed operand of the value products: code position `s`
+/// of a byte is kept in place, times `2^shift(s)` below 128; the top
+/// position is first shifted down by one code width (so `bits (s - 1)`).
+#[inline(always)]
+const fn shift<const CPB: usize>(s: usize) -> usize {
+    let bits = 8 / CPB;
+    if s + 1 == CPB {
+        bits * (s - 1)
+    } else {
+        bits * s
+    }
+}
+
 /// Lane masks of the two halves of a block of `nb` tokens.
 fn block_masks(nb: usize) -> (u16, u16) {
     let k0 = if nb >= 16 { 0xffff } else { (1u16 << nb) - 1 };
@@ -361,16 +367,12 @@ fn round_zone(mx: [__m512; 4], xs: [[__m512; 2]; 4], ng: usize) -> (__m512, [__m
 }
 
 /// `facc = fma(tau, sum, facc)` for the `CPB` code positions of one chunk
-/// (sums held times `2^e(s)`, below 2^24: exact to undo in f32).
+/// (sums held times `2^shift(s)`, below 2^24: exact to undo in f32).
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn flush<const CPB: usize>(acc: &[__m512i; CPB], tv: __m512, o: *mut f32, bits: usize) {
+unsafe fn flush<const CPB: usize>(acc: &[__m512i; CPB], tv: __m512, o: *mut f32) {
     for s in 0..CPB {
-        let e = if s + 1 == CPB {
-            bits * (s - 1)
-        } else {
-            bits * s
-        };
+        let e = shift::<CPB>(s);
         // SAFETY: the caller's `facc` holds `CPB` registers from `o`.
         unsafe {
             let o = o.add(16 * s);
