@@ -25,6 +25,21 @@ impl MinMaxStore {
         out: &mut [f32],
         stride: usize,
     ) {
+        #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+        if (P == 8 || P == 16) && crate::x86_512::applies(self.q.bits, self.q.group) {
+            return self.scores_channel_512::<P, NG, B>(q, out, stride);
+        }
+        self.scores_channel_256::<P, NG, B>(q, out, stride)
+    }
+
+    /// [`Self::scores_channel_fast`] by the AVX2 loops where the build has
+    /// them, else the portable ones (the 512-bit path's reference in tests).
+    pub(crate) fn scores_channel_256<const P: usize, const NG: usize, const B: usize>(
+        &self,
+        q: &[f32],
+        out: &mut [f32],
+        stride: usize,
+    ) {
         let (d, grp, b) = (self.d, self.q.group, self.q.bits as usize);
         let mask = self.mask();
         let shifts: [u32; P] = std::array::from_fn(|j| (b * j) as u32);
@@ -102,6 +117,22 @@ impl MinMaxStore {
     /// registers while tokens stream by (code extraction + `NG` FMAs per token),
     /// in `B` banks that tokens take in turn, added in bank order at the end.
     pub(crate) fn accumulate_token_fast<const P: usize, const NG: usize, const B: usize>(
+        &self,
+        p: &[f32],
+        stride: usize,
+        out: &mut [f32],
+    ) {
+        #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+        if (P == 8 || P == 16) && crate::x86_512::applies(self.q.bits, self.q.group) {
+            return self.accumulate_token_512::<P, NG, B>(p, stride, out);
+        }
+        self.accumulate_token_256::<P, NG, B>(p, stride, out)
+    }
+
+    /// [`Self::accumulate_token_fast`] by the AVX2 loops where the build
+    /// has them, else the portable ones (the 512-bit path's reference in
+    /// tests).
+    pub(crate) fn accumulate_token_256<const P: usize, const NG: usize, const B: usize>(
         &self,
         p: &[f32],
         stride: usize,

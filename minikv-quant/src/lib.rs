@@ -39,6 +39,8 @@ mod store;
     target_feature = "fma"
 ))]
 mod x86;
+#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+mod x86_512;
 #[cfg(target_arch = "x86_64")]
 mod x86_int8;
 #[cfg(target_arch = "x86_64")]

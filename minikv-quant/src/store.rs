@@ -76,7 +76,7 @@ pub(crate) const MAX_G: usize = 16;
 /// Accumulator banks of the fused kernels for `p` codes per word and `ng`
 /// query heads: about 6 independent 8-lane FMA chains, 1 to 4 banks (more
 /// accumulators than that spill to the stack with 16 vector registers).
-const fn banks(p: usize, ng: usize) -> usize {
+pub(crate) const fn banks(p: usize, ng: usize) -> usize {
     let b = 48 / (p * ng);
     if b == 0 {
         1
