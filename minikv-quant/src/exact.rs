@@ -25,8 +25,13 @@ impl MinMaxStore {
         out: &mut [f32],
         stride: usize,
     ) {
-        #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-        if (P == 8 || P == 16) && crate::x86_512::applies(self.q.bits, self.q.group) {
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx512f",
+            target_feature = "f16c",
+            target_feature = "fma"
+        ))]
+        if (P == 8 || P == 16) && crate::x86_512::applies(self.q.bits, self.q.group, self.d) {
             return self.scores_channel_512::<P, NG, B>(q, out, stride);
         }
         self.scores_channel_256::<P, NG, B>(q, out, stride)
@@ -122,8 +127,13 @@ impl MinMaxStore {
         stride: usize,
         out: &mut [f32],
     ) {
-        #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-        if (P == 8 || P == 16) && crate::x86_512::applies(self.q.bits, self.q.group) {
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx512f",
+            target_feature = "f16c",
+            target_feature = "fma"
+        ))]
+        if (P == 8 || P == 16) && crate::x86_512::applies(self.q.bits, self.q.group, self.d) {
             return self.accumulate_token_512::<P, NG, B>(p, stride, out);
         }
         self.accumulate_token_256::<P, NG, B>(p, stride, out)

@@ -39,7 +39,12 @@ mod store;
     target_feature = "fma"
 ))]
 mod x86;
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx512f",
+    target_feature = "f16c",
+    target_feature = "fma"
+))]
 mod x86_512;
 #[cfg(target_arch = "x86_64")]
 mod x86_int8;

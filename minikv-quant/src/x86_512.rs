@@ -18,8 +18,7 @@
 // registers.
 #![allow(clippy::needless_range_loop)]
 
-use crate::store::{MAX_D, MinMaxStore};
-use minikv_core::simd;
+use crate::store::{Buf, MinMaxStore};
 use std::arch::x86_64::*;
 
 /// 16 codes as floats: lane `l` holds code `l % P` of word `l / P` (`P = 16`:
@@ -50,27 +49,103 @@ fn shifts<const P: usize>(bits: u32) -> (__m512i, __m512i) {
     }
 }
 
-/// Whether the 512-bit loops apply: 2- or 4-bit codes and groups of a
-/// multiple of 16 tokens (keys) or channels (values).
-pub(crate) fn applies(bits: u32, group: usize) -> bool {
-    matches!(bits, 2 | 4) && group.is_multiple_of(16)
+/// Scales or minimums of a store read in registers (f16 widened exactly by
+/// `vcvtph2ps`), without a conversion pass through memory.
+#[derive(Clone, Copy)]
+enum Raw {
+    H(*const u16),
+    S(*const f32),
+}
+
+impl Raw {
+    fn of(b: &Buf) -> Self {
+        match b {
+            Buf::F16(v) => Raw::H(v.as_ptr().cast()),
+            Buf::F32(v) => Raw::S(v.as_ptr()),
+        }
+    }
+
+    /// 16 values from element `i`.
+    ///
+    /// # Safety
+    /// The buffer holds `i + 16` values.
+    #[inline(always)]
+    unsafe fn ld16(self, i: usize) -> __m512 {
+        // SAFETY: the caller's contract; AVX-512F is on.
+        unsafe {
+            match self {
+                Raw::H(p) => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(i).cast())),
+                Raw::S(p) => _mm512_loadu_ps(p.add(i)),
+            }
+        }
+    }
+
+    /// The value at element `i`.
+    ///
+    /// # Safety
+    /// The buffer holds `i + 1` values.
+    #[inline(always)]
+    unsafe fn get(self, i: usize) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self {
+                Raw::H(p) => half::f16::from_bits(*p.add(i)).to_f32(),
+                Raw::S(p) => *p.add(i),
+            }
+        }
+    }
+
+    /// 8 values from element `i`.
+    ///
+    /// # Safety
+    /// The buffer holds `i + 8` values.
+    #[inline(always)]
+    unsafe fn ld8(self, i: usize) -> __m256 {
+        // SAFETY: the caller's contract; F16C and AVX are on.
+        unsafe {
+            match self {
+                Raw::H(p) => _mm256_cvtph_ps(_mm_loadu_si128(p.add(i).cast())),
+                Raw::S(p) => _mm256_loadu_ps(p.add(i)),
+            }
+        }
+    }
+}
+
+/// [`minikv_core::simd::dot`]'s reduction of its eight lanes:
+/// `((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7))`.
+#[inline(always)]
+fn red8(a: __m256) -> f32 {
+    // SAFETY: AVX is on (the module's cfg).
+    unsafe {
+        let t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let x = _mm_add_ps(t, _mm_movehdup_ps(t));
+        _mm_cvtss_f32(_mm_add_ss(x, _mm_movehl_ps(x, x)))
+    }
+}
+
+/// Whether the 512-bit loops apply: 2- or 4-bit codes, groups of a
+/// multiple of 16 tokens (keys) or channels (values), heads of a multiple of
+/// 16 channels.
+pub(crate) fn applies(bits: u32, group: usize, d: usize) -> bool {
+    matches!(bits, 2 | 4) && group.is_multiple_of(16) && d.is_multiple_of(16)
 }
 
 /// Key scores of `V` vectors of 16 tokens: vector `v` reads the words of
 /// blocks `w[v][0]` (and `w[v][1]` when `P = 8`), one per channel, and
-/// writes `out[j][16 v + l] = (sum_c qs[v][j][c] * code(l, c)) + bias[v][j]`
+/// writes `out[j][16 v + l] = (sum_c qs[v][j d + c] * code(l, c)) + bias[v][j]`
 /// with channel `c` in bank `c % B` (the last `d % B` in bank 0), banks added
 /// in order: [`crate::x86::key_block`]'s arithmetic per lane.
 ///
 /// # Safety
 /// Every `w[v][k]` points at `d` words (`k = 1` only read when `P = 8`),
-/// `qs[v][j]` holds `d` values, `out[j]` has room for `16 V` floats.
+/// `qs[v]` holds `NG` rows of `d` values, `out[j]` has room for `16 V`
+/// floats.
 #[inline(always)]
 unsafe fn key_vectors<const P: usize, const NG: usize, const B: usize, const V: usize>(
     w: [[*const u32; 2]; V],
     d: usize,
     bits: u32,
-    qs: [&[[f32; MAX_D]; NG]; V],
+    qs: [*const f32; V],
     bias: [[f32; NG]; V],
     out: [*mut f32; NG],
 ) {
@@ -83,7 +158,7 @@ unsafe fn key_vectors<const P: usize, const NG: usize, const B: usize, const V: 
                 let w1 = if P == 16 { 0 } else { *w[v][1].add(c) };
                 let codes = widen::<P>(*w[v][0].add(c), w1, sh, mask);
                 for j in 0..NG {
-                    let s = _mm512_set1_ps(*qs[v][j].get_unchecked(c));
+                    let s = _mm512_set1_ps(*qs[v].add(j * d + c));
                     acc[v][j] = _mm512_fmadd_ps(s, codes, acc[v][j]);
                 }
             }
@@ -201,6 +276,12 @@ unsafe fn value_flush<const NG: usize, const B: usize, const U: usize>(
 /// 16-token vectors of key scores per rayon task.
 const SPAN_VECTORS: usize = 64;
 
+thread_local! {
+    /// The key spans' pre-scaled queries (taken out while a span runs, so a
+    /// nested call finds an empty one and allocates its own).
+    static QS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Tokens from which a head's value sums are cut into tasks.
 const SPLIT_TOKENS: usize = 2048;
 
@@ -260,30 +341,42 @@ impl MinMaxStore {
         v1: usize,
     ) {
         let (d, grp, bits) = (self.d, self.q.group, self.q.bits);
-        // Pre-scaled queries and `q . min` of the (at most four, consecutive)
-        // groups of the vectors in flight: slot `s` holds group `first + s`.
-        let mut qs = [[[0.0f32; MAX_D]; NG]; 4];
+        // Pre-scaled queries `qs[s][j][c] = q_jc * scale_c` and `q . min` of
+        // the (at most four, consecutive) groups of the vectors in flight:
+        // slot `s` holds group `first + s`.
         let mut bias = [[0.0f32; NG]; 4];
-        let (mut sc, mut mn) = ([0.0f32; 4 * MAX_D], [0.0f32; 4 * MAX_D]);
-        let mut prepare = |first: usize,
-                           count: usize,
-                           qs: &mut [[[f32; MAX_D]; NG]; 4],
-                           bias: &mut [[f32; NG]; 4]| {
-            self.scale[0].read(first * d, &mut sc[..count * d]);
-            self.min[0].read(first * d, &mut mn[..count * d]);
-            let m = |s: usize| &mn[s.min(count - 1) * d..][..d];
-            for j in 0..NG {
-                let qj = &q[j * d..(j + 1) * d];
-                for (s, qs) in qs.iter_mut().enumerate().take(count) {
-                    let sc = &sc[s * d..(s + 1) * d];
-                    for ((x, a), s) in qs[j][..d].iter_mut().zip(qj).zip(sc) {
-                        *x = a * s;
+        let mut qbuf = QS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        qbuf.resize(4 * NG * d, 0.0);
+        let qs = qbuf.as_mut_ptr();
+        let (rs, rm) = (Raw::of(&self.scale[0]), Raw::of(&self.min[0]));
+        let qp = q.as_ptr();
+        let prepare = |first: usize, count: usize, bias: &mut [[f32; NG]; 4]| {
+            // SAFETY: groups `first .. first + count` are stored (`d` scales
+            // and minimums each); `qbuf` holds 4 NG d floats, `q` NG d.
+            unsafe {
+                for s in 0..count {
+                    for k in (0..d).step_by(16) {
+                        let sv = rs.ld16((first + s) * d + k);
+                        for j in 0..NG {
+                            let x = _mm512_mul_ps(_mm512_loadu_ps(qp.add(j * d + k)), sv);
+                            _mm512_storeu_ps(qs.add((s * NG + j) * d + k), x);
+                        }
                     }
                 }
-                // Four interleaved chains, each `simd::dot(qj, min)` bitwise.
-                let b = simd::dot4(qj, [m(0), m(1), m(2), m(3)]);
-                for s in 0..count {
-                    bias[s][j] = b[s];
+                // `minikv_core::simd::dot(q_j, min)`: eight lanes of fused multiply-adds
+                // over the channels' 8-chunks in order, then its reduction.
+                let g = |s: usize| (first + s.min(count - 1)) * d;
+                for j in 0..NG {
+                    let mut acc = [_mm256_setzero_ps(); 4];
+                    for k in (0..d).step_by(8) {
+                        let qv = _mm256_loadu_ps(qp.add(j * d + k));
+                        for (s, a) in acc.iter_mut().enumerate() {
+                            *a = _mm256_fmadd_ps(qv, rm.ld8(g(s) + k), *a);
+                        }
+                    }
+                    for s in 0..count {
+                        bias[s][j] = red8(acc[s]);
+                    }
                 }
             }
         };
@@ -310,7 +403,7 @@ impl MinMaxStore {
             };
             let first = 16 * v0 / grp;
             let src: [usize; 4] = std::array::from_fn(|v| (16 * (v0 + v) / grp).max(first) - first);
-            prepare(first, src[m - 1] + 1, &mut qs, &mut bias);
+            prepare(first, src[m - 1] + 1, &mut bias);
             // SAFETY: within `out`'s rows (the caller's contract).
             let o: [*mut f32; NG] =
                 std::array::from_fn(|j| unsafe { out.0.add(j * stride + 16 * v0) });
@@ -325,7 +418,7 @@ impl MinMaxStore {
                             std::array::from_fn(|v| blocks(v0 + v)),
                             d,
                             bits,
-                            std::array::from_fn(|v| &qs[src[v]]),
+                            std::array::from_fn(|v| qs.add(src[v] * NG * d).cast_const()),
                             std::array::from_fn(|v| bias[src[v]]),
                             o,
                         )
@@ -339,6 +432,7 @@ impl MinMaxStore {
             }
             v0 += m;
         }
+        QS.with(|c| *c.borrow_mut() = qbuf);
     }
 
     /// [`Self::accumulate_token_fast`]'s results (per-token values) by
@@ -396,7 +490,7 @@ impl MinMaxStore {
     /// The value sums of the `U` 16-channel vectors from `u0`, tile by
     /// tile of tokens: per tile the weights `a_j[t] = p_jt * scale_t` of
     /// each vector's group (the portable loop's products) and the group's
-    /// `p . min` carried on ([`simd::dot`]'s lanes and order: [`Dot8`]),
+    /// `p . min` carried on ([`minikv_core::simd::dot`]'s lanes and order: [`Dot8`]),
     /// then [`value_tile`]; the banks are added once at the end. Returns
     /// `U`.
     ///
@@ -420,27 +514,36 @@ impl MinMaxStore {
         for u in 1..U {
             src[u] = if gi[u] == gi[u - 1] { src[u - 1] } else { u };
         }
-        let mut tile = [[0.0f32; TILE]; 24];
+        let mut tbuf = QS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        tbuf.resize(U * NG * TILE, 0.0);
+        let tile = tbuf.as_mut_ptr();
         let mut macc = [[Dot8::default(); NG]; U];
-        // SAFETY: the caller upholds this function's contract.
+        let rs: [Raw; U] = std::array::from_fn(|u| Raw::of(&self.scale[gi[u]]));
+        let rm: [Raw; U] = std::array::from_fn(|u| Raw::of(&self.min[gi[u]]));
+        // SAFETY: the caller upholds this function's contract; the groups'
+        // buffers hold `n` scales and minimums, `tbuf` U NG TILE floats.
         unsafe {
             let mut acc = [[[_mm512_setzero_ps(); NG]; U]; B];
             let whole = n / B * B;
-            let (mut sv, mut mv) = ([0.0f32; TILE], [0.0f32; TILE]);
             let mut t0 = 0;
             while t0 < n {
                 let t1 = (t0 + TILE).min(n);
                 let m = t1 - t0;
+                // The weights `p_jt * scale_t` of the tile, and `p . min`.
                 for u in (0..U).filter(|&u| src[u] == u) {
-                    self.scale[gi[u]].read(t0, &mut sv[..m]);
-                    self.min[gi[u]].read(t0, &mut mv[..m]);
                     for j in 0..NG {
-                        let pj = &p[j * stride + t0..j * stride + t1];
-                        let aj = &mut tile[u * NG + j][..m];
-                        for ((a, x), s) in aj.iter_mut().zip(pj).zip(&sv[..m]) {
-                            *a = x * s;
+                        let pj = p[j * stride + t0..j * stride + t1].as_ptr();
+                        let aj = tile.add((u * NG + j) * TILE);
+                        let mut k = 0;
+                        while k + 16 <= m {
+                            let x = _mm512_mul_ps(_mm512_loadu_ps(pj.add(k)), rs[u].ld16(t0 + k));
+                            _mm512_storeu_ps(aj.add(k), x);
+                            k += 16;
                         }
-                        macc[u][j].add(pj, &mv[..m]);
+                        for k in k..m {
+                            *aj.add(k) = *pj.add(k) * rs[u].get(t0 + k);
+                        }
+                        macc[u][j].add(pj, rm[u], t0, m);
                     }
                 }
                 value_tile::<P, NG, B, U>(
@@ -449,7 +552,7 @@ impl MinMaxStore {
                     d / P,
                     self.q.bits,
                     std::array::from_fn(|u| 16 * (u0 + u) / P),
-                    std::array::from_fn(|u| tile[src[u] * NG].as_ptr()),
+                    std::array::from_fn(|u| tile.add(src[u] * NG * TILE).cast_const()),
                     (t0, t1, whole),
                 );
                 t0 = t1;
@@ -461,11 +564,12 @@ impl MinMaxStore {
                 d,
             );
         }
+        QS.with(|c| *c.borrow_mut() = tbuf);
         U
     }
 }
 
-/// [`simd::dot`] taken in pieces: the same eight lanes of fused
+/// [`minikv_core::simd::dot`] taken in pieces: the same eight lanes of fused
 /// multiply-adds over whole 8-element chunks (pieces are multiples of 8
 /// except the last), the same reduction, then the same remainder.
 #[derive(Clone, Copy, Default)]
@@ -475,26 +579,31 @@ struct Dot8 {
 }
 
 impl Dot8 {
-    /// Adds `a . b` of one piece; a piece shorter than a multiple of 8 is
-    /// the last one: its remainder follows the reduction into `sum`.
+    /// Adds `a[k] * b[i0 + k]` for `k < m` (`minikv_core::simd::dot(a, b)`'s operand
+    /// order); a piece of other than a multiple of 8 is the last one: its
+    /// remainder follows the reduction into `sum`.
+    ///
+    /// # Safety
+    /// `a` holds `m` floats, `b` `i0 + m` values.
     #[inline(always)]
-    fn add(&mut self, a: &[f32], b: &[f32]) {
-        let ca = a.chunks_exact(8);
-        let cb = b.chunks_exact(8);
-        let (ra, rb) = (ca.remainder(), cb.remainder());
-        for (x, y) in ca.zip(cb) {
-            for i in 0..8 {
-                self.acc[i] = simd::fmadd(x[i], y[i], self.acc[i]);
+    unsafe fn add(&mut self, a: *const f32, b: Raw, i0: usize, m: usize) {
+        // SAFETY: the caller's contract; AVX2, FMA and F16C are on.
+        unsafe {
+            let full = m / 8 * 8;
+            let mut acc = _mm256_loadu_ps(self.acc.as_ptr());
+            for k in (0..full).step_by(8) {
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(k)), b.ld8(i0 + k), acc);
             }
+            _mm256_storeu_ps(self.acc.as_mut_ptr(), acc);
+            let mut s = red8(acc);
+            for k in full..m {
+                s += *a.add(k) * b.get(i0 + k);
+            }
+            self.sum = s;
         }
-        let c = &self.acc;
-        let mut s = (c[0] + c[4]) + (c[1] + c[5]) + ((c[2] + c[6]) + (c[3] + c[7]));
-        for (x, y) in ra.iter().zip(rb) {
-            s += x * y;
-        }
-        self.sum = s;
     }
 }
+
 #[cfg(test)]
 #[path = "x86_512_tests.rs"]
 mod tests;
