@@ -1,4 +1,4 @@
-//! Tests of the 512-bit exact loops (`x86_512.rs`).
+//! Tests of the 512-bit exact loops (`x86_512/`).
 
 use crate::store::banks;
 use crate::{Arithmetic, MinMax, MinMaxStore, ScaleDtype};

@@ -1,0 +1,162 @@
+//! The exact (f32) fused decode loops on 512-bit registers (compiled when
+//! `target-cpu=native` enables AVX-512F, chosen for group sizes that are a
+//! multiple of 16 and 2- or 4-bit codes).
+//!
+//! Every output lane goes through the operations of the portable loops in
+//! [`crate::exact`] in the same order (the same fused multiply-adds into the
+//! same banks, banks added in bank order, then the same final additions), so
+//! the results are bitwise those of the portable and AVX2 loops (tested
+//! in `tests.rs`). What changes is what runs side by side: a register holds 16 lanes
+//! (one 2-bit word, or two 4-bit words of the same group), and the kernels
+//! keep several independent outputs in flight: two 16-token vectors of key
+//! scores, and up to four 16-channel vectors of a value row, so that the FMA
+//! units see 6-24 independent chains where one output alone is a single
+//! chain over 64 channels or every token (the bank count is fixed by the
+//! results and is small when several query heads share a word).
+//!
+//! `keys.rs`: per-channel key scores; `values.rs`: per-token value sums.
+
+// Indexed loops over the constant-size register arrays unroll into named
+// registers.
+#![allow(clippy::needless_range_loop)]
+
+use crate::store::{Buf, MinMaxStore};
+use std::arch::x86_64::*;
+
+/// 16 codes as floats: lane `l` holds code `l % P` of word `l / P` (`P = 16`:
+/// `w0` alone; `P = 8`: `w0`, then `w1`).
+#[inline(always)]
+unsafe fn widen<const P: usize>(w0: u32, w1: u32, sh: __m512i, mask: __m512i) -> __m512 {
+    // SAFETY: AVX-512F is enabled at compile time (the module's cfg).
+    unsafe {
+        let wv = if P == 16 {
+            _mm512_set1_epi32(w0 as i32)
+        } else {
+            _mm512_mask_set1_epi32(_mm512_set1_epi32(w0 as i32), 0xFF00, w1 as i32)
+        };
+        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(wv, sh), mask))
+    }
+}
+
+/// Per-lane shift counts `bits * (l % P)` and the code mask.
+#[inline(always)]
+fn shifts<const P: usize>(bits: u32) -> (__m512i, __m512i) {
+    let sh: [i32; 16] = std::array::from_fn(|l| (bits as usize * (l % P)) as i32);
+    // SAFETY: AVX-512F is enabled at compile time; `sh` holds 16 lanes.
+    unsafe {
+        (
+            _mm512_loadu_si512(sh.as_ptr().cast()),
+            _mm512_set1_epi32((1 << bits) - 1),
+        )
+    }
+}
+
+/// Scales or minimums of a store read in registers (f16 widened exactly by
+/// `vcvtph2ps`), without a conversion pass through memory.
+#[derive(Clone, Copy)]
+enum Raw {
+    H(*const u16),
+    S(*const f32),
+}
+
+impl Raw {
+    fn of(b: &Buf) -> Self {
+        match b {
+            Buf::F16(v) => Raw::H(v.as_ptr().cast()),
+            Buf::F32(v) => Raw::S(v.as_ptr()),
+        }
+    }
+
+    /// 16 values from element `i`.
+    ///
+    /// # Safety
+    /// The buffer holds `i + 16` values.
+    #[inline(always)]
+    unsafe fn ld16(self, i: usize) -> __m512 {
+        // SAFETY: the caller's contract; AVX-512F is on.
+        unsafe {
+            match self {
+                Raw::H(p) => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(i).cast())),
+                Raw::S(p) => _mm512_loadu_ps(p.add(i)),
+            }
+        }
+    }
+
+    /// The value at element `i`.
+    ///
+    /// # Safety
+    /// The buffer holds `i + 1` values.
+    #[inline(always)]
+    unsafe fn get(self, i: usize) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self {
+                Raw::H(p) => half::f16::from_bits(*p.add(i)).to_f32(),
+                Raw::S(p) => *p.add(i),
+            }
+        }
+    }
+
+    /// 8 values from element `i`.
+    ///
+    /// # Safety
+    /// The buffer holds `i + 8` values.
+    #[inline(always)]
+    unsafe fn ld8(self, i: usize) -> __m256 {
+        // SAFETY: the caller's contract; F16C and AVX are on.
+        unsafe {
+            match self {
+                Raw::H(p) => _mm256_cvtph_ps(_mm_loadu_si128(p.add(i).cast())),
+                Raw::S(p) => _mm256_loadu_ps(p.add(i)),
+            }
+        }
+    }
+}
+
+/// [`minikv_core::simd::dot`]'s reduction of its eight lanes:
+/// `((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7))`.
+#[inline(always)]
+fn red8(a: __m256) -> f32 {
+    // SAFETY: AVX is on (the module's cfg).
+    unsafe {
+        let t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let x = _mm_add_ps(t, _mm_movehdup_ps(t));
+        _mm_cvtss_f32(_mm_add_ss(x, _mm_movehl_ps(x, x)))
+    }
+}
+
+/// Whether the 512-bit loops apply: 2- or 4-bit codes, groups of a
+/// multiple of 16 tokens (keys) or channels (values), heads of a multiple of
+/// 16 channels.
+pub(crate) fn applies(bits: u32, group: usize, d: usize) -> bool {
+    matches!(bits, 2 | 4) && group.is_multiple_of(16) && d.is_multiple_of(16)
+}
+
+/// 16-token vectors of key scores per rayon task.
+const SPAN_VECTORS: usize = 64;
+
+thread_local! {
+    /// The key spans' pre-scaled queries (taken out while a span runs, so a
+    /// nested call finds an empty one and allocates its own).
+    static QS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Tokens from which a head's value sums are cut into tasks.
+const SPLIT_TOKENS: usize = 2048;
+
+/// An output pointer that spans of one call share (each writes its own
+/// elements).
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: the pointer is only written through at elements that one task
+// alone owns (the spans' contracts), and the call that hands it out waits for
+// every task.
+unsafe impl Send for Out {}
+// SAFETY: as above.
+unsafe impl Sync for Out {}
+
+mod keys;
+mod values;
+
+#[cfg(test)]
+mod tests;
