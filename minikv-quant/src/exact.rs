@@ -31,7 +31,7 @@ impl MinMaxStore {
             target_feature = "f16c",
             target_feature = "fma"
         ))]
-        if (P == 8 || P == 16) && crate::x86_512::applies(self.q.bits, self.q.group, self.d) {
+        if crate::x86_512::applies(self.q.bits, self.q.group, self.d) {
             return self.scores_channel_512::<P, NG, B>(q, out, stride);
         }
         self.scores_channel_256::<P, NG, B>(q, out, stride)
@@ -133,7 +133,7 @@ impl MinMaxStore {
             target_feature = "f16c",
             target_feature = "fma"
         ))]
-        if (P == 8 || P == 16) && crate::x86_512::applies(self.q.bits, self.q.group, self.d) {
+        if crate::x86_512::applies(self.q.bits, self.q.group, self.d) {
             return self.accumulate_token_512::<P, NG, B>(p, stride, out);
         }
         self.accumulate_token_256::<P, NG, B>(p, stride, out)

@@ -35,14 +35,15 @@ pub(crate) const SEG_TOKENS: usize = 4096;
 
 /// A pointer the segments of one call share; each writes its own elements.
 #[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
+pub(crate) struct SyncPtr(pub(crate) *mut f32);
 // SAFETY: only used for disjoint writes by the segments of one call, which
 // ends before the borrow it came from.
 unsafe impl Send for SyncPtr {}
 // SAFETY: as above.
 unsafe impl Sync for SyncPtr {}
 impl SyncPtr {
-    fn get(self) -> *mut f32 {
+    /// The pointer.
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
@@ -139,12 +140,12 @@ pub(crate) fn dot16(a: &[f32], b: &[f32]) -> f32 {
 
 /// Takes a thread-local scratch buffer out for one call (a nested call on
 /// this thread, run while it waits for its segments, gets an empty one).
-fn take<T>(key: &'static LocalKey<RefCell<Vec<T>>>) -> Vec<T> {
+pub(crate) fn take<T>(key: &'static LocalKey<RefCell<Vec<T>>>) -> Vec<T> {
     key.with(|c| std::mem::take(&mut *c.borrow_mut()))
 }
 
 /// Puts a buffer from [`take`] back, keeping the larger of the two.
-fn give_back<T>(key: &'static LocalKey<RefCell<Vec<T>>>, v: Vec<T>) {
+pub(crate) fn give_back<T>(key: &'static LocalKey<RefCell<Vec<T>>>, v: Vec<T>) {
     key.with(|c| {
         let mut c = c.borrow_mut();
         if c.len() < v.len() {
@@ -379,4 +380,4 @@ mod values;
 
 #[cfg(test)]
 #[path = "int8_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -9,7 +9,8 @@ fn store(axis: Axis, bits: u32, group: usize, d: usize, n: usize, seed: u64) -> 
     store_as(axis, bits, group, d, n, seed, ScaleDtype::F16)
 }
 
-fn store_as(
+/// A store of `n` random rows in `[-1, 1)` (int8 arithmetic; see [`exact`]).
+pub(crate) fn store_as(
     axis: Axis,
     bits: u32,
     group: usize,
@@ -32,7 +33,8 @@ fn store_as(
     st
 }
 
-fn exact(st: &MinMaxStore) -> MinMaxStore {
+/// The same store with exact arithmetic.
+pub(crate) fn exact(st: &MinMaxStore) -> MinMaxStore {
     let mut e = st.clone();
     e.q.arithmetic = Arithmetic::Exact;
     e

@@ -39,25 +39,10 @@ unsafe fn key_vectors<const P: usize, const NG: usize, const B: usize, const V: 
                 }
             }
         };
-        let whole = d / B * B;
-        let mut c = 0;
-        while c < whole {
-            for (i, bank) in acc.iter_mut().enumerate() {
-                step(bank, c + i);
-            }
-            c += B;
-        }
-        while c < d {
-            step(&mut acc[0], c);
-            c += 1;
-        }
+        in_banks(&mut acc, (0, d / B * B, d), step);
         for v in 0..V {
             for j in 0..NG {
-                let mut x = acc[0][v][j];
-                for bank in &acc[1..] {
-                    x = _mm512_add_ps(x, bank[v][j]);
-                }
-                x = _mm512_add_ps(x, _mm512_set1_ps(bias[v][j]));
+                let x = bank_sum(&acc, (v, j), bias[v][j]);
                 _mm512_storeu_ps(out[j].add(16 * v), x);
             }
         }
@@ -80,7 +65,7 @@ impl MinMaxStore {
         use rayon::prelude::*;
         let nv = self.len / 16;
         assert!(q.len() >= NG * self.d && out.len() >= (NG - 1) * stride + 16 * nv);
-        let base = Out(out.as_mut_ptr());
+        let base = SyncPtr(out.as_mut_ptr());
         let spans = nv.div_ceil(SPAN_VECTORS);
         let span = |i: usize| {
             let v1 = ((i + 1) * SPAN_VECTORS).min(nv);
@@ -103,7 +88,7 @@ impl MinMaxStore {
     unsafe fn key_span<const P: usize, const NG: usize, const B: usize>(
         &self,
         q: &[f32],
-        out: Out,
+        out: SyncPtr,
         stride: usize,
         mut v0: usize,
         v1: usize,
@@ -113,7 +98,7 @@ impl MinMaxStore {
         // the (at most four, consecutive) groups of the vectors in flight:
         // slot `s` holds group `first + s`.
         let mut bias = [[0.0f32; NG]; 4];
-        let mut qbuf = QS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        let mut qbuf = take(&QS);
         qbuf.resize(4 * NG * d, 0.0);
         let qs = qbuf.as_mut_ptr();
         let (rs, rm) = (Raw::of(&self.scale[0]), Raw::of(&self.min[0]));
@@ -174,7 +159,7 @@ impl MinMaxStore {
             prepare(first, src[m - 1] + 1, &mut bias);
             // SAFETY: within `out`'s rows (the caller's contract).
             let o: [*mut f32; NG] =
-                std::array::from_fn(|j| unsafe { out.0.add(j * stride + 16 * v0) });
+                std::array::from_fn(|j| unsafe { out.get().add(j * stride + 16 * v0) });
             macro_rules! run {
                 ($v:literal) => {
                     // SAFETY: AVX-512F is enabled (the module's cfg); the
@@ -200,6 +185,6 @@ impl MinMaxStore {
             }
             v0 += m;
         }
-        QS.with(|c| *c.borrow_mut() = qbuf);
+        give_back(&QS, qbuf);
     }
 }

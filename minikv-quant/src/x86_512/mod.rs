@@ -1,6 +1,6 @@
 //! The exact (f32) fused decode loops on 512-bit registers (compiled when
-//! `target-cpu=native` enables AVX-512F, chosen for group sizes that are a
-//! multiple of 16 and 2- or 4-bit codes).
+//! `target-cpu=native` enables AVX-512F, F16C and FMA; chosen for 2- or 4-bit
+//! codes, groups of a multiple of 16 and heads of a multiple of 16 channels).
 //!
 //! Every output lane goes through the operations of the portable loops in
 //! [`crate::exact`] in the same order (the same fused multiply-adds into the
@@ -8,8 +8,8 @@
 //! the results are bitwise those of the portable and AVX2 loops (tested
 //! in `tests.rs`). What changes is what runs side by side: a register holds 16 lanes
 //! (one 2-bit word, or two 4-bit words of the same group), and the kernels
-//! keep several independent outputs in flight: two 16-token vectors of key
-//! scores, and up to four 16-channel vectors of a value row, so that the FMA
+//! keep several independent outputs in flight: up to four 16-token vectors
+//! of key scores, and up to four 16-channel vectors of a value row, so that the FMA
 //! units see 6-24 independent chains where one output alone is a single
 //! chain over 64 channels or every token (the bank count is fixed by the
 //! results and is small when several query heads share a word).
@@ -20,6 +20,7 @@
 // registers.
 #![allow(clippy::needless_range_loop)]
 
+use crate::int8::{SyncPtr, give_back, take};
 use crate::store::{Buf, MinMaxStore};
 use std::arch::x86_64::*;
 
@@ -125,6 +126,45 @@ fn red8(a: __m256) -> f32 {
     }
 }
 
+/// Steps `from .. to` in banks as the portable loops do: index `i` into
+/// `acc[i % B]` while below `whole` (a multiple of `B`; `from` one too), the
+/// rest into bank 0.
+#[inline(always)]
+fn in_banks<A, const B: usize>(
+    acc: &mut [A; B],
+    (from, whole, to): (usize, usize, usize),
+    mut step: impl FnMut(&mut A, usize),
+) {
+    let mut i = from;
+    while i < to.min(whole) {
+        for (k, bank) in acc.iter_mut().enumerate() {
+            step(bank, i + k);
+        }
+        i += B;
+    }
+    while i < to {
+        step(&mut acc[0], i);
+        i += 1;
+    }
+}
+
+/// Output `(v, j)` of the banks, added in bank order, then `x`.
+#[inline(always)]
+fn bank_sum<const NG: usize, const V: usize, const B: usize>(
+    acc: &[[[__m512; NG]; V]; B],
+    (v, j): (usize, usize),
+    x: f32,
+) -> __m512 {
+    // SAFETY: AVX-512F is enabled at compile time (the module's cfg).
+    unsafe {
+        let mut s = acc[0][v][j];
+        for bank in &acc[1..] {
+            s = _mm512_add_ps(s, bank[v][j]);
+        }
+        _mm512_add_ps(s, _mm512_set1_ps(x))
+    }
+}
+
 /// Whether the 512-bit loops apply: 2- or 4-bit codes, groups of a
 /// multiple of 16 tokens (keys) or channels (values), heads of a multiple of
 /// 16 channels.
@@ -143,17 +183,6 @@ thread_local! {
 
 /// Tokens from which a head's value sums are cut into tasks.
 const SPLIT_TOKENS: usize = 2048;
-
-/// An output pointer that spans of one call share (each writes its own
-/// elements).
-#[derive(Clone, Copy)]
-struct Out(*mut f32);
-// SAFETY: the pointer is only written through at elements that one task
-// alone owns (the spans' contracts), and the call that hands it out waits for
-// every task.
-unsafe impl Send for Out {}
-// SAFETY: as above.
-unsafe impl Sync for Out {}
 
 mod keys;
 mod values;

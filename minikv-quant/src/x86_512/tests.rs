@@ -1,28 +1,20 @@
 //! Tests of the 512-bit exact loops (`x86_512/`).
 
-use crate::store::banks;
-use crate::{Arithmetic, MinMax, MinMaxStore, ScaleDtype};
-use minikv_core::{Axis, QuantStore};
+use crate::ScaleDtype;
+use crate::int8::tests::{exact, store_as};
+use crate::store::{MinMaxStore, banks};
+use minikv_core::Axis;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
+/// An exact store of `n` random rows.
 fn store(axis: Axis, bits: u32, group: usize, d: usize, n: usize, f16: bool) -> MinMaxStore {
-    let mut rng = StdRng::seed_from_u64((bits as u64) << 32 | (d * 1000 + n) as u64);
-    let scale_dtype = if f16 {
+    let dtype = if f16 {
         ScaleDtype::F16
     } else {
         ScaleDtype::F32
     };
-    let q = MinMax {
-        bits,
-        group,
-        axis,
-        scale_dtype,
-        arithmetic: Arithmetic::Exact,
-    };
-    let mut st = MinMaxStore::new(q, d, 64);
-    let x: Vec<f32> = (0..n * d).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-    st.append(&x).unwrap();
-    st
+    let seed = (bits as u64) << 32 | (d * 1000 + n) as u64;
+    exact(&store_as(axis, bits, group, d, n, seed, dtype))
 }
 
 /// The 512-bit loops give bitwise the AVX2 (or portable) results: query

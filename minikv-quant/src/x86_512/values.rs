@@ -49,17 +49,7 @@ unsafe fn value_tile<const P: usize, const NG: usize, const B: usize, const U: u
                 }
             }
         };
-        let mut t = t0;
-        while t < t1.min(whole) {
-            for (i, bank) in acc.iter_mut().enumerate() {
-                step(bank, t + i);
-            }
-            t += B;
-        }
-        while t < t1 {
-            step(&mut acc[0], t);
-            t += 1;
-        }
+        in_banks(acc, (t0, whole, t1), step);
     }
 }
 
@@ -79,11 +69,7 @@ unsafe fn value_flush<const NG: usize, const B: usize, const U: usize>(
     unsafe {
         for u in 0..U {
             for j in 0..NG {
-                let mut x = acc[0][u][j];
-                for bank in &acc[1..] {
-                    x = _mm512_add_ps(x, bank[u][j]);
-                }
-                x = _mm512_add_ps(x, _mm512_set1_ps(macc[u][j]));
+                let x = bank_sum(acc, (u, j), macc[u][j]);
                 let o = out[u].add(j * d);
                 _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), x));
             }
@@ -110,7 +96,7 @@ impl MinMaxStore {
             return; // nothing quantized yet (all tokens still in the residual)
         }
         assert!(p.len() >= (NG - 1) * stride + n && out.len() >= NG * d);
-        let base = Out(out.as_mut_ptr());
+        let base = SyncPtr(out.as_mut_ptr());
         // Vectors a task: as many as keep the accumulators in about 24 of the
         // 32 registers, at most half the row's when the head is long.
         let nvec = d / 16;
@@ -161,7 +147,7 @@ impl MinMaxStore {
         p: &[f32],
         stride: usize,
         u0: usize,
-        out: Out,
+        out: SyncPtr,
     ) -> usize {
         let (d, grp, n) = (self.d, self.q.group, self.len);
         let gi: [usize; U] = std::array::from_fn(|u| 16 * (u0 + u) / grp);
@@ -171,7 +157,7 @@ impl MinMaxStore {
         for u in 1..U {
             src[u] = if gi[u] == gi[u - 1] { src[u - 1] } else { u };
         }
-        let mut tbuf = QS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        let mut tbuf = take(&QS);
         tbuf.resize(U * NG * TILE, 0.0);
         let tile = tbuf.as_mut_ptr();
         let mut macc = [[Dot8::default(); NG]; U];
@@ -200,7 +186,7 @@ impl MinMaxStore {
                         for k in k..m {
                             *aj.add(k) = *pj.add(k) * rs[u].get(t0 + k);
                         }
-                        macc[u][j].add(pj, rm[u], t0, m);
+                        macc[u][j].add(pj, rm[u], t0, m, t1 == n);
                     }
                 }
                 value_tile::<P, NG, B, U>(
@@ -217,11 +203,11 @@ impl MinMaxStore {
             value_flush(
                 &acc,
                 std::array::from_fn(|u| std::array::from_fn(|j| macc[src[u]][j].sum)),
-                std::array::from_fn(|u| out.0.add(16 * (u0 + u))),
+                std::array::from_fn(|u| out.get().add(16 * (u0 + u))),
                 d,
             );
         }
-        QS.with(|c| *c.borrow_mut() = tbuf);
+        give_back(&QS, tbuf);
         U
     }
 }
@@ -236,14 +222,15 @@ struct Dot8 {
 }
 
 impl Dot8 {
-    /// Adds `a[k] * b[i0 + k]` for `k < m` (`minikv_core::simd::dot(a, b)`'s operand
-    /// order); a piece of other than a multiple of 8 is the last one: its
-    /// remainder follows the reduction into `sum`.
+    /// Adds `a[k] * b[i0 + k]` for `k < m` (`minikv_core::simd::dot(a, b)`'s
+    /// operand order); on the `last` piece (the only one whose length may be
+    /// other than a multiple of 8) the lanes are reduced into `sum` and the
+    /// remainder follows.
     ///
     /// # Safety
     /// `a` holds `m` floats, `b` `i0 + m` values.
     #[inline(always)]
-    unsafe fn add(&mut self, a: *const f32, b: Raw, i0: usize, m: usize) {
+    unsafe fn add(&mut self, a: *const f32, b: Raw, i0: usize, m: usize, last: bool) {
         // SAFETY: the caller's contract; AVX2, FMA and F16C are on.
         unsafe {
             let full = m / 8 * 8;
@@ -252,6 +239,9 @@ impl Dot8 {
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(k)), b.ld8(i0 + k), acc);
             }
             _mm256_storeu_ps(self.acc.as_mut_ptr(), acc);
+            if !last {
+                return;
+            }
             let mut s = red8(acc);
             for k in full..m {
                 s += *a.add(k) * b.get(i0 + k);
