@@ -15,7 +15,8 @@
 #      d = 128, 32K tokens) natively; the device's info (driver, image
 #      loaded, registers and local bytes per kernel as the driver reports
 #      them, memory bandwidth bound); prefill with A_cumul at 32K tokens
-#      (tokens/s, attention TFLOP/s);
+#      on tensor cores and on the scalar f32 kernels (tokens/s, attention
+#      TFLOP/s; every prefill check runs on both);
 #   3. ptxas registers and spills (from the bundle, computed at build);
 #   4. decode attention (bench attention, 32/8 heads, d = 128) at 16K and
 #      128K tokens on cuda and on the CPU: us/token and achieved bandwidth
@@ -78,12 +79,12 @@ r = json.load(open(sys.argv[1]))
 i = r.get("info", {})
 print(f"device: {r['device']}  image: {i.get('image')}  bound: {i.get('peak_bandwidth_gb_s')} GB/s  ok: {r['ok']}")
 for c in r["checks"]:
-    errs = {k: v for k, v in c.items() if k.endswith("err") or k.endswith("equal") or k.endswith("values") or k in ("tokens", "t")}
+    errs = {k: v for k, v in c.items() if k.endswith("err") or k.endswith("equal") or k.endswith("values") or k in ("tokens", "t", "path")}
     print(f"  {'ok ' if c['ok'] else 'BAD'} {c['check']}: {errs}")
 print("  registers (driver):", {k: v.get("registers") for k, v in sorted(i.get("kernels", {}).items())})
-p = r["prefill"]
-print(f"  prefill {p['tokens']} tokens (32/8 heads, d=128, A_cumul): {p['tokens_per_s']:.0f} tokens/s, "
-      f"{p['attention_tflop_s']:.1f} attention TFLOP/s")
+for path, p in r["prefill"].items():
+    print(f"  prefill on {path}, {p['tokens']} tokens (32/8 heads, d=128, A_cumul): "
+          f"{p['tokens_per_s']:.0f} tokens/s, {p['attention_tflop_s']:.1f} attention TFLOP/s")
 PY
 
 echo "== ptxas (sm_80, sm_90)"

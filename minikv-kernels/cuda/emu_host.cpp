@@ -11,6 +11,7 @@
 
 #include "emulate.h"
 #include "minikv.cu"
+#include "prefill_mma.cu"
 
 namespace {
 template <class... A, std::size_t... I>
@@ -44,6 +45,10 @@ int mk_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsig
     MK_KERNEL(mk_decode_partial)
     MK_KERNEL(mk_decode_combine)
     MK_KERNEL(mk_scatter)
+    MK_KERNEL(mk_prefill_mma64)
+    MK_KERNEL(mk_column_sums_mma64)
+    MK_KERNEL(mk_prefill_mma128)
+    MK_KERNEL(mk_column_sums_mma128)
 #undef MK_KERNEL
   } catch (const std::exception&) {
     return 3;

@@ -33,6 +33,9 @@
 #include <thread>
 #include <vector>
 
+// Kernels test this to use the emulated forms of instructions the host
+// compiler does not have (tensor-core products, PTX conversions).
+#define MK_EMULATED 1
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -90,6 +93,7 @@ struct Block {
   std::unique_ptr<Barrier> all;
   std::vector<std::unique_ptr<Barrier>> warps;
   std::vector<uint64_t> slots;  // one exchange slot per thread
+  std::vector<uint32_t> wide;   // kWide words per thread (warp_gather)
 };
 inline Block* block = nullptr;
 inline dim3 grid_dim, block_dim, block_idx;
@@ -123,6 +127,22 @@ inline T exchange(T v, unsigned src_lane) {
   T out;
   std::memcpy(&out, &got, sizeof(T));
   return out;
+}
+
+// Words a thread can publish at once through warp_gather.
+inline constexpr unsigned kWide = 8;
+
+// Every lane's `n` (<= kWide) words, gathered for the whole warp:
+// out[l * n + i] = word i of lane l (the emulation of a warp-wide operation
+// such as a tensor-core product, whose operands are spread over the lanes).
+inline void warp_gather(const unsigned* in, unsigned n, unsigned* out) {
+  if (n > kWide) throw std::runtime_error("warp_gather of more than kWide words");
+  Block* b = block;
+  unsigned me = flat(), warp = me / 32, base = warp * 32;
+  std::memcpy(&b->wide[me * kWide], in, n * 4);
+  b->warps[warp]->arrive_and_wait();
+  for (unsigned l = 0; l < 32; ++l) std::memcpy(out + l * n, &b->wide[(base + l) * kWide], n * 4);
+  b->warps[warp]->arrive_and_wait();
 }
 }  // namespace emu
 
@@ -194,6 +214,7 @@ void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
         b.all = std::make_unique<Barrier>(n);
         for (unsigned w = 0; w < n / 32; ++w) b.warps.push_back(std::make_unique<Barrier>(32));
         b.slots.assign(n, 0);
+        b.wide.assign(n * kWide, 0);
         block = &b;
         block_idx = dim3(bx, by, bz);
         if (mode == 1) {

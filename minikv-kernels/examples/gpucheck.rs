@@ -4,9 +4,10 @@
 //! (`tests/parity/mod.rs`) against minikv's CPU reference: the small shapes
 //! that run under emulation in every `cargo test`, then a model's shapes
 //! (32 query / 8 KV heads, d = 128) at `GPUCHECK_TOKENS` tokens (default
-//! 32768). Then it times prefill with `A_cumul` at `GPUCHECK_PREFILL`
-//! tokens (default 32768; host transfers included) and reports tokens/s and
-//! the attention FLOP rate. Prints one JSON report with the device's info
+//! 32768), the prefill on both paths (tensor cores and scalar f32). Then it
+//! times prefill with `A_cumul` at `GPUCHECK_PREFILL` tokens (default 32768;
+//! host transfers included) on both paths and reports tokens/s and the
+//! attention FLOP rate of each. Prints one JSON report with the device's info
 //! (driver, image loaded, registers per kernel, memory bandwidth bound);
 //! exits 1 on a mismatch or when no driver or device is present
 //! (`scripts/gpu-check.sh` runs it). Not run in CI: there is no GPU there;
@@ -16,7 +17,7 @@
 mod parity;
 
 use minikv_core::attention::{AttentionBackend, PrefillArgs};
-use minikv_kernels::CudaBackend;
+use minikv_kernels::{CudaBackend, PrefillPath};
 use serde_json::{Value, json};
 use std::time::Instant;
 
@@ -86,10 +87,19 @@ fn main() {
             };
         let name = dev.name();
         let small = parity::run_all(dev.clone())?;
-        let large = parity::run_large(dev.clone(), env_usize("GPUCHECK_TOKENS", 32768))?;
-        let be = CudaBackend::new(dev);
-        let prefill = time_prefill(&be, env_usize("GPUCHECK_PREFILL", 32768))?;
-        let ok = small.ok() && large.ok() && prefill["finite"] == true;
+        let paths = [PrefillPath::TensorCores, PrefillPath::Scalar];
+        let large = parity::run_large(dev.clone(), env_usize("GPUCHECK_TOKENS", 32768), &paths)?;
+        let be = CudaBackend::new(dev.clone());
+        let scalar = CudaBackend::new(dev).with_prefill_path(PrefillPath::Scalar);
+        let tokens = env_usize("GPUCHECK_PREFILL", 32768);
+        let prefill = json!({
+            "tensor_cores": time_prefill(&be, tokens)?,
+            "scalar": time_prefill(&scalar, tokens)?,
+        });
+        let ok = small.ok()
+            && large.ok()
+            && prefill["tensor_cores"]["finite"] == true
+            && prefill["scalar"]["finite"] == true;
         let checks: Vec<Value> = small.rows.into_iter().chain(large.rows).collect();
         Ok(
             json!({"device": name, "info": info, "ok": ok, "checks": checks,

@@ -133,11 +133,60 @@ struct Rows {
     group: i32,
     scale: f32,
     window: i32,
+    /// Run the tensor-core kernels (`mk_prefill_mma{64,128}`).
+    mma: bool,
 }
 
+/// Which kernels compute prefill attention and `A_cumul`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillPath {
+    /// Tensor-core tiles (`mma.sync.m16n8k16`, fp16 operands, f32
+    /// accumulation; FlashAttention-2's precision) for head dims 64 and 128,
+    /// the scalar f32 kernels for other head dims.
+    #[default]
+    TensorCores,
+    /// The scalar f32 kernels for every head dim (one block per query row).
+    Scalar,
+}
+
+/// Query rows (fwd) or keys (column sums) per block of the tensor-core kernels.
+const MMA_TILE: u32 = 64;
+
 impl Rows {
-    /// `mk_prefill_fwd`: outputs and each row's log-sum-exp.
+    /// Whether `path` runs the tensor-core kernels for head dim `d`.
+    fn use_mma(path: PrefillPath, d: usize) -> bool {
+        path == PrefillPath::TensorCores && (d == 64 || d == 128)
+    }
+
+    /// `mk_prefill_fwd` (or its tensor-core form): outputs and each row's
+    /// log-sum-exp.
     fn forward(&self, dev: &Arc<dyn Device>, v: DevPtr, out: DevPtr, lse: DevPtr) -> Result<()> {
+        if self.mma {
+            let name = if self.d == 64 {
+                "mk_prefill_mma64"
+            } else {
+                "mk_prefill_mma128"
+            };
+            return dev.launch(
+                name,
+                Launch {
+                    grid: ((self.n as u32).div_ceil(MMA_TILE), self.hq as u32, 1),
+                    block: (THREADS, 1, 1),
+                },
+                &[
+                    Arg::Ptr(self.q),
+                    Arg::Ptr(self.k),
+                    Arg::Ptr(v),
+                    Arg::Ptr(out),
+                    Arg::Ptr(lse),
+                    Arg::I32(self.n),
+                    Arg::I32(self.t),
+                    Arg::I32(self.group),
+                    Arg::F32(self.scale),
+                    Arg::I32(self.window),
+                ],
+            );
+        }
         dev.launch(
             "mk_prefill_fwd",
             Launch {
@@ -168,6 +217,33 @@ impl Rows {
         i_begin: i32,
         i_end: i32,
     ) -> Result<()> {
+        if self.mma {
+            let name = if self.d == 64 {
+                "mk_column_sums_mma64"
+            } else {
+                "mk_column_sums_mma128"
+            };
+            return dev.launch(
+                name,
+                Launch {
+                    grid: ((self.t as u32).div_ceil(MMA_TILE), self.hq as u32, 1),
+                    block: (THREADS, 1, 1),
+                },
+                &[
+                    Arg::Ptr(self.q),
+                    Arg::Ptr(self.k),
+                    Arg::Ptr(lse),
+                    Arg::Ptr(cumul),
+                    Arg::I32(self.n),
+                    Arg::I32(self.t),
+                    Arg::I32(self.group),
+                    Arg::F32(self.scale),
+                    Arg::I32(self.window),
+                    Arg::I32(i_begin),
+                    Arg::I32(i_end),
+                ],
+            );
+        }
         dev.launch(
             "mk_column_sums",
             Launch {
@@ -209,6 +285,7 @@ pub struct CudaBackend {
     dev: Arc<dyn Device>,
     storage: DeviceStorage,
     scratch: Mutex<Scratch>,
+    prefill_path: PrefillPath,
 }
 
 impl CudaBackend {
@@ -225,7 +302,23 @@ impl CudaBackend {
             },
             dev,
             scratch: Mutex::default(),
+            prefill_path: PrefillPath::default(),
         }
+    }
+    /// The backend with prefill and `A_cumul` on `path` (the default:
+    /// [`PrefillPath::TensorCores`]).
+    pub fn with_prefill_path(mut self, path: PrefillPath) -> Self {
+        self.prefill_path = path;
+        self
+    }
+    /// Which kernels compute prefill attention and `A_cumul`.
+    pub fn prefill_path(&self) -> PrefillPath {
+        self.prefill_path
+    }
+    /// True when prefill with head dim `d` runs on the tensor-core kernels
+    /// (fp16 operands), false when on the scalar f32 ones.
+    pub fn prefill_on_tensor_cores(&self, d: usize) -> bool {
+        Rows::use_mma(self.prefill_path, d)
     }
     /// The device (behind the upload queue).
     pub fn device(&self) -> &Arc<dyn Device> {
@@ -293,6 +386,7 @@ impl CudaBackend {
             group: int(hq / hkv)?,
             scale: 1.0 / (d as f32).sqrt(),
             window: 0,
+            mma: Rows::use_mma(self.prefill_path, d),
         };
         rows.forward(dev, kp, outp, lsep)?;
         rows.column_sums(dev, lsep, sp, 0, rows.n)?;
@@ -462,6 +556,7 @@ impl AttentionBackend for CudaBackend {
             group: int(group)?,
             scale: 1.0 / (d as f32).sqrt(),
             window: int(a.window.unwrap_or(0))?,
+            mma: Rows::use_mma(self.prefill_path, d),
         };
         rows.forward(dev, vp, op, lp)?;
         if let Some(c) = a.cumulative {

@@ -1,14 +1,23 @@
 //! # minikv-kernels
 //!
 //! minikv's CUDA kernels, in their own crate so that `minikv-core` and every
-//! CPU build never depend on CUDA. The source is one CUDA C file,
-//! `cuda/minikv.cu` ([`nvrtc::SOURCE`]):
+//! CPU build never depend on CUDA. The source is `cuda/minikv.cu` followed by
+//! `cuda/prefill_mma.cu` (one NVRTC program, [`nvrtc::SOURCE`]):
 //!
 //! 1. `mk_prefill_fwd`: prefill flash attention (online softmax over key
 //!    tiles, optional sliding window) that also writes each row's
 //!    log-sum-exp; `mk_column_sums`: MiniKV's `A_cumul` (column sums of the
 //!    causal softmax) with one thread per key, so no two threads write one
 //!    column: no atomics, no races, O(T) extra memory, no T x T matrix;
+//!    for head dims 64 and 128 their tensor-core forms `mk_prefill_mma{64,128}`
+//!    and `mk_column_sums_mma{64,128}` (the default, [`PrefillPath`]):
+//!    FlashAttention-2's tiling (4 warps of 16 query rows, tiles of 64 keys
+//!    staged as fp16 in shared memory, `mma.sync.m16n8k16` with f32
+//!    accumulators, the probabilities reused from registers as the next
+//!    product's operand) and `A_cumul` from the same 16 x 8 tiles of `K Q^T`,
+//!    each lane summing its keys in a fixed order (deterministic, no
+//!    atomics); fp16 operands, so results are within about 1e-3 of the f32
+//!    kernels, FlashAttention-2's precision;
 //! 2. SnapKV window scores: `mk_column_sums` over the last W queries, then
 //!    `mk_pool1d` (max or average, `same` padding);
 //! 3. `mk_quant_keys_channel` / `mk_quant_values_token`: 2/4-bit min-max
@@ -43,20 +52,24 @@
 //!   `__syncthreads`;
 //!   `__shared__` as per-block statics; warp shuffles through a per-warp
 //!   exchange and barrier), and the whole backend runs on it, launch for
-//!   launch as on a GPU (`tests/parity/mod.rs`, `tests/emulated.rs`): prefill outputs
-//!   and `A_cumul` within 1e-4 of the CPU reference (windows, GQA), window
-//!   scores within 1e-4, codes bit-exact with the CPU quantizer (2/4/8 bits,
-//!   both axes), fused decode within 1e-4 over ragged heads with extra
+//!   launch as on a GPU (`tests/parity/mod.rs`, `tests/emulated.rs`):
+//!   prefill outputs and `A_cumul` within 1e-4 of the CPU reference
+//!   (windows, GQA) on the scalar kernels and within 2e-3 (measured 6.2e-4)
+//!   on the tensor-core ones, whose `mma.sync` the emulation computes from
+//!   the fragments' documented layout; window scores within the same
+//!   bounds; codes bit-exact with the CPU quantizer (2/4/8 bits, both axes), fused decode within 1e-4 over ragged heads with extra
 //!   entries, and a whole cache (MiniKV, KIVI, H2O with decode-time
 //!   probabilities) built on the backend against the same cache on the CPU;
 //!   from the CLI, the real model generates with `backend = "cuda-emulated"`.
 //!   The emulated checks also cover a model's shapes (32 query / 8 KV heads,
-//!   d = 128, 32K tokens: many waves of blocks, large offsets), residual
+//!   d = 128, 32K tokens: many waves of blocks, large offsets; the scalar
+//!   prefill there, the tensor-core one only at the small shapes), residual
 //!   rings that wrap hundreds of times against the CPU cache, the upload
 //!   queue's ordering, and the number of host-device calls per decode step.
 //! * **Compiled** (CI, after `scripts/fetch-cuda-tools.sh`): NVRTC 12.9
 //!   compiles every kernel for sm_80 and sm_90 and `ptxas` assembles them
-//!   with at most 64 registers, no spills; CUBINs for sm_80, sm_86, sm_89,
+//!   with no spills, at most 64 registers (the tensor-core prefill: at most
+//!   255 for its fragments in registers); CUBINs for sm_80, sm_86, sm_89,
 //!   sm_90 and sm_100 are made and found by name ([`nvrtc`], the
 //!   `minikv-kernels-check` binary, `tests/nvrtc.rs`).
 //! * **On a GPU: not yet.** No GPU has run these kernels. The run is
@@ -66,11 +79,13 @@
 //!   checked (and under compute-sanitizer when present), reports the
 //!   device's registers and bandwidth bound, decode bandwidth at 16K and
 //!   128K tokens and prefill speed at 32K. The cudarc device code
-//!   ([`cuda`]) is the one part that only a GPU exercises. The kernels are
-//!   written for correctness first: prefill is one block per query row with
-//!   scalar FMAs (no tensor cores) and re-uploads keys and values as f32 per
-//!   call; decode reads codes through per-element dequantization. Their
-//!   speed on a GPU is unmeasured.
+//!   ([`cuda`]) is the one part that only a GPU exercises, and the real
+//!   `mma.sync` instruction against the emulation's reading of its fragment
+//!   layout is the one kernel assumption only a GPU confirms (the GPU check
+//!   runs every prefill check on both paths). Prefill still uploads keys and
+//!   values as f32 per call (the prefill interface takes host slices); decode
+//!   reads codes through per-element dequantization. Their speed on a GPU is
+//!   unmeasured.
 //!
 //! Not implemented by the kernels (clear errors, never a silent CPU
 //! fallback): key-channel pruning (store wrappers), gated extra entries,
@@ -84,7 +99,7 @@
 //!     let err = minikv_kernels::cuda_backend().unwrap_err();
 //!     assert!(err.to_string().contains("CUDA driver"));
 //! }
-//! assert_eq!(minikv_kernels::nvrtc::KERNELS.len(), 8);
+//! assert_eq!(minikv_kernels::nvrtc::KERNELS.len(), 12);
 //! ```
 
 #![warn(missing_docs)]
@@ -97,7 +112,7 @@ pub mod emulated;
 pub mod nvrtc;
 mod store;
 
-pub use backend::{CudaBackend, DeviceStorage};
+pub use backend::{CudaBackend, DeviceStorage, PrefillPath};
 pub use device::{Arg, Batched, Calls, DevBuf, Device, Launch};
 pub use store::{DeviceFpStore, DeviceQuantStore};
 

@@ -12,11 +12,15 @@ use minikv_core::{Error, Result};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
-/// The CUDA C source of every kernel (`cuda/minikv.cu`).
-pub const SOURCE: &str = include_str!("../cuda/minikv.cu");
+/// The CUDA C source of every kernel (`cuda/minikv.cu`, then the
+/// tensor-core prefill of `cuda/prefill_mma.cu`, which uses its helpers).
+pub const SOURCE: &str = concat!(
+    include_str!("../cuda/minikv.cu"),
+    include_str!("../cuda/prefill_mma.cu")
+);
 
 /// The kernels in [`SOURCE`].
-pub const KERNELS: [&str; 8] = [
+pub const KERNELS: [&str; 12] = [
     "mk_prefill_fwd",
     "mk_column_sums",
     "mk_pool1d",
@@ -25,6 +29,10 @@ pub const KERNELS: [&str; 8] = [
     "mk_decode_partial",
     "mk_decode_combine",
     "mk_scatter",
+    "mk_prefill_mma64",
+    "mk_column_sums_mma64",
+    "mk_prefill_mma128",
+    "mk_column_sums_mma128",
 ];
 
 /// Architectures the kernels are compiled and checked for (A100, H100/H200).

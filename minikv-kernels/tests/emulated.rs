@@ -6,7 +6,7 @@
 
 use half::f16;
 use minikv_core::{CacheBuilder, KvCache, ModelSpec, RunConfig};
-use minikv_kernels::backend::WindowPooling;
+use minikv_kernels::backend::{PrefillPath, WindowPooling};
 use minikv_kernels::device::{Arg, Device, Launch};
 use minikv_kernels::emulated::{self, EmuDevice};
 mod parity;
@@ -54,16 +54,28 @@ fn the_backend_matches_the_cpu_reference_under_emulation() {
     for row in &r.rows {
         assert_eq!(row["ok"], true, "{row}");
     }
-    // prefill 4, window scores 2, quantization 7, decode 4.
-    assert_eq!(r.rows.len(), 17);
+    // prefill 9 (6 cases, 3 of them also on tensor cores), window scores 4
+    // (each path), quantization 7, decode 4.
+    assert_eq!(r.rows.len(), 24);
+    let mma = r
+        .rows
+        .iter()
+        .filter(|row| row["path"] == "tensor cores")
+        .count();
+    assert_eq!(
+        mma, 4,
+        "the tensor-core prefill ran on every head dim it takes"
+    );
 }
 
 /// The checks at a model's shapes (32 query / 8 KV heads, d = 128) over
 /// 32K tokens: many waves of blocks and large offsets, which the small
-/// shapes above never reach.
+/// shapes above never reach. The prefill runs on the scalar kernels here:
+/// on tensor cores this shape is about 12 million warp-wide products, hours
+/// under the emulation (the GPU check runs both paths at this shape).
 #[test]
 fn the_backend_matches_the_cpu_reference_at_32k_tokens() {
-    let r = parity::run_large(EmuDevice::new(), 32768).unwrap();
+    let r = parity::run_large(EmuDevice::new(), 32768, &[PrefillPath::Scalar]).unwrap();
     for row in &r.rows {
         assert_eq!(row["ok"], true, "{row}");
     }
@@ -119,6 +131,8 @@ impl Device for Skipping {
 fn the_parity_checks_catch_a_missing_kernel() {
     for (skip, check) in [
         ("mk_column_sums", "prefill + A_cumul"),
+        ("mk_column_sums_mma64", "prefill + A_cumul"),
+        ("mk_prefill_mma128", "prefill + A_cumul"),
         ("mk_pool1d", "window scores"),
         ("mk_quant_values_token", "quantize and pack"),
         ("mk_decode_combine", "fused decode"),

@@ -11,6 +11,10 @@ use std::process::Command;
 /// no spills, at most 64 bytes of stack.
 const MAX_REGISTERS: u64 = 64;
 const MAX_STACK: u64 = 64;
+/// The tensor-core prefill keeps a warp's query (or key) fragments, score
+/// tile and output accumulators in registers (d = 128: 32 + 32 + 64 words
+/// per lane), as FlashAttention-2 does: the hardware's 255, no spills.
+const MAX_REGISTERS_MMA: u64 = 255;
 
 #[test]
 fn kernels_compile_with_nvrtc_and_assemble_within_limits() {
@@ -44,7 +48,12 @@ fn kernels_compile_with_nvrtc_and_assemble_within_limits() {
             let regs = e["registers"]
                 .as_u64()
                 .unwrap_or_else(|| panic!("{arch} {k}: {e}"));
-            assert!(regs <= MAX_REGISTERS, "{arch} {k}: {regs} registers");
+            let limit = if k.contains("_mma") {
+                MAX_REGISTERS_MMA
+            } else {
+                MAX_REGISTERS
+            };
+            assert!(regs <= limit, "{arch} {k}: {regs} registers");
             assert_eq!(e["spill_stores"], 0, "{arch} {k}: {e}");
             assert_eq!(e["spill_loads"], 0, "{arch} {k}: {e}");
             assert!(

@@ -5,10 +5,11 @@
 //! (the CPU reference of the packing) is only a dev-dependency.
 //!
 //! * prefill outputs and `A_cumul` (GQA, sliding windows, `A_cumul` added to
-//!   what is there) against [`ReferenceBackend`] (f64), within 1e-4 of the
-//!   largest value;
+//!   what is there) against [`ReferenceBackend`] (f64), on both prefill
+//!   paths: the scalar f32 kernels within 1e-4 of the largest value, the
+//!   tensor-core ones (fp16 operands) within [`TOL_MMA`];
 //! * SnapKV window scores (max and average pooling) against the reference
-//!   backend's column sums pooled on the host, within 1e-4;
+//!   backend's column sums pooled on the host, within the same bounds;
 //! * quantization: words equal to [`minikv_quant::quantize_row`] packed by
 //!   [`minikv_quant::pack`], scales and minimums equal to its rounded ones,
 //!   dequantized rows bit-equal to the CPU store's, at 2/4/8 bits, both
@@ -26,13 +27,29 @@ use minikv_core::attention::{
 use minikv_core::storage::{FpStore, StorageFactory};
 use minikv_core::{Axis, QuantStore, Quantizer, Result};
 use minikv_kernels::Device;
-use minikv_kernels::backend::{CudaBackend, WindowPooling};
+use minikv_kernels::backend::{CudaBackend, PrefillPath, WindowPooling};
 use minikv_quant::{MinMax, ScaleDtype, pack, quantize_row};
 use serde_json::{Value, json};
 use std::sync::Arc;
 
 /// Tolerance relative to the largest reference value.
 pub const TOL: f32 = 1e-4;
+/// Prefill on tensor cores: queries, keys, values and probabilities enter
+/// the products as fp16 (relative rounding 2^-11 each), so scores move by
+/// about 2^-11 x |q| |k| / sqrt(d) and outputs by the same order relative to
+/// the largest value. Measured on these shapes (emulation): outputs at most
+/// 6.2e-4, `A_cumul` 1.2e-4, window scores 1.9e-4.
+pub const TOL_MMA: f32 = 2e-3;
+
+/// The bound for prefill results of `be` at head dim `d`.
+pub fn prefill_tol(be: &CudaBackend, d: usize) -> f32 {
+    if be.prefill_on_tensor_cores(d) {
+        TOL_MMA
+    } else {
+        TOL
+    }
+}
+
 /// Fused decode: the largest output error relative to the largest value
 /// magnitude (outputs that cancel to a small fraction of the values, as
 /// over thousands of random tokens, are measured on the values' scale).
@@ -86,11 +103,14 @@ impl Report {
 
 /// Runs every check on `dev` (small shapes: a few blocks per launch).
 pub fn run_all(dev: Arc<dyn Device>) -> Result<Report> {
+    let scalar = CudaBackend::new(dev.clone()).with_prefill_path(PrefillPath::Scalar);
     let be = CudaBackend::new(dev);
     let mut r = Report::default();
     let mut seed = 7u64;
+    // Head dims 64 and 128 also run on tensor cores: several row blocks,
+    // key counts off the 64-key tile, windows, and rows = keys.
     prefill(
-        &be,
+        &[&scalar, &be],
         &mut seed,
         &mut r,
         &[
@@ -98,8 +118,11 @@ pub fn run_all(dev: Arc<dyn Device>) -> Result<Report> {
             (6, 2, 40, 170, 64, 0),
             (4, 1, 33, 33, 256, 7),
             (2, 2, 130, 300, 32, 64),
+            (4, 2, 70, 200, 128, 50),
+            (2, 1, 130, 130, 64, 0),
         ],
     )?;
+    window_scores(&scalar, &mut seed, &mut r)?;
     window_scores(&be, &mut seed, &mut r)?;
     quantization(&be, &mut seed, &mut r)?;
     decode(&be, &mut seed, &mut r, small_decode_cases())?;
@@ -110,11 +133,18 @@ pub fn run_all(dev: Arc<dyn Device>) -> Result<Report> {
 /// dimension 128, `tokens` keys (many waves of blocks, offsets past 2^27
 /// elements): the last rows of a long prefill with `A_cumul`, and fused
 /// 2-bit decode over ragged heads, the longest `tokens` long.
-pub fn run_large(dev: Arc<dyn Device>, tokens: usize) -> Result<Report> {
-    let be = CudaBackend::new(dev);
+/// The prefill runs on `paths` (the tensor-core one at this shape means
+/// millions of warp-wide products: minutes under the emulation).
+pub fn run_large(dev: Arc<dyn Device>, tokens: usize, paths: &[PrefillPath]) -> Result<Report> {
+    let be = CudaBackend::new(dev.clone());
     let mut r = Report::default();
     let mut seed = 17u64;
-    prefill(&be, &mut seed, &mut r, &[(32, 8, 4, tokens, 128, 0)])?;
+    let on: Vec<CudaBackend> = paths
+        .iter()
+        .map(|&p| CudaBackend::new(dev.clone()).with_prefill_path(p))
+        .collect();
+    let on: Vec<&CudaBackend> = on.iter().collect();
+    prefill(&on, &mut seed, &mut r, &[(32, 8, 4, tokens, 128, 0)])?;
     let heads: Vec<(usize, usize, usize, usize)> = (0..8)
         .map(|i| {
             // Ragged: the longest head holds `tokens`, the others less; a
@@ -139,7 +169,14 @@ pub fn run_large(dev: Arc<dyn Device>, tokens: usize) -> Result<Report> {
 /// (query heads, KV heads, rows, keys, head dim, window).
 type PrefillCase = (usize, usize, usize, usize, usize, usize);
 
-fn prefill(be: &CudaBackend, seed: &mut u64, r: &mut Report, cases: &[PrefillCase]) -> Result<()> {
+/// Each case on each backend of `on` (a backend whose path at that head dim
+/// is another's is skipped: the scalar kernels run once).
+fn prefill(
+    on: &[&CudaBackend],
+    seed: &mut u64,
+    r: &mut Report,
+    cases: &[PrefillCase],
+) -> Result<()> {
     for &(hq, hkv, n, t, d, window) in cases {
         let q = rand_vec(seed, hq * n * d, 2.0);
         let k = rand_vec(seed, hkv * t * d, 2.0);
@@ -164,16 +201,30 @@ fn prefill(be: &CudaBackend, seed: &mut u64, r: &mut Report, cases: &[PrefillCas
             })?;
             Ok((out, cu))
         };
-        let (go, gc) = run(be)?;
         let (ro, rc) = run(&ReferenceBackend)?;
-        let (eo, ec) = (max_rel_err(&go, &ro), max_rel_err(&gc, &rc));
-        r.push(
-            eo <= TOL && ec <= TOL,
-            json!({"check": "prefill + A_cumul", "hq": hq, "hkv": hkv, "n": n, "t": t, "d": d,
-                   "window": window, "out_err": eo, "cumul_err": ec}),
-        );
+        let mut seen = Vec::new();
+        for be in on {
+            let mma = be.prefill_on_tensor_cores(d);
+            if seen.contains(&mma) {
+                continue;
+            }
+            seen.push(mma);
+            let (go, gc) = run(*be)?;
+            let (eo, ec) = (max_rel_err(&go, &ro), max_rel_err(&gc, &rc));
+            let tol = prefill_tol(be, d);
+            r.push(
+                eo <= tol && ec <= tol,
+                json!({"check": "prefill + A_cumul", "path": path_name(mma), "hq": hq,
+                       "hkv": hkv, "n": n, "t": t, "d": d, "window": window,
+                       "out_err": eo, "cumul_err": ec, "tol": tol}),
+            );
+        }
     }
     Ok(())
+}
+
+fn path_name(mma: bool) -> &'static str {
+    if mma { "tensor cores" } else { "scalar" }
 }
 
 /// Pooling with `same` padding (max: -inf padding; average: zeros counted).
@@ -235,9 +286,10 @@ fn window_scores(be: &CudaBackend, seed: &mut u64, r: &mut Report) -> Result<()>
             .flat_map(|h| pool(&cu[h * t..h * t + p], kernel, max))
             .collect();
         let e = max_rel_err(&got, &want);
+        let tol = prefill_tol(be, d);
         r.push(
-            e <= TOL,
-            json!({"check": "window scores", "hq": hq, "t": t, "d": d, "w": w, "kernel": kernel,
+            e <= tol,
+            json!({"check": "window scores", "path": path_name(be.prefill_on_tensor_cores(d)), "hq": hq, "t": t, "d": d, "w": w, "kernel": kernel,
                    "pooling": if max { "max" } else { "avg" }, "err": e}),
         );
     }

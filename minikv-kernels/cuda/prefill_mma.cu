@@ -1,0 +1,305 @@
+// Prefill on tensor cores: tiled flash attention (FlashAttention-2's loop
+// order) with `mma.sync.m16n8k16` products, and the causal softmax's column
+// sums (A_cumul) from the same tiles. Appended to minikv.cu (one source for
+// NVRTC; emu_host.cpp includes both), so it uses that file's helpers.
+//
+// Arithmetic: queries (times 1/sqrt(d)), keys, values and the probabilities
+// enter the products as fp16 (round to nearest even), products accumulate in
+// f32, softmax and its sums are f32: the precision of FlashAttention-2 with
+// fp16 inputs. The scalar kernels of minikv.cu stay for head dims other than
+// 64 and 128 and as the f32 baseline.
+//
+// A block is 4 warps; warp w owns 16 query rows (fwd) or 16 keys (column
+// sums). Tiles of 64 keys (fwd) or 64 queries (column sums) are staged in
+// shared memory as fp16, rows padded by 8 halves. The order of every sum is
+// fixed (no atomics): results are deterministic.
+
+#define MK_MMA_TILE 64
+#define MK_MMA_PAD 8
+
+// One fp16 (bits) of `f`, round to nearest even: the hardware conversion on a
+// GPU, minikv.cu's bitwise-equal software one under the emulation.
+__device__ __forceinline__ unsigned mk_h(float f) {
+#ifdef MK_EMULATED
+  return mk_f2h(f);
+#else
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#endif
+}
+
+// Two fp16 in one word, `lo` in the low half (an .f16x2 register).
+__device__ __forceinline__ unsigned mk_pack(float lo, float hi) { return mk_h(lo) | (mk_h(hi) << 16); }
+
+// D += A B for one warp: A 16x16 fp16 (row-major), B 16x8 fp16 (column-major),
+// D 16x8 f32 (PTX `mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`).
+// Fragments, with g = lane / 4 and c = lane % 4 (PTX ISA, "Matrix Fragments
+// for mma.m16n8k16 with floating point type"): a[0] = A[g][2c, 2c+1],
+// a[1] = A[g+8][2c, 2c+1], a[2] = A[g][2c+8, 2c+9], a[3] = A[g+8][2c+8, 2c+9];
+// b[0] = B[2c, 2c+1][g], b[1] = B[2c+8, 2c+9][g]; d[0], d[1] = D[g][2c, 2c+1],
+// d[2], d[3] = D[g+8][2c, 2c+1]. Every lane of the warp takes part.
+__device__ __forceinline__ void mk_mma(float* d, const unsigned* a, const unsigned* b) {
+#ifdef MK_EMULATED
+  unsigned mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  unsigned all[32 * 6];
+  emu::warp_gather(mine, 6, all);
+  int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  auto half_of = [](unsigned w, int k) { return mk_h2f((unsigned short)(k % 2 ? w >> 16 : w & 0xffffu)); };
+  // Rows g and g + 8 of A, columns 2c and 2c + 1 of B, from the lanes that hold them.
+  float ar[2][16], bc[2][16];
+  for (int k = 0; k < 16; ++k) {
+    for (int i = 0; i < 2; ++i) {
+      int r = g + 8 * i, n = 2 * c + i;
+      ar[i][k] = half_of(all[((r % 8) * 4 + (k % 8) / 2) * 6 + (r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k);
+      bc[i][k] = half_of(all[(n * 4 + (k % 8) / 2) * 6 + 4 + (k >= 8 ? 1 : 0)], k);
+    }
+  }
+  for (int e = 0; e < 4; ++e) {
+    float s = 0.f;
+    for (int k = 0; k < 16; ++k) s += ar[e / 2][k] * bc[e % 2][k];  // fp16 products are exact in f32
+    d[e] += s;
+  }
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// A fragments of 16 rows x D channels of a row-major f32 matrix (`rows` valid
+// rows from `base`, zeros after), times `mul`, as fp16: frag[kc] covers
+// channels 16 kc .. 16 kc + 15.
+template <int D>
+__device__ __forceinline__ void mk_a_frags(unsigned (*frag)[4], const float* base, int rows, float mul) {
+  int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      int row = g + (r % 2) * 8, col = kc * 16 + 2 * c + (r / 2) * 8;
+      float x = 0.f, y = 0.f;
+      if (row < rows) {
+        x = base[(mk_size)row * D + col] * mul;
+        y = base[(mk_size)row * D + col + 1] * mul;
+      }
+      frag[kc][r] = mk_pack(x, y);
+    }
+}
+
+// Stages rows [r0, r0 + 64) of a row-major f32 [.][D] matrix (rows >= `rows`
+// as zeros), times `mul`, as fp16 into shared `dst` [64][D + PAD] and/or
+// transposed into `dt` [D][64 + PAD] (either may be null).
+template <int D>
+__device__ __forceinline__ void mk_stage(unsigned short* dst, unsigned short* dt, const float* src,
+                                         int r0, int rows, float mul) {
+  for (int e = threadIdx.x; e < MK_MMA_TILE * D / 2; e += blockDim.x) {
+    int r = e / (D / 2), c = 2 * (e % (D / 2));
+    float x = 0.f, y = 0.f;
+    if (r0 + r < rows) {
+      x = src[(mk_size)(r0 + r) * D + c] * mul;
+      y = src[(mk_size)(r0 + r) * D + c + 1] * mul;
+    }
+    unsigned hx = mk_h(x), hy = mk_h(y);
+    if (dst) {
+      dst[r * (D + MK_MMA_PAD) + c] = (unsigned short)hx;
+      dst[r * (D + MK_MMA_PAD) + c + 1] = (unsigned short)hy;
+    }
+    if (dt) {
+      dt[c * (MK_MMA_TILE + MK_MMA_PAD) + r] = (unsigned short)hx;
+      dt[(c + 1) * (MK_MMA_TILE + MK_MMA_PAD) + r] = (unsigned short)hy;
+    }
+  }
+}
+
+// Two consecutive fp16 of shared memory as one word (the index is even).
+__device__ __forceinline__ unsigned mk_word(const unsigned short* s, int i) {
+  return (unsigned)s[i] | ((unsigned)s[i + 1] << 16);
+}
+
+// Whether query position `pos` sees key `j` (causal, optional window).
+__device__ __forceinline__ bool mk_sees(int pos, int j, int window) {
+  return j <= pos && (window <= 0 || j > pos - window);
+}
+
+// 5a. Tensor-core prefill: block (64 query rows, query head h); outputs and
+// each row's log-sum-exp (of the scaled scores), as mk_prefill_fwd.
+template <int D>
+__device__ void mk_prefill_mma(const float* q, const float* k, const float* v, float* out,
+                               float* lse, int n, int t, int group, float scale, int window) {
+  constexpr int LK = D + MK_MMA_PAD, LV = MK_MMA_TILE + MK_MMA_PAD, NT = D / 8;
+  __shared__ unsigned short sk[MK_MMA_TILE * LK];
+  __shared__ unsigned short svt[D * LV];
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
+  int h = blockIdx.y, i0 = blockIdx.x * MK_MMA_TILE + warp * 16;
+  const float* kh = k + (mk_size)(h / group) * t * D;
+  const float* vh = v + (mk_size)(h / group) * t * D;
+  unsigned qa[D / 16][4];
+  int left = n - i0;
+  mk_a_frags<D>(qa, q + ((mk_size)h * n + (i0 < n ? i0 : 0)) * D, left > 0 ? left : 0, scale);
+  float o[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m[2] = {-MK_INF, -MK_INF}, l[2] = {0.f, 0.f};
+  int pos[2] = {t - n + i0 + g, t - n + i0 + g + 8};
+  // Keys the block's rows see: from the first row's lowest to the last row's position.
+  int first = t - n + blockIdx.x * MK_MMA_TILE;
+  int last = first + MK_MMA_TILE - 1 < t - 1 ? first + MK_MMA_TILE - 1 : t - 1;
+  int jlo = window > 0 && first + 1 - window > 0 ? first + 1 - window : 0;
+  for (int j0 = jlo; j0 <= last; j0 += MK_MMA_TILE) {
+    __syncthreads();  // the previous tile is no longer read
+    mk_stage<D>(sk, nullptr, kh, j0, t, 1.f);
+    mk_stage<D>(nullptr, svt, vh, j0, t, 1.f);  // V transposed: B fragments of P V
+    __syncthreads();
+    float s[MK_MMA_TILE / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) {
+        unsigned b[2] = {mk_word(sk, (nt * 8 + g) * LK + kc * 16 + 2 * c),
+                         mk_word(sk, (nt * 8 + g) * LK + kc * 16 + 2 * c + 8)};
+        mk_mma(s[nt], qa[kc], b);
+      }
+    }
+    // Online softmax per row (row r of this lane: g + 8r); a row's 64 scores
+    // sit in the 4 lanes of its group.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = m[r];
+#pragma unroll
+      for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          int j = j0 + nt * 8 + 2 * c + e;
+          float& x = s[nt][2 * r + e];
+          if (j >= t || !mk_sees(pos[r], j, window)) x = -MK_INF;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      float base = mx == -MK_INF ? 0.f : mx;
+      float alpha = __expf(m[r] - base);
+      l[r] *= alpha;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        o[j][2 * r] *= alpha;
+        o[j][2 * r + 1] *= alpha;
+      }
+      m[r] = mx;
+#pragma unroll
+      for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float p = __expf(s[nt][2 * r + e] - base);
+          s[nt][2 * r + e] = p;
+          l[r] += p;
+        }
+    }
+    // O += P V: P's accumulator tiles 2kc, 2kc + 1 are the A fragment of keys
+    // 16 kc .. 16 kc + 15 (FlashAttention-2's register reuse).
+#pragma unroll
+    for (int kc = 0; kc < MK_MMA_TILE / 16; ++kc) {
+      unsigned pa[4] = {mk_pack(s[2 * kc][0], s[2 * kc][1]), mk_pack(s[2 * kc][2], s[2 * kc][3]),
+                        mk_pack(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                        mk_pack(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        unsigned b[2] = {mk_word(svt, (j * 8 + g) * LV + kc * 16 + 2 * c),
+                         mk_word(svt, (j * 8 + g) * LV + kc * 16 + 2 * c + 8)};
+        mk_mma(o[j], pa, b);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    int i = i0 + g + 8 * r;
+    if (i >= n) continue;
+    float* oi = out + ((mk_size)h * n + i) * D;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      oi[j * 8 + 2 * c] = o[j][2 * r] / l[r];
+      oi[j * 8 + 2 * c + 1] = o[j][2 * r + 1] / l[r];
+    }
+    if (c == 0) lse[(mk_size)h * n + i] = m[r] + __logf(l[r]);
+  }
+}
+
+// 5b. A_cumul on tensor cores: block (64 keys, query head h) adds to each of
+// its keys j the sum, over rows i in [i_begin, i_end) that see j, of
+// exp(s_ij - lse_i), as mk_column_sums. Warp w owns keys 16w .. 16w + 15 of
+// the block and computes S^T = K Q^T per tile of 64 rows; a lane sums its two
+// keys' entries, and the 4 lanes of a key are added in a fixed order at the end.
+template <int D>
+__device__ void mk_column_sums_mma(const float* q, const float* k, const float* lse, float* cumul,
+                                   int n, int t, int group, float scale, int window, int i_begin,
+                                   int i_end) {
+  constexpr int LK = D + MK_MMA_PAD;
+  __shared__ unsigned short sq[MK_MMA_TILE * LK];
+  __shared__ float sl[MK_MMA_TILE];
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
+  int h = blockIdx.y, kb = blockIdx.x * MK_MMA_TILE, j0 = kb + warp * 16;
+  const float* qh = q + (mk_size)h * n * D;
+  const float* lh = lse + (mk_size)h * n;
+  unsigned ka[D / 16][4];
+  int left = t - j0;
+  mk_a_frags<D>(ka, k + ((mk_size)(h / group) * t + (j0 < t ? j0 : 0)) * D, left > 0 ? left : 0, 1.f);
+  float acc[2] = {0.f, 0.f};
+  int key[2] = {j0 + g, j0 + g + 8};
+  // Rows that see a key of the block: position >= kb and, with a window,
+  // position < kb + 63 + window (row i sits at position t - n + i).
+  int ib = kb - (t - n) > i_begin ? kb - (t - n) : i_begin;
+  int ie = i_end;
+  if (window > 0 && kb + MK_MMA_TILE - 1 + window - (t - n) < ie) ie = kb + MK_MMA_TILE - 1 + window - (t - n);
+  for (int r0 = ib; r0 < ie; r0 += MK_MMA_TILE) {
+    __syncthreads();  // the previous tile is no longer read
+    mk_stage<D>(sq, nullptr, qh, r0, ie, scale);
+    for (int e = threadIdx.x; e < MK_MMA_TILE; e += blockDim.x) sl[e] = r0 + e < ie ? lh[r0 + e] : 0.f;
+    __syncthreads();
+#pragma unroll
+    for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt) {
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) {
+        unsigned b[2] = {mk_word(sq, (nt * 8 + g) * LK + kc * 16 + 2 * c),
+                         mk_word(sq, (nt * 8 + g) * LK + kc * 16 + 2 * c + 8)};
+        mk_mma(s, ka[kc], b);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int i = r0 + nt * 8 + 2 * c + e % 2, j = key[e / 2];
+        if (i < ie && j < t && mk_sees(t - n + i, j, window))
+          acc[e / 2] += __expf(s[e] - sl[i - r0]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 1);
+    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 2);
+    if (c == 0 && key[r] < t) cumul[(mk_size)h * t + key[r]] += acc[r];
+  }
+}
+
+// The launchable instances (head dims 64 and 128; grid: fwd (ceil(n / 64),
+// Hq), column sums (ceil(t / 64), Hq); 128 threads).
+#define MK_PREFILL_MMA(D)                                                                      \
+  extern "C" __global__ void mk_prefill_mma##D(const float* __restrict__ q,                    \
+                                               const float* __restrict__ k,                    \
+                                               const float* __restrict__ v,                    \
+                                               float* __restrict__ out, float* __restrict__ lse, \
+                                               int n, int t, int group, float scale, int window) { \
+    mk_prefill_mma<D>(q, k, v, out, lse, n, t, group, scale, window);                          \
+  }                                                                                            \
+  extern "C" __global__ void mk_column_sums_mma##D(                                            \
+      const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ lse, \
+      float* __restrict__ cumul, int n, int t, int group, float scale, int window, int i_begin, \
+      int i_end) {                                                                             \
+    mk_column_sums_mma<D>(q, k, lse, cumul, n, t, group, scale, window, i_begin, i_end);       \
+  }
+MK_PREFILL_MMA(64)
+MK_PREFILL_MMA(128)
