@@ -2,7 +2,9 @@
 //! through minikv.cu's kernels on any [`Device`], with device-resident
 //! stores created by its storage factory.
 
-use crate::device::{Arg, Batched, Calls, DevPtr, Device, Launch, Scratch, err, int};
+use crate::device::{Arg, Batched, Calls, Device, Launch, Scratch, err, int};
+pub use crate::prefill::PrefillPath;
+use crate::prefill::Rows;
 use crate::store::{DeviceFpStore, DeviceQuantStore, Staging};
 use minikv_core::attention::{
     AttentionBackend, DecodeArgs, PrefillArgs, check_decode, check_prefill,
@@ -12,7 +14,7 @@ use minikv_core::{Axis, Error, QuantStore, Quantizer, Result};
 use std::sync::{Arc, Mutex};
 
 /// Threads per block of the attention kernels (`MK_THREADS`).
-const THREADS: u32 = 128;
+pub(crate) const THREADS: u32 = 128;
 /// Largest head dimension the kernels take (`MK_MAX_D`).
 pub const MAX_HEAD_DIM: usize = 256;
 /// Tokens per split of the fused decode (flash-decoding).
@@ -118,153 +120,6 @@ impl StorageFactory for DeviceStorage {
             head_dim,
             page_tokens,
         )?))
-    }
-}
-
-/// One prefill-shaped attention on the device: `hq` query heads of `n`
-/// rows `q [Hq][n][d]` at the last `n` of `t` positions, keys `[Hkv][t][d]`.
-struct Rows {
-    q: DevPtr,
-    k: DevPtr,
-    hq: usize,
-    n: i32,
-    t: i32,
-    d: i32,
-    group: i32,
-    scale: f32,
-    window: i32,
-    /// Run the tensor-core kernels (`mk_prefill_mma{64,128}`).
-    mma: bool,
-}
-
-/// Which kernels compute prefill attention and `A_cumul`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PrefillPath {
-    /// Tensor-core tiles (`mma.sync.m16n8k16`, fp16 operands, f32
-    /// accumulation; FlashAttention-2's precision) for head dims 64 and 128,
-    /// the scalar f32 kernels for other head dims.
-    #[default]
-    TensorCores,
-    /// The scalar f32 kernels for every head dim (one block per query row).
-    Scalar,
-}
-
-/// Query rows (fwd) or keys (column sums) per block of the tensor-core kernels.
-const MMA_TILE: u32 = 64;
-
-impl Rows {
-    /// Whether `path` runs the tensor-core kernels for head dim `d`.
-    fn use_mma(path: PrefillPath, d: usize) -> bool {
-        path == PrefillPath::TensorCores && (d == 64 || d == 128)
-    }
-
-    /// `mk_prefill_fwd` (or its tensor-core form): outputs and each row's
-    /// log-sum-exp.
-    fn forward(&self, dev: &Arc<dyn Device>, v: DevPtr, out: DevPtr, lse: DevPtr) -> Result<()> {
-        if self.mma {
-            let name = if self.d == 64 {
-                "mk_prefill_mma64"
-            } else {
-                "mk_prefill_mma128"
-            };
-            return dev.launch(
-                name,
-                Launch {
-                    grid: ((self.n as u32).div_ceil(MMA_TILE), self.hq as u32, 1),
-                    block: (THREADS, 1, 1),
-                },
-                &[
-                    Arg::Ptr(self.q),
-                    Arg::Ptr(self.k),
-                    Arg::Ptr(v),
-                    Arg::Ptr(out),
-                    Arg::Ptr(lse),
-                    Arg::I32(self.n),
-                    Arg::I32(self.t),
-                    Arg::I32(self.group),
-                    Arg::F32(self.scale),
-                    Arg::I32(self.window),
-                ],
-            );
-        }
-        dev.launch(
-            "mk_prefill_fwd",
-            Launch {
-                grid: (self.n as u32, self.hq as u32, 1),
-                block: (THREADS, 1, 1),
-            },
-            &[
-                Arg::Ptr(self.q),
-                Arg::Ptr(self.k),
-                Arg::Ptr(v),
-                Arg::Ptr(out),
-                Arg::Ptr(lse),
-                Arg::I32(self.n),
-                Arg::I32(self.t),
-                Arg::I32(self.d),
-                Arg::I32(self.group),
-                Arg::F32(self.scale),
-                Arg::I32(self.window),
-            ],
-        )
-    }
-    /// `mk_column_sums` of rows `i_begin..i_end`, added into `cumul [Hq][t]`.
-    fn column_sums(
-        &self,
-        dev: &Arc<dyn Device>,
-        lse: DevPtr,
-        cumul: DevPtr,
-        i_begin: i32,
-        i_end: i32,
-    ) -> Result<()> {
-        if self.mma {
-            let name = if self.d == 64 {
-                "mk_column_sums_mma64"
-            } else {
-                "mk_column_sums_mma128"
-            };
-            return dev.launch(
-                name,
-                Launch {
-                    grid: ((self.t as u32).div_ceil(MMA_TILE), self.hq as u32, 1),
-                    block: (THREADS, 1, 1),
-                },
-                &[
-                    Arg::Ptr(self.q),
-                    Arg::Ptr(self.k),
-                    Arg::Ptr(lse),
-                    Arg::Ptr(cumul),
-                    Arg::I32(self.n),
-                    Arg::I32(self.t),
-                    Arg::I32(self.group),
-                    Arg::F32(self.scale),
-                    Arg::I32(self.window),
-                    Arg::I32(i_begin),
-                    Arg::I32(i_end),
-                ],
-            );
-        }
-        dev.launch(
-            "mk_column_sums",
-            Launch {
-                grid: ((self.t as u32).div_ceil(THREADS), self.hq as u32, 1),
-                block: (THREADS, 1, 1),
-            },
-            &[
-                Arg::Ptr(self.q),
-                Arg::Ptr(self.k),
-                Arg::Ptr(lse),
-                Arg::Ptr(cumul),
-                Arg::I32(self.n),
-                Arg::I32(self.t),
-                Arg::I32(self.d),
-                Arg::I32(self.group),
-                Arg::F32(self.scale),
-                Arg::I32(self.window),
-                Arg::I32(i_begin),
-                Arg::I32(i_end),
-            ],
-        )
     }
 }
 

@@ -110,6 +110,7 @@ pub mod device;
 #[cfg(feature = "emulate")]
 pub mod emulated;
 pub mod nvrtc;
+mod prefill;
 mod store;
 
 pub use backend::{CudaBackend, DeviceStorage, PrefillPath};
