@@ -3,7 +3,7 @@
 //! multiplied with the stored codes in integers.
 //!
 //! * Keys (per channel): one rounding step per head and segment of
-//!   [`SEG_TOKENS`] tokens, `sigma = max |q_c * scale_gc| / 127` over the
+//!   [`seg_tokens`] tokens (4096, or 2048 in heads of at most 6144 tokens), `sigma = max |q_c * scale_gc| / 127` over the
 //!   segment's key groups `g` and channels (computed as `max_c |q_c| *
 //!   max_g scale_gc`, the same number), `qi_c = q_c * (127 / max)`; per key
 //!   group `q8_c = round(qi_c * scale_gc)`, and a token's score is
@@ -29,9 +29,28 @@ use std::thread::LocalKey;
 pub(crate) const TB: usize = 32;
 
 /// Tokens per parallel segment of a long head (a multiple of [`TB`] and of
-/// every key group that divides it; fixed, so results do not depend on the
-/// thread count).
+/// every key group that divides it): heads of more than [`SHORT_HEAD`]
+/// tokens.
 pub(crate) const SEG_TOKENS: usize = 4096;
+
+/// Tokens per segment of a head of at most [`SHORT_HEAD`] tokens: such a
+/// head gets up to three segments instead of one or two, so that a few KV
+/// heads (3 in SmolLM2) still make enough tasks for the cores.
+pub(crate) const SHORT_SEG_TOKENS: usize = 2048;
+
+/// The longest head cut into [`SHORT_SEG_TOKENS`].
+pub(crate) const SHORT_HEAD: usize = 6144;
+
+/// The segment length of a head of `len` tokens (a function of the head's
+/// own length only, so results do not depend on the thread count or on the
+/// other heads).
+pub(crate) fn seg_tokens(len: usize) -> usize {
+    if len <= SHORT_HEAD {
+        SHORT_SEG_TOKENS
+    } else {
+        SEG_TOKENS
+    }
+}
 
 /// A pointer the segments of one call share; each writes its own elements.
 #[derive(Clone, Copy)]
@@ -239,7 +258,7 @@ impl MinMaxStore {
     }
 
     /// Per-channel key scores with integer products (see the module doc).
-    /// Long heads are cut into segments of [`SEG_TOKENS`] scored in
+    /// Long heads are cut into segments of [`seg_tokens`] scored in
     /// parallel (each token's score is computed alone, so the result does
     /// not depend on the cut).
     pub(crate) fn scores_int8(
@@ -252,7 +271,7 @@ impl MinMaxStore {
     ) {
         let groups = self.len / self.q.group;
         assert!(q.len() >= g * self.d && out.len() >= (g - 1) * stride + groups * self.q.group);
-        let per = (SEG_TOKENS / self.q.group).max(1);
+        let per = (seg_tokens(self.len) / self.q.group).max(1);
         let ptr = SyncPtr(out.as_mut_ptr());
         let run = |g0: usize, g1: usize| {
             // SAFETY: `out` holds `g` rows of `stride` covering every token

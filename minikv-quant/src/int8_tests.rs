@@ -239,9 +239,20 @@ fn query_rounding_is_symmetric_and_bounded() {
 #[test]
 fn segment_ranges_agree_across_kernels() {
     let mut rng = StdRng::seed_from_u64(11);
-    for (bits, d, g) in [(2, 64, 3), (4, 64, 2), (2, 128, 4)] {
-        let n = 2 * SEG_TOKENS + 96;
-        let span = SEG_TOKENS..2 * SEG_TOKENS;
+    // A long head (4096-token segments) and a short one (2048, `seg_tokens`).
+    for (bits, d, g, n, span) in [
+        (2, 64, 3, 2 * SEG_TOKENS + 96, SEG_TOKENS..2 * SEG_TOKENS),
+        (4, 64, 2, 2 * SEG_TOKENS + 96, SEG_TOKENS..2 * SEG_TOKENS),
+        (2, 128, 4, 2 * SEG_TOKENS + 96, SEG_TOKENS..2 * SEG_TOKENS),
+        (2, 64, 3, SHORT_HEAD, SHORT_SEG_TOKENS..2 * SHORT_SEG_TOKENS),
+        (
+            4,
+            64,
+            2,
+            SEG_TOKENS + 96,
+            SHORT_SEG_TOKENS..2 * SHORT_SEG_TOKENS,
+        ),
+    ] {
         let m = span.len();
         let keys = store(Axis::Channel, bits, 16, d, n, 5 + bits as u64);
         let q: Vec<f32> = (0..g * d).map(|_| rng.random_range(-2.0f32..2.0)).collect();

@@ -4,7 +4,7 @@ use super::*;
 
 impl MinMaxStore {
     /// Per-token value accumulation with integer products (see the module
-    /// doc). Long heads are cut into segments of [`SEG_TOKENS`] run in
+    /// doc). Long heads are cut into segments of [`seg_tokens`] run in
     /// parallel, each with its own accumulators (the integer parts and the
     /// `p . min` sums), added in segment order (the cut is fixed, so the
     /// result does not depend on the thread count).
@@ -20,7 +20,7 @@ impl MinMaxStore {
     }
 
     /// [`accumulate_int8`](Self::accumulate_int8) of tokens `span` only
-    /// (`span.start` a multiple of [`SEG_TOKENS`]), token `t`'s weights at
+    /// (`span.start` a multiple of [`seg_tokens`]), token `t`'s weights at
     /// `p[j * stride + t - span.start]`.
     pub(crate) fn accumulate_int8_span(
         &self,
@@ -37,9 +37,10 @@ impl MinMaxStore {
         }
         let (d, grp) = (self.d, self.q.group);
         let gpt = d / grp;
-        assert!(a0.is_multiple_of(SEG_TOKENS) && span.end <= self.len);
+        let seg_len = seg_tokens(self.len);
+        assert!(a0.is_multiple_of(seg_len) && span.end <= self.len);
         assert!(p.len() >= (g - 1) * stride + m && out.len() >= g * d);
-        let nseg = m.div_ceil(SEG_TOKENS);
+        let nseg = m.div_ceil(seg_len);
         #[cfg(target_arch = "x86_64")]
         let wide = isa == Isa::Avx512 && crate::x86_int8_512::values_ok(self, g);
         #[cfg(not(target_arch = "x86_64"))]
@@ -66,10 +67,7 @@ impl MinMaxStore {
         acc.fill(0.0);
         let sv = &*sv;
         let seg = |s: usize, f: &mut [f32]| {
-            let (a, b) = (
-                a0 + s * SEG_TOKENS,
-                (a0 + (s + 1) * SEG_TOKENS).min(span.end),
-            );
+            let (a, b) = (a0 + s * seg_len, (a0 + (s + 1) * seg_len).min(span.end));
             let (facc, msum) = f.split_at_mut(g * d);
             #[cfg(target_arch = "x86_64")]
             if wide {

@@ -410,10 +410,11 @@ impl QuantStore for MinMaxStore {
     }
 
     /// The integer kernels run per segment of
-    /// [`SEG_TOKENS`](crate::int8::SEG_TOKENS) tokens: keys (per channel)
-    /// score by ranges, values (per token) accumulate by ranges.
+    /// [`seg_tokens`](crate::int8::seg_tokens) tokens (of this store's
+    /// length): keys (per channel) score by ranges, values (per token)
+    /// accumulate by ranges.
     fn split_rows(&self, g: usize) -> Option<usize> {
-        self.int8_ok(g).then_some(crate::int8::SEG_TOKENS)
+        self.int8_ok(g).then(|| crate::int8::seg_tokens(self.len))
     }
 
     fn scores_range(
@@ -427,7 +428,7 @@ impl QuantStore for MinMaxStore {
         let grp = self.q.group;
         let ok = self.q.axis == Axis::Channel
             && self.int8_ok(g)
-            && rows.start.is_multiple_of(crate::int8::SEG_TOKENS)
+            && rows.start.is_multiple_of(crate::int8::seg_tokens(self.len))
             && rows.end.is_multiple_of(grp)
             && rows.end <= self.len;
         if !ok {
@@ -461,7 +462,7 @@ impl QuantStore for MinMaxStore {
     ) {
         if self.q.axis == Axis::Token
             && self.int8_ok(g)
-            && rows.start.is_multiple_of(crate::int8::SEG_TOKENS)
+            && rows.start.is_multiple_of(crate::int8::seg_tokens(self.len))
             && rows.end <= self.len
         {
             return self.accumulate_int8_span(

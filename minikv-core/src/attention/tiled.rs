@@ -2,7 +2,7 @@
 //! over (head, row block), fully masked causal blocks skipped; `A_cumul` in the
 //! same pass, from the exponentials the softmax already took.
 
-use super::{AttentionBackend, DecodeArgs, PrefillArgs, check_decode, check_prefill};
+use super::{AttentionBackend, DecodeArgs, HeadView, PrefillArgs, check_decode, check_prefill};
 use crate::simd::softmax_inplace;
 use crate::storage::{CpuStorage, StorageFactory};
 use crate::{Error, Result};
@@ -353,11 +353,11 @@ impl AttentionBackend for TiledBackend {
                 .iter()
                 .all(|h| h.quant_keys.is_none() && h.quant_values.is_none() && h.extra.is_none());
         if plain && nmax >= 2 * SPLIT_ROWS {
-            split_decode(a, g, nmax, SPLIT_ROWS);
+            split_decode(a, g, SPLIT_ROWS);
             return Ok(());
         }
         if let Some(rows) = ranged_rows(&a, g) {
-            split_decode(a, g, nmax, rows);
+            split_decode(a, g, rows);
             return Ok(());
         }
         let d = a.head_dim;
@@ -430,44 +430,63 @@ impl AttentionBackend for TiledBackend {
     }
 }
 
-/// The block of a flash-decoding split over quantized heads: when no
-/// probabilities are asked for, no head has extra entries, and every
-/// quantized store of the call has ranged kernels with one block size
-/// ([`QuantStore::split_rows`](crate::QuantStore::split_rows)).
+/// The block size of head `h`'s ranged calls: its quantized stores' common
+/// [`QuantStore::split_rows`](crate::QuantStore::split_rows) (`Some(None)`:
+/// no quantized store), `None` when a store has no ranged kernels or the
+/// two disagree.
+fn head_rows(h: &HeadView<'_>, g: usize) -> Option<Option<usize>> {
+    let mut rows = None;
+    for st in [h.quant_keys, h.quant_values].into_iter().flatten() {
+        let r = st.split_rows(g)?;
+        if r == 0 || rows.is_some_and(|x| x != r) {
+            return None;
+        }
+        rows = Some(r);
+    }
+    Some(rows)
+}
+
+/// Whether decode can be split flash-decoding style over quantized heads:
+/// no probabilities asked for, no head with extra entries, and every
+/// quantized store with ranged kernels (the block size may differ between
+/// heads). Returns the first head's block size, the one heads without
+/// quantized stores use.
 fn ranged_rows(a: &DecodeArgs<'_>, g: usize) -> Option<usize> {
     if a.probs.is_some() || a.heads.iter().any(|h| h.extra.is_some()) {
         return None;
     }
-    let mut rows = None;
+    let mut first = None;
     for h in a.heads {
-        for st in [h.quant_keys, h.quant_values].into_iter().flatten() {
-            let r = st.split_rows(g)?;
-            if rows.is_some_and(|x| x != r) || r == 0 {
-                return None;
-            }
-            rows = Some(r);
+        if let Some(r) = head_rows(h, g)? {
+            first.get_or_insert(r);
         }
     }
-    rows
+    first
 }
 
-/// Flash-decoding: every head's tokens are cut into blocks of `rows`, each
-/// (head, block) task computes its block's maximum logit, exp-sum and
+/// Flash-decoding: every head's tokens are cut into blocks (of its stores'
+/// block size, `rows` for a head without quantized stores), each (head,
+/// block) task computes its block's maximum logit, exp-sum and
 /// unnormalized output per query head, and the blocks are combined exactly
 /// (`out = Σ e^{m_b - M} o_b / Σ e^{m_b - M} l_b`). Balances 3 KV heads over
 /// 2 cores (or any heads over any cores). Quantized tokens (the first
 /// `n_quant_*` of a head) go through the stores' ranged kernels, the rest
 /// through the full-precision rows.
-fn split_decode(a: DecodeArgs<'_>, g: usize, nmax: usize, rows: usize) {
+fn split_decode(a: DecodeArgs<'_>, g: usize, rows: usize) {
     let d = a.head_dim;
     let scale = 1.0 / (d as f32).sqrt();
-    let blocks = nmax.div_ceil(rows);
     let part = g * (d + 2);
     let heads = a.heads;
     let q = a.q;
+    let rows_of = |s: usize| match head_rows(&heads[s], g) {
+        Some(Some(r)) => r,
+        _ => rows,
+    };
+    let blocks_of = |s: usize| heads[s].len().div_ceil(rows_of(s)).max(1);
+    let total: usize = (0..heads.len()).map(blocks_of).sum();
     PARTIALS.with(|pb| {
         let mut pb = pb.borrow_mut();
-        let need = heads.len() * blocks * part;
+        let need = total * part;
         if pb.len() < need {
             pb.resize(need, 0.0);
         }
@@ -475,9 +494,15 @@ fn split_decode(a: DecodeArgs<'_>, g: usize, nmax: usize, rows: usize) {
             .par_chunks_mut(part)
             .enumerate()
             .for_each(|(task, pt)| {
-                let (s, b) = (task / blocks, task % blocks);
+                // The task's head and block (heads hold their blocks in turn).
+                let (mut s, mut b) = (0, task);
+                while b >= blocks_of(s) {
+                    b -= blocks_of(s);
+                    s += 1;
+                }
                 let head = &heads[s];
-                let (lo, hi) = (b * rows, ((b + 1) * rows).min(head.len()));
+                let r = rows_of(s);
+                let (lo, hi) = (b * r, ((b + 1) * r).min(head.len()));
                 let (ms, rest) = pt.split_at_mut(g);
                 let (ls, os) = rest.split_at_mut(g);
                 if lo >= hi {
@@ -520,8 +545,11 @@ fn split_decode(a: DecodeArgs<'_>, g: usize, nmax: usize, rows: usize) {
                     }
                 });
             });
+        let mut first = 0;
         for (s, out) in a.out.chunks_mut(g * d).enumerate() {
-            let parts = &pb[s * blocks * part..(s + 1) * blocks * part];
+            let nb = blocks_of(s);
+            let parts = &pb[first * part..(first + nb) * part];
+            first += nb;
             for j in 0..g {
                 let m = parts
                     .chunks_exact(part)

@@ -3,7 +3,7 @@
 //! head dimensions that are multiples of 16, at most 16 value groups per
 //! token, GQA groups of 1, 2, 3, 4, 6 or 8 query heads.
 //!
-//! Keys (per channel): one rounding step per head and 4096-token segment
+//! Keys (per channel): one rounding step per head and segment (`int8::seg_tokens`)
 //! (`crate::int8::segment_query`), then per key group the pre-scaled query
 //! times the group's scales is rounded to 8 bits (`vpmovsdb`); one 64-byte
 //! load holds 16 channels' words, and one `vpermb` puts byte position k of
