@@ -286,20 +286,23 @@ __device__ void mk_column_sums_mma(const float* q, const float* k, const float* 
 }
 
 // The launchable instances (head dims 64 and 128; grid: fwd (ceil(n / 64),
-// Hq), column sums (ceil(t / 64), Hq); 128 threads).
-#define MK_PREFILL_MMA(D)                                                                      \
-  extern "C" __global__ void mk_prefill_mma##D(const float* __restrict__ q,                    \
-                                               const float* __restrict__ k,                    \
-                                               const float* __restrict__ v,                    \
-                                               float* __restrict__ out, float* __restrict__ lse, \
-                                               int n, int t, int group, float scale, int window) { \
-    mk_prefill_mma<D>(q, k, v, out, lse, n, t, group, scale, window);                          \
-  }                                                                                            \
-  extern "C" __global__ void mk_column_sums_mma##D(                                            \
-      const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ lse, \
-      float* __restrict__ cumul, int n, int t, int group, float scale, int window, int i_begin, \
-      int i_end) {                                                                             \
-    mk_column_sums_mma<D>(q, k, lse, cumul, n, t, group, scale, window, i_begin, i_end);       \
+// Hq), column sums (ceil(t / 64), Hq); 128 threads). Their arguments are the
+// scalar kernels' (`d`, equal to D, included) so the host launches either
+// with one argument list.
+#define MK_PREFILL_MMA(D)                                                                        \
+  extern "C" __global__ void mk_prefill_mma##D(                                                  \
+      const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,     \
+      float* __restrict__ out, float* __restrict__ lse, int n, int t, int d, int group,          \
+      float scale, int window) {                                                                 \
+    (void)d;                                                                                     \
+    mk_prefill_mma<D>(q, k, v, out, lse, n, t, group, scale, window);                            \
+  }                                                                                              \
+  extern "C" __global__ void mk_column_sums_mma##D(                                              \
+      const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ lse,   \
+      float* __restrict__ cumul, int n, int t, int d, int group, float scale, int window,        \
+      int i_begin, int i_end) {                                                                  \
+    (void)d;                                                                                     \
+    mk_column_sums_mma<D>(q, k, lse, cumul, n, t, group, scale, window, i_begin, i_end);         \
   }
 MK_PREFILL_MMA(64)
 MK_PREFILL_MMA(128)

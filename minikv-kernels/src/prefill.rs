@@ -44,6 +44,22 @@ impl Rows {
         path == PrefillPath::TensorCores && (d == 64 || d == 128)
     }
 
+    /// Of `names` (scalar, tensor-core d = 64, d = 128), the kernel to run
+    /// and the grid's x size for `rows` rows: 64 per block on tensor cores,
+    /// `scalar_per_block` on the scalar kernel.
+    fn kernel(
+        &self,
+        names: [&'static str; 3],
+        rows: i32,
+        scalar_per_block: u32,
+    ) -> (&'static str, u32) {
+        match (self.mma, self.d) {
+            (true, 64) => (names[1], (rows as u32).div_ceil(MMA_TILE)),
+            (true, _) => (names[2], (rows as u32).div_ceil(MMA_TILE)),
+            _ => (names[0], (rows as u32).div_ceil(scalar_per_block)),
+        }
+    }
+
     /// `mk_prefill_fwd` (or its tensor-core form): outputs and each row's
     /// log-sum-exp.
     pub(crate) fn forward(
@@ -53,36 +69,13 @@ impl Rows {
         out: DevPtr,
         lse: DevPtr,
     ) -> Result<()> {
-        if self.mma {
-            let name = if self.d == 64 {
-                "mk_prefill_mma64"
-            } else {
-                "mk_prefill_mma128"
-            };
-            return dev.launch(
-                name,
-                Launch {
-                    grid: ((self.n as u32).div_ceil(MMA_TILE), self.hq as u32, 1),
-                    block: (THREADS, 1, 1),
-                },
-                &[
-                    Arg::Ptr(self.q),
-                    Arg::Ptr(self.k),
-                    Arg::Ptr(v),
-                    Arg::Ptr(out),
-                    Arg::Ptr(lse),
-                    Arg::I32(self.n),
-                    Arg::I32(self.t),
-                    Arg::I32(self.group),
-                    Arg::F32(self.scale),
-                    Arg::I32(self.window),
-                ],
-            );
-        }
+        let names = ["mk_prefill_fwd", "mk_prefill_mma64", "mk_prefill_mma128"];
+        // Scalar: one block per query row.
+        let (name, gx) = self.kernel(names, self.n, 1);
         dev.launch(
-            "mk_prefill_fwd",
+            name,
             Launch {
-                grid: (self.n as u32, self.hq as u32, 1),
+                grid: (gx, self.hq as u32, 1),
                 block: (THREADS, 1, 1),
             },
             &[
@@ -100,7 +93,8 @@ impl Rows {
             ],
         )
     }
-    /// `mk_column_sums` of rows `i_begin..i_end`, added into `cumul [Hq][t]`.
+    /// `mk_column_sums` (or its tensor-core form) of rows `i_begin..i_end`,
+    /// added into `cumul [Hq][t]`.
     pub(crate) fn column_sums(
         &self,
         dev: &Arc<dyn Device>,
@@ -109,37 +103,17 @@ impl Rows {
         i_begin: i32,
         i_end: i32,
     ) -> Result<()> {
-        if self.mma {
-            let name = if self.d == 64 {
-                "mk_column_sums_mma64"
-            } else {
-                "mk_column_sums_mma128"
-            };
-            return dev.launch(
-                name,
-                Launch {
-                    grid: ((self.t as u32).div_ceil(MMA_TILE), self.hq as u32, 1),
-                    block: (THREADS, 1, 1),
-                },
-                &[
-                    Arg::Ptr(self.q),
-                    Arg::Ptr(self.k),
-                    Arg::Ptr(lse),
-                    Arg::Ptr(cumul),
-                    Arg::I32(self.n),
-                    Arg::I32(self.t),
-                    Arg::I32(self.group),
-                    Arg::F32(self.scale),
-                    Arg::I32(self.window),
-                    Arg::I32(i_begin),
-                    Arg::I32(i_end),
-                ],
-            );
-        }
-        dev.launch(
+        let names = [
             "mk_column_sums",
+            "mk_column_sums_mma64",
+            "mk_column_sums_mma128",
+        ];
+        // Scalar: one thread per key.
+        let (name, gx) = self.kernel(names, self.t, THREADS);
+        dev.launch(
+            name,
             Launch {
-                grid: ((self.t as u32).div_ceil(THREADS), self.hq as u32, 1),
+                grid: (gx, self.hq as u32, 1),
                 block: (THREADS, 1, 1),
             },
             &[
