@@ -3,9 +3,10 @@
 //! multiplied with the stored codes in integers.
 //!
 //! * Keys (per channel): one rounding step per head and segment of
-//!   [`seg_tokens`] tokens (4096, or 2048 in heads of at most 6144 tokens), `sigma = max |q_c * scale_gc| / 127` over the
-//!   segment's key groups `g` and channels (computed as `max_c |q_c| *
-//!   max_g scale_gc`, the same number), `qi_c = q_c * (127 / max)`; per key
+//!   [`seg_tokens`] tokens (4096, or 2048 in heads of at most 6144 tokens),
+//!   `sigma = max |q_c * scale_gc| / 127` over the segment's key groups `g`
+//!   and channels (computed as `max_c |q_c| * max_g scale_gc`, the same
+//!   number), `qi_c = q_c * (127 / max)`; per key
 //!   group `q8_c = round(qi_c * scale_gc)`, and a token's score is
 //!   `sigma * sum_c q8_c * code_c + q . min_g` (the min term stays f32).
 //! * Values (per token): per head, channel group and block of [`TB`] tokens

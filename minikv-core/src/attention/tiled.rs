@@ -31,6 +31,8 @@ thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// Split-K partial results of one decode call (on the calling thread).
     static PARTIALS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Per head of one split decode call: its block size and first task.
+    static HEAD_BLOCKS: RefCell<Vec<(usize, usize)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Rows per task when a decode splits heads over their tokens.
@@ -478,12 +480,21 @@ fn split_decode(a: DecodeArgs<'_>, g: usize, rows: usize) {
     let part = g * (d + 2);
     let heads = a.heads;
     let q = a.q;
-    let rows_of = |s: usize| match head_rows(&heads[s], g) {
-        Some(Some(r)) => r,
-        _ => rows,
-    };
-    let blocks_of = |s: usize| heads[s].len().div_ceil(rows_of(s)).max(1);
-    let total: usize = (0..heads.len()).map(blocks_of).sum();
+    // Each head's block size and first task, computed once per call (taken
+    // out of the thread-local, as `with_scratch` does, so a nested call on
+    // this thread gets its own).
+    let mut hb = HEAD_BLOCKS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    hb.clear();
+    let mut total = 0;
+    for h in heads {
+        let r = match head_rows(h, g) {
+            Some(Some(r)) => r,
+            _ => rows,
+        };
+        hb.push((r, total));
+        total += h.len().div_ceil(r).max(1);
+    }
+    let hb_ref = &hb;
     PARTIALS.with(|pb| {
         let mut pb = pb.borrow_mut();
         let need = total * part;
@@ -495,13 +506,10 @@ fn split_decode(a: DecodeArgs<'_>, g: usize, rows: usize) {
             .enumerate()
             .for_each(|(task, pt)| {
                 // The task's head and block (heads hold their blocks in turn).
-                let (mut s, mut b) = (0, task);
-                while b >= blocks_of(s) {
-                    b -= blocks_of(s);
-                    s += 1;
-                }
+                let s = hb_ref.partition_point(|&(_, first)| first <= task) - 1;
+                let (r, first) = hb_ref[s];
+                let b = task - first;
                 let head = &heads[s];
-                let r = rows_of(s);
                 let (lo, hi) = (b * r, ((b + 1) * r).min(head.len()));
                 let (ms, rest) = pt.split_at_mut(g);
                 let (ls, os) = rest.split_at_mut(g);
@@ -545,11 +553,10 @@ fn split_decode(a: DecodeArgs<'_>, g: usize, rows: usize) {
                     }
                 });
             });
-        let mut first = 0;
         for (s, out) in a.out.chunks_mut(g * d).enumerate() {
-            let nb = blocks_of(s);
-            let parts = &pb[first * part..(first + nb) * part];
-            first += nb;
+            let first = hb[s].1;
+            let end = hb.get(s + 1).map_or(total, |x| x.1);
+            let parts = &pb[first * part..end * part];
             for j in 0..g {
                 let m = parts
                     .chunks_exact(part)
@@ -569,6 +576,12 @@ fn split_decode(a: DecodeArgs<'_>, g: usize, rows: usize) {
                 let inv = 1.0 / z;
                 o.iter_mut().for_each(|x| *x *= inv);
             }
+        }
+    });
+    HEAD_BLOCKS.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.capacity() < hb.capacity() {
+            *c = hb;
         }
     });
 }
