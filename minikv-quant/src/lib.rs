@@ -31,6 +31,7 @@
 
 mod exact;
 mod int8;
+mod prefetch;
 pub mod residual;
 mod store;
 #[cfg(all(

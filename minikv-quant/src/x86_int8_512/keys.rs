@@ -141,6 +141,7 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
             }
             for k in 0..ng {
                 let gi = gc + k;
+                prefetch_group::<H>(words, sc, mn, d, blocks, gi + PREFETCH_TOKENS / grp);
                 for m in 0..nm {
                     let s = ld::<H>(sc, gi * d + 16 * m, all);
                     for j in 0..NG {
@@ -233,4 +234,21 @@ unsafe fn segment_query<const NG: usize, const H: bool>(
             }
         }
     }
+}
+
+/// Hints key group `ga`'s codes (`blocks` blocks of `d` words), scales and
+/// minimums into the cache (`crate::prefetch`).
+#[inline(always)]
+fn prefetch_group<const H: bool>(
+    words: *const u32,
+    sc: *const u8,
+    mn: *const u8,
+    d: usize,
+    blocks: usize,
+    ga: usize,
+) {
+    let es = if H { 2 } else { 4 };
+    prefetch(words.wrapping_add(ga * blocks * d).cast(), blocks * d * 4);
+    prefetch(sc.wrapping_add(ga * d * es), d * es);
+    prefetch(mn.wrapping_add(ga * d * es), d * es);
 }

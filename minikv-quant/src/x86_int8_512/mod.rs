@@ -26,6 +26,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use crate::int8::TB;
+use crate::prefetch::{PREFETCH_TOKENS, lines as prefetch};
 use crate::store::{Buf, MinMaxStore};
 use std::arch::x86_64::*;
 
