@@ -47,6 +47,7 @@ fn bench(c: &mut Criterion) {
                         out: &mut out,
                         cumulative: Some(&mut cu),
                         window: None,
+                        history: None,
                     })
                     .unwrap();
                     black_box(&cu);

@@ -231,6 +231,7 @@ impl HybridCache {
                     out: &mut oh,
                     cumulative: None,
                     window: Some(ring.window),
+                    history: None,
                 })?;
                 to_token_major(&oh, n, hq, d, out);
                 Ok(())

@@ -78,8 +78,8 @@ mod spec;
 pub mod storage;
 
 pub use attention::{
-    AttentionBackend, BackendInfo, DecodeArgs, ExtraView, HeadView, PrefillArgs, ReferenceBackend,
-    TiledBackend, make_backend,
+    AttentionBackend, BackendInfo, DecodeArgs, ExtraView, HeadView, KvHistory, PrefillArgs,
+    ReferenceBackend, TiledBackend, make_backend,
 };
 pub use budget::{BudgetRequest, LayerBudget, SelectionPolicy, apportion};
 pub use builder::{CacheBuilder, build_cache};

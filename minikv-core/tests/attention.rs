@@ -57,6 +57,7 @@ fn run_window(
             out: &mut out,
             cumulative: cumul.then_some(&mut cu[..]),
             window,
+            history: None,
         })
         .unwrap();
     (out, cu)
@@ -437,6 +438,7 @@ fn bad_shapes_are_errors_not_panics() {
             out: &mut out,
             cumulative: None,
             window: None,
+            history: None,
         })
         .unwrap_err();
     assert!(err.to_string().contains("shape mismatch"), "{err}");

@@ -44,6 +44,7 @@ fn extra_bytes(t: usize) -> usize {
             out,
             cumulative: Some(cu),
             window: None,
+            history: None,
         })
         .unwrap()
     };

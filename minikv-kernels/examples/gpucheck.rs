@@ -55,6 +55,7 @@ fn time_prefill(be: &CudaBackend, t: usize) -> minikv_core::Result<Value> {
                 out: &mut out,
                 cumulative: cumulative.then_some(&mut cu[..]),
                 window: None,
+                history: None,
             })?;
             if cumulative {
                 best = best.min(t0.elapsed().as_secs_f64());

@@ -5,12 +5,13 @@
 use crate::device::{Arg, Batched, Calls, Device, Launch, Scratch, err, int};
 pub use crate::prefill::PrefillPath;
 use crate::prefill::Rows;
+use crate::resident::Histories;
 use crate::store::{DeviceFpStore, DeviceQuantStore, Staging};
 use minikv_core::attention::{
     AttentionBackend, DecodeArgs, PrefillArgs, check_decode, check_prefill,
 };
 use minikv_core::storage::{FpStore, StorageFactory};
-use minikv_core::{Axis, Error, QuantStore, Quantizer, Result};
+use minikv_core::{Axis, Error, KvHistory, QuantStore, Quantizer, Result};
 use std::sync::{Arc, Mutex};
 
 /// Threads per block of the attention kernels (`MK_THREADS`).
@@ -140,6 +141,7 @@ pub struct CudaBackend {
     dev: Arc<dyn Device>,
     storage: DeviceStorage,
     scratch: Mutex<Scratch>,
+    histories: Mutex<Histories>,
     prefill_path: PrefillPath,
 }
 
@@ -157,6 +159,7 @@ impl CudaBackend {
             },
             dev,
             scratch: Mutex::default(),
+            histories: Mutex::default(),
             prefill_path: PrefillPath::default(),
         }
     }
@@ -185,6 +188,16 @@ impl CudaBackend {
     }
     fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch> {
         self.scratch.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn histories(&self) -> std::sync::MutexGuard<'_, Histories> {
+        self.histories.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Prefill histories kept on the device (see
+    /// [`PrefillArgs::history`](minikv_core::PrefillArgs::history)).
+    pub fn kept_histories(&self) -> usize {
+        self.histories().len()
     }
 
     /// SnapKV's window scores on the device: the column sums of the softmax
@@ -389,16 +402,23 @@ impl AttentionBackend for CudaBackend {
         let dev = &self.dev;
         let mut s = self.scratch();
         let qp = s.put(dev, 0, a.q)?;
-        let mut kv = Vec::with_capacity(hkv * t * d);
-        for k in a.keys {
-            kv.extend_from_slice(k);
-        }
-        let kp = s.put(dev, 1, &kv)?;
-        kv.clear();
-        for v in a.values {
-            kv.extend_from_slice(v);
-        }
-        let vp = s.put(dev, 2, &kv)?;
+        // Held to the end of the call: the kept rows' buffers stay alive.
+        let mut hist = self.histories();
+        let (kp, vp) = match a.history {
+            Some(h) => hist.rows(dev, h, a.keys, a.values, t, d)?,
+            None => {
+                let mut kv = Vec::with_capacity(hkv * t * d);
+                for k in a.keys {
+                    kv.extend_from_slice(&k[..t * d]);
+                }
+                let kp = s.put(dev, 1, &kv)?;
+                kv.clear();
+                for v in a.values {
+                    kv.extend_from_slice(&v[..t * d]);
+                }
+                (kp, s.put(dev, 2, &kv)?)
+            }
+        };
         let op = s.get(dev, 3, hq * n * d * 4)?.ptr();
         let lp = s.get(dev, 4, hq * n * 4)?.ptr();
         let rows = Rows {
@@ -421,6 +441,10 @@ impl AttentionBackend for CudaBackend {
         }
         s.get(dev, 3, 0)?.read(0, a.out)?;
         Ok(())
+    }
+
+    fn release_history(&self, history: KvHistory) {
+        self.histories().release(history);
     }
 
     fn decode(&self, a: DecodeArgs<'_>) -> Result<()> {

@@ -201,6 +201,8 @@ impl Scratch {
 pub struct Calls {
     /// Host-to-device copies.
     pub uploads: u64,
+    /// Bytes those copies carried (a batch's table included).
+    pub upload_bytes: u64,
     /// Device-to-host copies.
     pub downloads: u64,
     /// Device-to-device copies.
@@ -223,6 +225,7 @@ impl Calls {
     pub fn since(&self, earlier: &Calls) -> Calls {
         Calls {
             uploads: self.uploads - earlier.uploads,
+            upload_bytes: self.upload_bytes - earlier.upload_bytes,
             downloads: self.downloads - earlier.downloads,
             copies: self.copies - earlier.copies,
             allocs: self.allocs - earlier.allocs,
@@ -335,6 +338,7 @@ impl Batched {
             1 if q.entries[0].upload => {
                 let e = q.entries[0];
                 q.calls.uploads += 1;
+                q.calls.upload_bytes += e.bytes;
                 let (s, n) = (e.src as usize, e.bytes as usize);
                 self.inner.upload(e.dst, &q.data[s..s + n])
             }
@@ -371,6 +375,7 @@ impl Batched {
                 buf.resize(table, 0);
                 buf.extend_from_slice(&q.data);
                 q.calls.uploads += 1;
+                q.calls.upload_bytes += buf.len() as u64;
                 self.inner.upload(dev, &buf)?;
                 q.calls.launches += 1;
                 self.inner.launch(
@@ -431,6 +436,7 @@ impl Device for Batched {
         }
         if src.len() > QUEUE_ENTRY_MAX {
             q.calls.uploads += 1;
+            q.calls.upload_bytes += src.len() as u64;
             return self.inner.upload(dst, src);
         }
         if let Some(e) = q.failed.take() {

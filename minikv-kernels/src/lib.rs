@@ -82,10 +82,12 @@
 //!   ([`cuda`]) is the one part that only a GPU exercises, and the real
 //!   `mma.sync` instruction against the emulation's reading of its fragment
 //!   layout is the one kernel assumption only a GPU confirms (the GPU check
-//!   runs every prefill check on both paths). Prefill still uploads keys and
-//!   values as f32 per call (the prefill interface takes host slices); decode
-//!   reads codes through per-element dequantization. Their speed on a GPU is
-//!   unmeasured.
+//!   runs every prefill check on both paths). A chunked prefill keeps each
+//!   layer's rows on the device under the cache's prefill history and
+//!   uploads only each chunk's new rows (f32; `tests/prefill_history.rs`
+//!   checks bitwise equality with whole uploads and the bytes saved under
+//!   the emulation); decode reads codes through per-element dequantization.
+//!   Their speed on a GPU is unmeasured.
 //!
 //! Not implemented by the kernels (clear errors, never a silent CPU
 //! fallback): key-channel pruning (store wrappers), gated extra entries,
@@ -111,6 +113,7 @@ pub mod device;
 pub mod emulated;
 pub mod nvrtc;
 mod prefill;
+mod resident;
 mod store;
 
 pub use backend::{CudaBackend, DeviceStorage, PrefillPath};

@@ -67,6 +67,7 @@ fn minikv_worked_example_keeps_the_documented_set() {
             out: &mut out,
             cumulative: Some(&mut cu),
             window: None,
+            history: None,
         })
         .unwrap();
     let mut kept = Vec::new();

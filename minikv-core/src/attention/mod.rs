@@ -41,6 +41,14 @@ pub struct PrefillArgs<'a> {
     /// Sliding window: each query sees only the last `w` keys up to itself
     /// (`None`: all of them).
     pub window: Option<usize>,
+    /// The key/value history these rows belong to, when the caller keeps
+    /// one: rows are only appended to a history, so every call with the
+    /// same identity sees the rows of the earlier calls with it, unchanged,
+    /// at the front of `keys` and `values`. A backend may keep them between
+    /// calls (the CUDA backend keeps them on the device and uploads only
+    /// the new rows) until [`AttentionBackend::release_history`]. `None`:
+    /// no such promise (every call stands alone).
+    pub history: Option<KvHistory>,
 }
 
 impl PrefillArgs<'_> {
@@ -161,12 +169,31 @@ pub struct DecodeArgs<'a> {
     pub probs: Option<&'a mut [Vec<f32>]>,
 }
 
+/// The identity of an append-only key/value history of prefill calls (see
+/// [`PrefillArgs::history`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KvHistory(u64);
+
+impl KvHistory {
+    /// A new identity, distinct from every other one of this process.
+    pub fn fresh() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Self(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
 /// An attention implementation. Models call it only through the cache.
 pub trait AttentionBackend: Send + Sync + Debug {
     /// Name used in configs and reports.
     fn name(&self) -> &'static str;
     /// Causal prefill attention, optionally accumulating `A_cumul`.
     fn prefill(&self, args: PrefillArgs<'_>) -> Result<()>;
+    /// The history will not be prefilled again (its rows were truncated,
+    /// moved into a cache or dropped): a backend frees what it kept of it.
+    /// Does nothing by default.
+    fn release_history(&self, history: KvHistory) {
+        let _ = history;
+    }
     /// Decode attention over a compressed layer.
     fn decode(&self, args: DecodeArgs<'_>) -> Result<()>;
     /// Creates the stores of caches that use this backend.

@@ -329,7 +329,10 @@ impl LayeredCache {
                 })
                 .collect();
         }
-        self.layers[layer].staging = Default::default();
+        let staging = std::mem::take(&mut self.layers[layer].staging);
+        if let Some(h) = staging.history {
+            self.backend.release_history(h);
+        }
         Ok(())
     }
 }

@@ -34,6 +34,14 @@ use staging::Staging;
 use std::sync::Arc;
 use store::{HeadStore, Residual};
 
+impl Drop for LayeredCache {
+    /// A cache dropped mid-prefill (a cancelled request) releases what the
+    /// backend kept of its prompt.
+    fn drop(&mut self) {
+        self.release_histories();
+    }
+}
+
 /// One layer: its staging during prefill, its stores and eviction state after.
 #[derive(Debug)]
 struct Layer {
@@ -122,7 +130,17 @@ impl LayeredCache {
         &self.cfg
     }
 
+    /// Releases every layer's prefill history held by the backend.
+    fn release_histories(&mut self) {
+        for l in &mut self.layers {
+            if let Some(h) = l.staging.history.take() {
+                self.backend.release_history(h);
+            }
+        }
+    }
+
     fn reset_layers(&mut self) -> Result<()> {
+        self.release_histories();
         let st = self.backend.storage();
         let d = self.spec.head_dim;
         self.layers = (0..self.spec.n_layers)

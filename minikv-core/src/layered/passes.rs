@@ -39,6 +39,10 @@ impl LayeredCache {
         };
         for l in &mut self.layers {
             self.pass_stats.0 += l.seen - pass.t0;
+            // Truncated rows end the append-only history.
+            if let Some(h) = l.staging.history.take() {
+                self.backend.release_history(h);
+            }
             l.staging.truncate(&self.spec, pass.t0);
             l.seen = pass.t0;
         }

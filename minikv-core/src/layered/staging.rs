@@ -2,7 +2,7 @@
 //! precision, and the signals components asked for ([`Needs`]): `A_cumul`
 //! and the last prompt queries. Freed at the end of prefill.
 
-use crate::attention::{AttentionBackend, PrefillArgs};
+use crate::attention::{AttentionBackend, KvHistory, PrefillArgs};
 use crate::{Error, LayerSignals, ModelSpec, Needs, Result};
 
 /// One layer's prompt, as collected during prefill.
@@ -24,6 +24,10 @@ pub(crate) struct Staging {
     pub recon: Vec<f32>,
     /// The model's RoPE (when needed).
     pub rope: Option<crate::Rope>,
+    /// The identity of `k` and `v` as an append-only history for the
+    /// backend (given at the first attention; taken, and released by the
+    /// owner, when rows are truncated or the staging is freed).
+    pub history: Option<KvHistory>,
 }
 
 /// A context-reconstruction pass in progress (see [`Staging::pass_scores`]).
@@ -183,6 +187,7 @@ impl Staging {
             out: &mut oh,
             cumulative: needs.cumulative_attention.then_some(&mut cumul[..]),
             window: None,
+            history: Some(*self.history.get_or_insert_with(KvHistory::fresh)),
         })?;
         if needs.cumulative_attention {
             self.cumul = cumul;

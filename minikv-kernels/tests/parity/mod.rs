@@ -198,6 +198,7 @@ fn prefill(
                 out: &mut out,
                 cumulative: Some(&mut cu),
                 window: (window > 0).then_some(window),
+                history: None,
             })?;
             Ok((out, cu))
         };
@@ -267,6 +268,7 @@ pub fn reference_column_sums(
         out: &mut out,
         cumulative: Some(&mut cu),
         window: None,
+        history: None,
     })?;
     Ok(cu)
 }
