@@ -40,10 +40,9 @@ impl LayeredCache {
         for l in &mut self.layers {
             self.pass_stats.0 += l.seen - pass.t0;
             // Truncated rows end the append-only history.
-            if let Some(h) = l.staging.history.take() {
+            if let Some(h) = l.staging.truncate(&self.spec, pass.t0) {
                 self.backend.release_history(h);
             }
-            l.staging.truncate(&self.spec, pass.t0);
             l.seen = pass.t0;
         }
         self.pass_stats.1 += t.elapsed().as_secs_f64();

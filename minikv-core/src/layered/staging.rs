@@ -251,11 +251,15 @@ impl Staging {
     }
 
     /// Removes the tokens staged after position `t0` (the end of a pass).
-    pub fn truncate(&mut self, spec: &ModelSpec, t0: usize) {
+    /// That ends the rows' append-only history: returns its identity, for
+    /// the caller to release (the next attention starts a new one).
+    #[must_use = "the ended history must be released to the backend"]
+    pub fn truncate(&mut self, spec: &ModelSpec, t0: usize) -> Option<KvHistory> {
         let d = spec.head_dim;
         for x in self.k.iter_mut().chain(self.v.iter_mut()) {
             x.truncate(t0 * d);
         }
+        self.history.take()
     }
 
     /// Records an observation from the model (see [`crate::Observation`]).

@@ -1,12 +1,15 @@
 //! The prefill history promise (`PrefillArgs::history`): the layered cache
 //! gives each layer's staged rows one identity, only appends to them under
-//! it, and releases it when the rows leave the staging (end of prefill) or
-//! the cache is dropped mid-prefill. A checking backend verifies the promise
-//! on every call.
+//! it, and releases it when the rows leave the staging (end of prefill), a
+//! reconstruction pass truncates them (KVzip, from this crate) or the cache
+//! is dropped mid-prefill. A checking backend verifies the promise on every
+//! call.
 
 use minikv_core::attention::{AttentionBackend, DecodeArgs, PrefillArgs, TiledBackend};
 use minikv_core::storage::StorageFactory;
-use minikv_core::{CacheBuilder, CacheConfig, KvHistory, ModelSpec, Result};
+use minikv_core::{CacheBuilder, CacheConfig, KvHistory, ModelSpec, Result, RunConfig};
+// Linked for its registered components (typetag): the `kvzip` scorer.
+use minikv_policies as _;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -150,4 +153,35 @@ fn a_reset_starts_new_histories() {
     // them is no broken promise.
     prefill(cache.as_mut(), &[3, 2]);
     assert_eq!(be.seen.lock().unwrap().rows.len(), LAYERS);
+}
+
+#[test]
+fn a_reconstruction_pass_ends_the_histories_it_truncates() {
+    let be = Arc::new(Checking::default());
+    let cfg = RunConfig::parse(
+        "[cache]\nheavy = 0.25\nrecent_tokens = 8\nscorer = { type = \"kvzip\", n_sink = 4 }",
+        false,
+    )
+    .unwrap();
+    let mut cache = CacheBuilder::new(spec())
+        .backend(be.clone())
+        .build(&cfg.cache)
+        .unwrap();
+    assert!(cache.wants(0).reconstruction);
+    prefill(cache.as_mut(), &[9, 4]);
+    cache.begin_pass(0..13).unwrap();
+    prefill(cache.as_mut(), &[5]);
+    cache.end_pass().unwrap();
+    {
+        let s = be.seen.lock().unwrap();
+        assert!(
+            s.rows.is_empty(),
+            "the pass's truncation ended every history"
+        );
+        assert_eq!(s.released.len(), LAYERS);
+    }
+    // Nothing left to release at the end of prefill: the staging holds no
+    // history after the truncation.
+    cache.end_prefill().unwrap();
+    assert_eq!(be.seen.lock().unwrap().released.len(), LAYERS);
 }
