@@ -31,6 +31,7 @@
 
 mod exact;
 mod int8;
+#[cfg(target_arch = "x86_64")]
 mod prefetch;
 pub mod residual;
 mod store;
