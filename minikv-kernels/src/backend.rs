@@ -409,12 +409,12 @@ impl AttentionBackend for CudaBackend {
             None => {
                 let mut kv = Vec::with_capacity(hkv * t * d);
                 for k in a.keys {
-                    kv.extend_from_slice(&k[..t * d]);
+                    kv.extend_from_slice(k);
                 }
                 let kp = s.put(dev, 1, &kv)?;
                 kv.clear();
                 for v in a.values {
-                    kv.extend_from_slice(&v[..t * d]);
+                    kv.extend_from_slice(v);
                 }
                 (kp, s.put(dev, 2, &kv)?)
             }

@@ -77,7 +77,8 @@ impl Histories {
                     (&v, values, old.as_ref().map(|r| &r.v)),
                 ] {
                     for (head, rows) in src.iter().enumerate() {
-                        if let Some(p) = prev.filter(|_| kept > 0) {
+                        if let Some(p) = prev {
+                            // Nothing moves when `kept` is 0.
                             buf.copy_from(head * t * d * 4, p, head * kept * d * 4, kept * d * 4)?;
                         }
                         buf.write((head * t + kept) * d * 4, &rows[kept * d..t * d])?;

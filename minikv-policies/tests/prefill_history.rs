@@ -88,6 +88,16 @@ fn chunk(n: usize, seed: usize) -> Vec<f32> {
         .collect()
 }
 
+/// A cache of `cfg` on a new checking backend.
+fn on_checking(cfg: &CacheConfig) -> (Arc<Checking>, Box<dyn minikv_core::KvCache>) {
+    let be = Arc::new(Checking::default());
+    let cache = CacheBuilder::new(spec())
+        .backend(be.clone())
+        .build(cfg)
+        .unwrap();
+    (be, cache)
+}
+
 /// Prefills `chunks` into every layer of a cache on `be`.
 fn prefill(cache: &mut dyn minikv_core::KvCache, chunks: &[usize]) {
     for (c, &n) in chunks.iter().enumerate() {
@@ -102,11 +112,7 @@ fn prefill(cache: &mut dyn minikv_core::KvCache, chunks: &[usize]) {
 
 #[test]
 fn each_layer_appends_under_one_history_released_at_the_end_of_prefill() {
-    let be = Arc::new(Checking::default());
-    let mut cache = CacheBuilder::new(spec())
-        .backend(be.clone())
-        .build(&CacheConfig::default())
-        .unwrap();
+    let (be, mut cache) = on_checking(&CacheConfig::default());
     prefill(cache.as_mut(), &[9, 4, 11]);
     {
         let s = be.seen.lock().unwrap();
@@ -126,11 +132,7 @@ fn each_layer_appends_under_one_history_released_at_the_end_of_prefill() {
 
 #[test]
 fn a_cache_dropped_mid_prefill_releases_its_histories() {
-    let be = Arc::new(Checking::default());
-    let mut cache = CacheBuilder::new(spec())
-        .backend(be.clone())
-        .build(&CacheConfig::default())
-        .unwrap();
+    let (be, mut cache) = on_checking(&CacheConfig::default());
     prefill(cache.as_mut(), &[6, 6]);
     assert_eq!(be.seen.lock().unwrap().rows.len(), LAYERS);
     drop(cache);
@@ -141,11 +143,7 @@ fn a_cache_dropped_mid_prefill_releases_its_histories() {
 
 #[test]
 fn a_reset_starts_new_histories() {
-    let be = Arc::new(Checking::default());
-    let mut cache = CacheBuilder::new(spec())
-        .backend(be.clone())
-        .build(&CacheConfig::default())
-        .unwrap();
+    let (be, mut cache) = on_checking(&CacheConfig::default());
     prefill(cache.as_mut(), &[5]);
     cache.reset().unwrap();
     assert_eq!(be.seen.lock().unwrap().released.len(), LAYERS);
@@ -157,16 +155,12 @@ fn a_reset_starts_new_histories() {
 
 #[test]
 fn a_reconstruction_pass_ends_the_histories_it_truncates() {
-    let be = Arc::new(Checking::default());
     let cfg = RunConfig::parse(
         "[cache]\nheavy = 0.25\nrecent_tokens = 8\nscorer = { type = \"kvzip\", n_sink = 4 }",
         false,
     )
     .unwrap();
-    let mut cache = CacheBuilder::new(spec())
-        .backend(be.clone())
-        .build(&cfg.cache)
-        .unwrap();
+    let (be, mut cache) = on_checking(&cfg.cache);
     assert!(cache.wants(0).reconstruction);
     prefill(cache.as_mut(), &[9, 4]);
     cache.begin_pass(0..13).unwrap();
