@@ -115,30 +115,21 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
         // Token t's code position: t % 4 at 2 bits, t % 2 at 4.
         let unshift: [f32; 16] = std::array::from_fn(|t| 1.0 / (1u32 << (bits * (t % CPB))) as f32);
         let unshift = _mm512_loadu_ps(unshift.as_ptr());
+        // sig 2^-(bits s) in one product: exact while it stays a normal
+        // number (then sum 2^(bits s) times it rounds as sig times sum).
+        let fold = sig
+            .iter()
+            .all(|&x| x == 0.0 || x >= f32::MIN_POSITIVE * 65536.0);
+        let sigu: [__m512; NG] =
+            std::array::from_fn(|j| _mm512_mul_ps(unshift, _mm512_set1_ps(sig[j])));
         // 4-bit: lane k dwords 0 and 1 hold tokens 2k and 2k + 1.
         let pack2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
         let mut q8 = [_mm_setzero_si128(); 8 * (KEYS_MAX_D / 16)];
-        let mut bias = [[0.0f32; 4]; NG];
         let blocks = grp / per;
         let mut gc = g0;
         while gc < g1 {
             let ng = (g1 - gc).min(4);
-            // `q . min` of four groups at once, in `dot16`'s order.
-            let mut b = [[zero; 4]; NG];
-            for k in 0..ng {
-                for m in 0..nm {
-                    let mv = ld::<H>(mn, (gc + k) * d + 16 * m, all);
-                    for j in 0..NG {
-                        b[j][k] =
-                            _mm512_fmadd_ps(_mm512_loadu_ps(q.add(j * d + 16 * m)), mv, b[j][k]);
-                    }
-                }
-            }
-            for j in 0..NG {
-                let mut t = [0.0f32; 16];
-                _mm512_storeu_ps(t.as_mut_ptr(), tree16x4(b[j]));
-                bias[j] = [t[0], t[4], t[8], t[12]];
-            }
+            let bias = group_bias::<NG, H>(mn, q, d, nm, gc, ng);
             for k in 0..ng {
                 let gi = gc + k;
                 prefetch_group::<H>(words, sc, mn, d, blocks, gi + PREFETCH_TOKENS / grp);
@@ -177,11 +168,13 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
                         };
                         // The sums times 2^(bits s) are exact in f32 (below
                         // 2^24), so times 2^-(bits s) gives the sum exactly.
-                        let v = _mm512_mul_ps(_mm512_cvtepi32_ps(v), unshift);
-                        let f = _mm512_add_ps(
-                            _mm512_mul_ps(_mm512_set1_ps(sig[j]), v),
-                            _mm512_set1_ps(bias[j][k]),
-                        );
+                        let v = _mm512_cvtepi32_ps(v);
+                        let sv = if fold {
+                            _mm512_mul_ps(v, sigu[j])
+                        } else {
+                            _mm512_mul_ps(_mm512_set1_ps(sig[j]), _mm512_mul_ps(v, unshift))
+                        };
+                        let f = _mm512_add_ps(sv, _mm512_set1_ps(bias[j][k]));
                         let o = out.add(j * stride + blk * per - origin);
                         if CPB == 4 {
                             _mm512_storeu_ps(o, f);
@@ -193,6 +186,39 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
             }
             gc += ng;
         }
+    }
+}
+
+/// `q . min` of groups `gc .. gc + ng` (at most four) per head, in
+/// `dot16`'s order: `[j][k]` for group `gc + k`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn group_bias<const NG: usize, const H: bool>(
+    mn: *const u8,
+    q: *const f32,
+    d: usize,
+    nm: usize,
+    gc: usize,
+    ng: usize,
+) -> [[f32; 4]; NG] {
+    // SAFETY: as `keys`: the groups' minimums and `NG` query rows of `d`.
+    unsafe {
+        let mut b = [[_mm512_setzero_ps(); 4]; NG];
+        for k in 0..ng {
+            for m in 0..nm {
+                let mv = ld::<H>(mn, (gc + k) * d + 16 * m, 0xffff);
+                for j in 0..NG {
+                    b[j][k] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(j * d + 16 * m)), mv, b[j][k]);
+                }
+            }
+        }
+        let mut bias = [[0.0f32; 4]; NG];
+        for j in 0..NG {
+            let mut t = [0.0f32; 16];
+            _mm512_storeu_ps(t.as_mut_ptr(), tree16x4(b[j]));
+            bias[j] = [t[0], t[4], t[8], t[12]];
+        }
+        bias
     }
 }
 
@@ -215,9 +241,36 @@ unsafe fn segment_query<const NG: usize, const H: bool>(
     unsafe {
         let zero = _mm512_setzero_ps();
         let mut smax = [zero; KEYS_MAX_D / 16];
-        for gi in g0..g1 {
+        if H {
+            // Scales are >= 0, whose half-precision bits order as unsigned
+            // integers: the maximum of the bits, 32 channels per register,
+            // converted once (the same values as the float maxima).
+            let mut hm = [_mm512_setzero_si512(); KEYS_MAX_D / 32];
+            let s16 = sc as *const i16;
+            let pairs = nm.div_ceil(2);
+            for gi in g0..g1 {
+                let row = s16.add(gi * d);
+                for m2 in 0..pairs {
+                    // The last of an odd count reads 16 channels only.
+                    let k: __mmask32 = if 2 * m2 + 1 < nm { !0 } else { 0xffff };
+                    let x = _mm512_maskz_loadu_epi16(k, row.add(32 * m2));
+                    hm[m2] = _mm512_max_epu16(hm[m2], x);
+                }
+            }
             for m in 0..nm {
-                smax[m] = _mm512_max_ps(smax[m], ld::<H>(sc, gi * d + 16 * m, 0xffff));
+                let h = hm[m / 2];
+                let half = if m % 2 == 0 {
+                    _mm512_castsi512_si256(h)
+                } else {
+                    _mm512_extracti64x4_epi64::<1>(h)
+                };
+                smax[m] = _mm512_cvtph_ps(half);
+            }
+        } else {
+            for gi in g0..g1 {
+                for m in 0..nm {
+                    smax[m] = _mm512_max_ps(smax[m], ld::<H>(sc, gi * d + 16 * m, 0xffff));
+                }
             }
         }
         for j in 0..NG {

@@ -116,9 +116,6 @@ unsafe fn values_k<const CPB: usize, const NG: usize, const H: bool, const D64: 
         let (rb, grp) = if D64 { (8 * bits, 16) } else { (rb, grp) };
         let d = rb * CPB;
         let nh = if D64 { 4 / CPB } else { rb / 16 };
-        let masks: [__m512i; CPB] = std::array::from_fn(|s| {
-            _mm512_set1_epi8((((1u32 << bits) - 1) << shift::<CPB>(s)) as i8)
-        });
         // vpermb: output byte 4i + r = byte i of row r (input lane r).
         let il: [u8; 64] = std::array::from_fn(|o| (16 * (o % 4) + o / 4) as u8);
         let il = _mm512_loadu_si512(il.as_ptr() as *const __m512i);
@@ -130,7 +127,6 @@ unsafe fn values_k<const CPB: usize, const NG: usize, const H: bool, const D64: 
         let (zone, avi, tvi) = chunk_tables::<CPB>(nh, grp);
         let zero = _mm512_setzero_ps();
         let zi = _mm512_setzero_si512();
-        let nz = gpt.div_ceil(4);
         let mut macc = [zero; 8 * 16];
         // Rounded weights and taus of up to SB blocks, per block, head and
         // zone: `zb` two registers (groups 0-1 and 2-3 of the zone, packed:
@@ -147,55 +143,26 @@ unsafe fn values_k<const CPB: usize, const NG: usize, const H: bool, const D64: 
             for bi in 0..nblk {
                 let t0 = t00 + bi * TB;
                 let nb = TB.min(b - t0);
-                let (k0, k1) = block_masks(nb);
                 prefetch_block::<H>(rows, rb, &sc[..gpt], &mn[..gpt], t0 + PREFETCH_TOKENS);
-                for j in 0..NG {
-                    let pj = p.wrapping_add(j * stride + t0);
-                    let p0 = _mm512_maskz_loadu_ps(k0, pj);
-                    let p1 = _mm512_maskz_loadu_ps(k1, pj.wrapping_add(16));
-                    for z in 0..nz {
-                        let ng = (gpt - 4 * z).min(4);
-                        let mut xs = [[zero; 2]; 4];
-                        let mut mx = [zero; 4];
-                        for k in 0..ng {
-                            let gi = 4 * z + k;
-                            let x0 = _mm512_mul_ps(p0, ld::<H>(sc[gi], t0, k0));
-                            let x1 = _mm512_mul_ps(p1, ld::<H>(sc[gi], t0 + 16, k1));
-                            mx[k] = _mm512_max_ps(x0, x1);
-                            xs[k] = [x0, x1];
-                            let m = &mut macc[j * gpt + gi];
-                            *m = _mm512_mask3_fmadd_ps(p0, ld::<H>(mn[gi], t0, k0), *m, k0);
-                            *m = _mm512_mask3_fmadd_ps(p1, ld::<H>(mn[gi], t0 + 16, k1), *m, k1);
-                        }
-                        (tauz[bi][j][z], zb[bi][j][z]) = round_zone(mx, xs, ng);
-                    }
+                let (pt, sm) = (p.wrapping_add(t0), (&sc[..gpt], &mn[..gpt]));
+                let (zbb, tzb) = (&mut zb[bi], &mut tauz[bi]);
+                if nb == TB {
+                    round_block::<NG, H, true>(pt, stride, t0, nb, sm, &mut macc, zbb, tzb);
+                } else {
+                    round_block::<NG, H, false>(pt, stride, t0, nb, sm, &mut macc, zbb, tzb);
                 }
             }
             for bi in 0..nblk {
                 let t0 = t00 + bi * TB;
                 let nb = TB.min(b - t0);
-                let quads = nb.div_ceil(4);
                 for h in 0..nh {
                     let zh = zone[h];
-                    let mut acc = [[_mm512_setzero_si512(); CPB]; NG];
-                    for qd in 0..quads {
-                        let (r0, valid) = (rows.add((t0 + 4 * qd) * rb), (nb - 4 * qd).min(4));
-                        let x = interleaved(r0, rb, h, valid, il, &il2);
-                        let ix = avi[h][qd];
-                        let av: [__m512i; NG] = std::array::from_fn(|j| {
-                            let w = &zb[bi][j][zh];
-                            _mm512_permutex2var_epi32(w[0], ix, w[1])
-                        });
-                        // Times 2^shift(s), undone exactly at the flush.
-                        let top = _mm512_srl_epi16(x, _mm_cvtsi32_si128(bits as i32));
-                        for s in 0..CPB {
-                            let src = if s + 1 == CPB { top } else { x };
-                            let c = _mm512_and_si512(src, masks[s]);
-                            for j in 0..NG {
-                                acc[j][s] = _mm512_dpbusd_epi32(acc[j][s], av[j], c);
-                            }
-                        }
-                    }
+                    let r0 = rows.add(t0 * rb);
+                    let acc = if nb == TB {
+                        products::<CPB, NG, true>(r0, rb, h, nb, il, &il2, &avi[h], &zb[bi], zh)
+                    } else {
+                        products::<CPB, NG, false>(r0, rb, h, nb, il, &il2, &avi[h], &zb[bi], zh)
+                    };
                     for j in 0..NG {
                         let tv = _mm512_permutexvar_ps(tvi[h], tauz[bi][j][zh]);
                         flush::<CPB>(&acc[j], tv, facc.add(j * d + h * CPB * 16));
@@ -212,26 +179,122 @@ unsafe fn values_k<const CPB: usize, const NG: usize, const H: bool, const D64: 
     }
 }
 
+/// Rounds one block of `nb` tokens from `t0` (`FULL`: `nb` is [`TB`], no
+/// lane masks): per head and zone of four value groups, the weights `p *
+/// scale` to 8 bits ([`round_zone`]) into `zb` and `tauz`, and `p . min`
+/// into `macc` (head `j`, group `gi` at `j * groups + gi`); head `j`'s
+/// weights from `pt[j * stride]`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn round_block<const NG: usize, const H: bool, const FULL: bool>(
+    pt: *const f32,
+    stride: usize,
+    t0: usize,
+    nb: usize,
+    (sc, mn): (&[*const u8], &[*const u8]),
+    macc: &mut [__m512; 8 * 16],
+    zb: &mut [[[__m512i; 2]; 4]; NG],
+    tauz: &mut [[__m512; 4]; NG],
+) {
+    // SAFETY: the caller's weights, scales and minimums hold the block.
+    unsafe {
+        let gpt = sc.len();
+        let nz = gpt.div_ceil(4);
+        let zero = _mm512_setzero_ps();
+        let (k0, k1) = if FULL {
+            (0xffff, 0xffff)
+        } else {
+            block_masks(nb)
+        };
+        for j in 0..NG {
+            let pj = pt.wrapping_add(j * stride);
+            let p0 = _mm512_maskz_loadu_ps(k0, pj);
+            let p1 = _mm512_maskz_loadu_ps(k1, pj.wrapping_add(16));
+            for z in 0..nz {
+                let ng = (gpt - 4 * z).min(4);
+                let mut xs = [[zero; 2]; 4];
+                let mut mx = [zero; 4];
+                for k in 0..ng {
+                    let gi = 4 * z + k;
+                    let x0 = _mm512_mul_ps(p0, ld::<H>(sc[gi], t0, k0));
+                    let x1 = _mm512_mul_ps(p1, ld::<H>(sc[gi], t0 + 16, k1));
+                    mx[k] = _mm512_max_ps(x0, x1);
+                    xs[k] = [x0, x1];
+                    let m = &mut macc[j * gpt + gi];
+                    *m = _mm512_mask3_fmadd_ps(p0, ld::<H>(mn[gi], t0, k0), *m, k0);
+                    *m = _mm512_mask3_fmadd_ps(p1, ld::<H>(mn[gi], t0 + 16, k1), *m, k1);
+                }
+                (tauz[j][z], zb[j][z]) = round_zone(mx, xs, ng);
+            }
+        }
+    }
+}
+
+/// The integer sums of row chunk `h` of one block of `nb` tokens from `r0`
+/// (`FULL`: `nb` is [`TB`], the loop without partial quads), per head and
+/// code position.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn products<const CPB: usize, const NG: usize, const FULL: bool>(
+    r0: *const u8,
+    rb: usize,
+    h: usize,
+    nb: usize,
+    il: __m512i,
+    il2: &[__m512i; 2],
+    avi: &[__m512i; 8],
+    zb: &[[[__m512i; 2]; 4]; NG],
+    zh: usize,
+) -> [[__m512i; CPB]; NG] {
+    // SAFETY: the caller's rows hold `nb` rows of `rb` bytes from `r0`.
+    unsafe {
+        let bits = 8 / CPB;
+        let masks: [__m512i; CPB] = std::array::from_fn(|s| {
+            _mm512_set1_epi8((((1u32 << bits) - 1) << shift::<CPB>(s)) as i8)
+        });
+        let quads = if FULL { TB / 4 } else { nb.div_ceil(4) };
+        let mut acc = [[_mm512_setzero_si512(); CPB]; NG];
+        for qd in 0..quads {
+            let valid = if FULL { 4 } else { (nb - 4 * qd).min(4) };
+            let x = interleaved(r0.add(4 * qd * rb), rb, h, valid, il, il2);
+            let ix = avi[qd];
+            let av: [__m512i; NG] = std::array::from_fn(|j| {
+                let w = &zb[j][zh];
+                _mm512_permutex2var_epi32(w[0], ix, w[1])
+            });
+            // Times 2^shift(s), undone exactly at the flush.
+            let top = _mm512_srl_epi16(x, _mm_cvtsi32_si128(bits as i32));
+            for s in 0..CPB {
+                let src = if s + 1 == CPB { top } else { x };
+                let c = _mm512_and_si512(src, masks[s]);
+                for j in 0..NG {
+                    acc[j][s] = _mm512_dpbusd_epi32(acc[j][s], av[j], c);
+                }
+            }
+        }
+        acc
+    }
+}
+
 /// `out[j][c] += facc + msum` of the value kernels' layout: position `(h *
 /// CPB + s) * 16 + i` of `facc` is channel `(16h + i) * CPB + s`, whose
 /// group's `p . min` sum is `msum[j * groups + c / G]`.
 pub(crate) fn add_out(st: &MinMaxStore, g: usize, facc: &[f32], msum: &[f32], out: &mut [f32]) {
     let (d, grp, cpb) = (st.d, st.q.group, 8 / st.q.bits as usize);
     let gpt = d / grp;
+    // Channel c = (16h + i) cpb + s sits at (h cpb + s) 16 + i: with cpb a
+    // power of two, shifts and masks (no division per element).
+    let (ls, lm) = (cpb.trailing_zeros(), cpb - 1);
+    let pos = |c: usize| {
+        let (w, s) = (c >> ls, c & lm);
+        ((w >> 4) * cpb + s) * 16 + (w & 15)
+    };
     for j in 0..g {
-        let (f, o, ms) = (
-            &facc[j * d..(j + 1) * d],
-            &mut out[j * d..(j + 1) * d],
-            &msum[j * gpt..],
-        );
-        let mut pos = 0;
-        for h in 0..d / (16 * cpb) {
-            for s in 0..cpb {
-                for i in 0..16 {
-                    let c = (16 * h + i) * cpb + s;
-                    o[c] += f[pos] + ms[c / grp];
-                    pos += 1;
-                }
+        let (f, o) = (&facc[j * d..(j + 1) * d], &mut out[j * d..(j + 1) * d]);
+        for (gi, og) in o.chunks_exact_mut(grp).enumerate() {
+            let m = msum[j * gpt + gi];
+            for (k, x) in og.iter_mut().enumerate() {
+                *x += f[pos(gi * grp + k)] + m;
             }
         }
     }
