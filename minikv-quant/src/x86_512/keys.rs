@@ -27,12 +27,12 @@ unsafe fn key_vectors<const P: usize, const NG: usize, const B: usize, const V: 
 ) {
     // SAFETY: the caller upholds this function's contract; AVX-512F is on.
     unsafe {
-        let (sh, mask) = shifts::<P>(bits);
+        let (sh, lut) = shifts::<P>(bits);
         let mut acc = [[[_mm512_setzero_ps(); NG]; V]; B];
         let step = |acc: &mut [[__m512; NG]; V], c: usize| {
             for v in 0..V {
                 let w1 = if P == 16 { 0 } else { *w[v][1].add(c) };
-                let codes = widen::<P>(*w[v][0].add(c), w1, sh, mask);
+                let codes = widen::<P>(*w[v][0].add(c), w1, sh, lut);
                 for j in 0..NG {
                     let s = _mm512_set1_ps(*qs[v].add(j * d + c));
                     acc[v][j] = _mm512_fmadd_ps(s, codes, acc[v][j]);
@@ -43,6 +43,66 @@ unsafe fn key_vectors<const P: usize, const NG: usize, const B: usize, const V: 
         for v in 0..V {
             for j in 0..NG {
                 let x = bank_sum(&acc, (v, j), bias[v][j]);
+                _mm512_storeu_ps(out[j].add(16 * v), x);
+            }
+        }
+    }
+}
+
+/// [`key_vectors`] for 4-bit codes and an even bank count `B`, with
+/// channels taken in pairs: the two words of channels `c` and `c + 1` of a
+/// block are adjacent, so one 64-bit broadcast gives 8 tokens of both (lane
+/// `2t + e`: token `t`, channel `c + e`, [`widen_pair`]'s order), multiplied
+/// by the pair's queries (one 64-bit broadcast). Lane parity `e` is bank
+/// `c % B + e`: accumulator set `(c % B) / 2` of each half vector holds two
+/// banks side by side, so every lane takes the same fused multiply-adds in
+/// the same order as [`key_vectors`]; the banks are then added in bank order.
+///
+/// # Safety
+/// As [`key_vectors`], with `d` a multiple of `B`.
+#[inline(always)]
+unsafe fn key_vectors_pair<const NG: usize, const B: usize, const V: usize>(
+    w: [[*const u32; 2]; V],
+    d: usize,
+    qs: [*const f32; V],
+    bias: [[f32; NG]; V],
+    out: [*mut f32; NG],
+) {
+    // SAFETY: the caller upholds this function's contract; AVX-512F is on.
+    unsafe {
+        let sets = B / 2;
+        let mut acc = [[[[_mm512_setzero_ps(); NG]; 2]; V]; 2];
+        let mut c = 0;
+        while c < d {
+            for st in 0..sets {
+                let cc = c + 2 * st;
+                for v in 0..V {
+                    for h in 0..2 {
+                        let codes = widen_pair(w[v][h].add(cc));
+                        for j in 0..NG {
+                            let q2 = (qs[v].add(j * d + cc) as *const f64).read_unaligned();
+                            let q2 = _mm512_castpd_ps(_mm512_set1_pd(q2));
+                            acc[st][v][h][j] = _mm512_fmadd_ps(q2, codes, acc[st][v][h][j]);
+                        }
+                    }
+                }
+            }
+            c += B;
+        }
+        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        for v in 0..V {
+            for j in 0..NG {
+                // Tokens 0-7 from the first half vector, 8-15 from the second.
+                let lanes = |st: usize, ix: __m512i| {
+                    _mm512_permutex2var_ps(acc[st][v][0][j], ix, acc[st][v][1][j])
+                };
+                let mut x = _mm512_add_ps(lanes(0, even), lanes(0, odd));
+                for st in 1..sets {
+                    x = _mm512_add_ps(x, lanes(st, even));
+                    x = _mm512_add_ps(x, lanes(st, odd));
+                }
+                x = _mm512_add_ps(x, _mm512_set1_ps(bias[v][j]));
                 _mm512_storeu_ps(out[j].add(16 * v), x);
             }
         }
@@ -167,14 +227,24 @@ impl MinMaxStore {
                     // per head, and `out` 16 tokens a vector from `16 v0` in
                     // each of the `NG` rows.
                     unsafe {
-                        key_vectors::<P, NG, B, $v>(
-                            std::array::from_fn(|v| blocks(v0 + v)),
-                            d,
-                            bits,
-                            std::array::from_fn(|v| qs.add(src[v] * NG * d).cast_const()),
-                            std::array::from_fn(|v| bias[src[v]]),
-                            o,
-                        )
+                        if P == 8 && B % 2 == 0 && B <= 4 {
+                            key_vectors_pair::<NG, B, $v>(
+                                std::array::from_fn(|v| blocks(v0 + v)),
+                                d,
+                                std::array::from_fn(|v| qs.add(src[v] * NG * d).cast_const()),
+                                std::array::from_fn(|v| bias[src[v]]),
+                                o,
+                            );
+                        } else {
+                            key_vectors::<P, NG, B, $v>(
+                                std::array::from_fn(|v| blocks(v0 + v)),
+                                d,
+                                bits,
+                                std::array::from_fn(|v| qs.add(src[v] * NG * d).cast_const()),
+                                std::array::from_fn(|v| bias[src[v]]),
+                                o,
+                            )
+                        }
                     }
                 };
             }

@@ -37,12 +37,15 @@ unsafe fn value_tile<const P: usize, const NG: usize, const B: usize, const U: u
 ) {
     // SAFETY: the caller upholds this function's contract; AVX-512F is on.
     unsafe {
-        let (sh, mask) = shifts::<P>(bits);
+        let (sh, lut) = shifts::<P>(bits);
         let step = |acc: &mut [[__m512; NG]; U], t: usize| {
             let row = words.add(t * wpt);
             for u in 0..U {
-                let w1 = if P == 16 { 0 } else { *row.add(k[u] + 1) };
-                let codes = widen::<P>(*row.add(k[u]), w1, sh, mask);
+                let codes = if P == 16 {
+                    widen::<P>(*row.add(k[u]), 0, sh, lut)
+                } else {
+                    widen_pair(row.add(k[u]))
+                };
                 for j in 0..NG {
                     let s = _mm512_set1_ps(*a[u].add(j * TILE + t - t0));
                     acc[u][j] = _mm512_fmadd_ps(s, codes, acc[u][j]);
@@ -54,12 +57,13 @@ unsafe fn value_tile<const P: usize, const NG: usize, const B: usize, const U: u
 }
 
 /// Adds the banks in order, then `macc[u][j]`, to `out[u] + j d`
-/// ([`crate::x86::value_column`]'s final additions).
+/// ([`crate::x86::value_column`]'s final additions); at 4 bits the lanes
+/// come in [`widen_pair`]'s order and go out in channel order.
 ///
 /// # Safety
 /// `out[u]` points at 16 channels of the first of `NG` rows `d` floats apart.
 #[inline(always)]
-unsafe fn value_flush<const NG: usize, const B: usize, const U: usize>(
+unsafe fn value_flush<const P: usize, const NG: usize, const B: usize, const U: usize>(
     acc: &ValueAcc<NG, U, B>,
     macc: [[f32; NG]; U],
     out: [*mut f32; U],
@@ -67,9 +71,13 @@ unsafe fn value_flush<const NG: usize, const B: usize, const U: usize>(
 ) {
     // SAFETY: the caller upholds this function's contract; AVX-512F is on.
     unsafe {
+        let order = _mm512_loadu_si512(PAIR_ORDER.as_ptr().cast());
         for u in 0..U {
             for j in 0..NG {
-                let x = bank_sum(acc, (u, j), macc[u][j]);
+                let mut x = bank_sum(acc, (u, j), macc[u][j]);
+                if P == 8 {
+                    x = _mm512_permutexvar_ps(order, x);
+                }
                 let o = out[u].add(j * d);
                 _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), x));
             }
@@ -200,7 +208,7 @@ impl MinMaxStore {
                 );
                 t0 = t1;
             }
-            value_flush(
+            value_flush::<P, NG, B, U>(
                 &acc,
                 std::array::from_fn(|u| std::array::from_fn(|j| macc[src[u]][j].sum)),
                 std::array::from_fn(|u| out.get().add(16 * (u0 + u))),
