@@ -175,11 +175,16 @@ pub(crate) fn give_back<T>(key: &'static LocalKey<RefCell<Vec<T>>>, v: Vec<T>) {
 }
 
 /// The rounding step of values up to `amax` onto `0 ..= levels` and its
-/// inverse: `(amax * (1 / levels), levels / amax)`, `(0, 0)` for `amax = 0`.
+/// inverse: `(amax * (1 / levels), levels / amax)`; `(0, 0)` for `amax = 0`
+/// and for an `amax` so small that the inverse overflows (below about
+/// `levels / f32::MAX`, 1e-36: the values then round to 0, as a zero query
+/// or weight block does, instead of to the infinite codes each kernel
+/// saturates its own way).
 #[inline]
 pub(crate) fn steps(amax: f32, levels: f32) -> (f32, f32) {
-    if amax > 0.0 {
-        (amax * (1.0 / levels), levels / amax)
+    let inv = levels / amax;
+    if amax > 0.0 && inv <= f32::MAX {
+        (amax * (1.0 / levels), inv)
     } else {
         (0.0, 0.0)
     }

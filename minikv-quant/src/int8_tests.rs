@@ -33,6 +33,11 @@ pub(crate) fn store_as(
     st
 }
 
+/// The bit patterns of `v` (bitwise comparisons of kernel results).
+fn bit_patterns(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 /// The same store with exact arithmetic.
 pub(crate) fn exact(st: &MinMaxStore) -> MinMaxStore {
     let mut e = st.clone();
@@ -83,8 +88,8 @@ fn key_kernels_agree_bitwise_and_within_bound() {
             let mut got = vec![0.0f32; g * stride];
             st.scores_int8(isa, &q, g, &mut got, stride);
             assert_eq!(
-                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                bit_patterns(&got),
+                bit_patterns(&want),
                 "{isa:?} bits {bits} G {group} d {d} g {g}"
             );
         }
@@ -164,8 +169,8 @@ fn value_kernels_agree_bitwise_and_within_bound() {
             let mut got = base.clone();
             st.accumulate_int8(isa, &p, g, stride, &mut got);
             assert_eq!(
-                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                bit_patterns(&got),
+                bit_patterns(&want),
                 "{isa:?} bits {bits} G {group} d {d} n {n} g {g}"
             );
         }
@@ -182,6 +187,54 @@ fn value_kernels_agree_bitwise_and_within_bound() {
                 let (a, b) = (want[j * d + c], ex[j * d + c]);
                 assert!((a - b).abs() <= bound, "{a} vs {b} (bound {bound})");
             }
+        }
+    }
+}
+
+/// Queries and weights so small that a rounding step leaves the normal range
+/// or its inverse overflows (`steps`): the 512-bit key kernel keeps the two
+/// products (`sig` times the exact sum) instead of one folded factor, and
+/// every kernel gives the portable bits, for the tiny head and the normal
+/// one beside it.
+#[test]
+fn tiny_steps_agree_bitwise() {
+    let mut rng = StdRng::seed_from_u64(11);
+    for (bits, dtype) in [(2, ScaleDtype::F16), (4, ScaleDtype::F32)] {
+        let (d, n, g) = (64, 160, 2);
+        let st = store_as(Axis::Channel, bits, 16, d, n, 5, dtype);
+        // 1e-35: a step whose product with 2^-(bits s) is subnormal (one
+        // folded factor would round differently); 1e-38: an overflowing
+        // inverse.
+        for tiny in [1e-35f32, 1e-38] {
+            let mut q: Vec<f32> = (0..g * d).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+            q[d..].iter_mut().for_each(|x| *x *= tiny);
+            let mut want = vec![0.0f32; g * n];
+            st.scores_int8(Isa::Portable, &q, g, &mut want, n);
+            assert!(want[n..].iter().any(|&x| x != 0.0), "the tiny head scores");
+            for isa in Isa::available() {
+                let mut got = vec![0.0f32; g * n];
+                st.scores_int8(isa, &q, g, &mut got, n);
+                assert_eq!(
+                    bit_patterns(&got),
+                    bit_patterns(&want),
+                    "{isa:?} bits {bits} query x {tiny}"
+                );
+            }
+        }
+        // Weights of one head so small that whole blocks' steps overflow.
+        let v = store_as(Axis::Token, bits, 16, d, n, 6, dtype);
+        let mut p: Vec<f32> = (0..g * n).map(|_| rng.random_range(0.0f32..1.0)).collect();
+        p[n..].iter_mut().for_each(|x| *x *= 1e-37);
+        let mut want = vec![0.0f32; g * d];
+        v.accumulate_int8(Isa::Portable, &p, g, n, &mut want);
+        for isa in Isa::available() {
+            let mut got = vec![0.0f32; g * d];
+            v.accumulate_int8(isa, &p, g, n, &mut got);
+            assert_eq!(
+                bit_patterns(&got),
+                bit_patterns(&want),
+                "values {isa:?} bits {bits}"
+            );
         }
     }
 }
@@ -294,8 +347,8 @@ fn segment_ranges_agree_across_kernels() {
             let mut got = vec![0.0f32; g * d];
             values.accumulate_int8_span(isa, &p, g, m, &mut got, span.clone());
             assert_eq!(
-                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                bit_patterns(&got),
+                bit_patterns(&want),
                 "{isa:?} values bits {bits} d {d}"
             );
         }

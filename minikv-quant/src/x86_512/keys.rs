@@ -221,32 +221,22 @@ impl MinMaxStore {
             let o: [*mut f32; NG] =
                 std::array::from_fn(|j| unsafe { out.get().add(j * stride + 16 * v0) });
             macro_rules! run {
-                ($v:literal) => {
+                ($v:literal) => {{
+                    let w = std::array::from_fn(|v| blocks(v0 + v));
+                    let q = std::array::from_fn(|v| qs.wrapping_add(src[v] * NG * d).cast_const());
+                    let b = std::array::from_fn(|v| bias[src[v]]);
                     // SAFETY: AVX-512F is enabled (the module's cfg); the
                     // vectors' blocks hold `d` words each, `qs` `d` values
                     // per head, and `out` 16 tokens a vector from `16 v0` in
                     // each of the `NG` rows.
                     unsafe {
                         if P == 8 && B % 2 == 0 && B <= 4 {
-                            key_vectors_pair::<NG, B, $v>(
-                                std::array::from_fn(|v| blocks(v0 + v)),
-                                d,
-                                std::array::from_fn(|v| qs.add(src[v] * NG * d).cast_const()),
-                                std::array::from_fn(|v| bias[src[v]]),
-                                o,
-                            );
+                            key_vectors_pair::<NG, B, $v>(w, d, q, b, o)
                         } else {
-                            key_vectors::<P, NG, B, $v>(
-                                std::array::from_fn(|v| blocks(v0 + v)),
-                                d,
-                                bits,
-                                std::array::from_fn(|v| qs.add(src[v] * NG * d).cast_const()),
-                                std::array::from_fn(|v| bias[src[v]]),
-                                o,
-                            )
+                            key_vectors::<P, NG, B, $v>(w, d, bits, q, b, o)
                         }
                     }
-                };
+                }};
             }
             match m {
                 4 => run!(4),

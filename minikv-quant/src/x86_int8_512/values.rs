@@ -412,8 +412,11 @@ fn round_zone(mx: [__m512; 4], xs: [[__m512; 2]; 4], ng: usize) -> (__m512, [__m
     let zero = _mm512_setzero_ps();
     let am = hmax4(mx);
     let pos = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(am, zero);
-    let tau = _mm512_maskz_mul_ps(pos, am, _mm512_set1_ps(1.0 / 255.0));
     let inv = _mm512_maskz_div_ps(pos, _mm512_set1_ps(255.0), am);
+    // `steps`: a step whose inverse overflows is 0 as well.
+    let ok = _mm512_mask_cmp_ps_mask::<_CMP_LE_OQ>(pos, inv, _mm512_set1_ps(f32::MAX));
+    let tau = _mm512_maskz_mul_ps(ok, am, _mm512_set1_ps(1.0 / 255.0));
+    let inv = _mm512_maskz_mov_ps(ok, inv);
     let mut y = [[_mm512_setzero_si512(); 2]; 4];
     for k in 0..ng {
         let iv = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * k as i32), inv);
