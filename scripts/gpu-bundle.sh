@@ -9,11 +9,17 @@
 #                                and no PTX JIT; the hash is the source's, so
 #                                a stale CUBIN is never loaded)
 #   ptxas.json                   registers/spills per kernel (ptxas, here)
+#   model.gguf                   when assets/ has the real model: its first
+#                                MODEL_BLOCKS (default 2) blocks, by
+#                                scripts/gguf-truncate.py (the whole model,
+#                                98 MB, is more than a device run carries)
 #   MANIFEST.json                git revision, source hash, CPU baseline,
 #                                newest glibc symbol needed, sizes
 # Portable code: x86-64-v3 (AVX2, FMA, F16C: every x86 server CPU since
 # 2015), not target-cpu=native; stripped, no debug info.
 # Usage: ./scripts/gpu-bundle.sh   (~10 min cold: its own target dir)
+# A device run carries it with `carry: ["gpu-bundle"]` (64 MiB with the
+# tracked tree, about 5 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TOOLS=$(./scripts/fetch-cuda-tools.sh)
@@ -32,6 +38,10 @@ cp "$R/examples/gpucheck" "$OUT.tmp/bin/minikv-kernels-gpucheck"
 LD_LIBRARY_PATH="$PWD/$TOOLS/lib" "$R/minikv-kernels-check" --ptxas "$TOOLS/bin/ptxas" \
   --out "$OUT.tmp/ptx" --cubin-out "$OUT.tmp/cubin" > "$OUT.tmp/ptxas.json"
 rm -rf "$OUT.tmp/ptx"
+MODEL=assets/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ -f "$MODEL" ]; then
+  python3 scripts/gguf-truncate.py "$MODEL" "$OUT.tmp/model.gguf" "${MODEL_BLOCKS:-2}" >&2
+fi
 python3 - "$OUT.tmp" "$CPU" "$(git rev-parse HEAD)$(git diff --quiet HEAD || echo -dirty)" <<'PY'
 import json, os, re, subprocess, sys
 out, cpu, rev = sys.argv[1:4]

@@ -99,6 +99,15 @@ impl Report {
         row["ok"] = json!(ok);
         self.rows.push(row);
     }
+    /// Runs one group of checks; an error (a failed launch, a copy, a
+    /// missing kernel) becomes a failing row that names the group and the
+    /// error, and the next group still runs, so one fault does not hide
+    /// what else works.
+    pub fn stage(&mut self, name: &str, f: impl FnOnce(&mut Self) -> Result<()>) {
+        if let Err(e) = f(self) {
+            self.push(false, json!({"check": name, "error": e.to_string()}));
+        }
+    }
 }
 
 /// Runs every check on `dev` (small shapes: a few blocks per launch).
@@ -109,23 +118,25 @@ pub fn run_all(dev: Arc<dyn Device>) -> Result<Report> {
     let mut seed = 7u64;
     // Head dims 64 and 128 also run on tensor cores: several row blocks,
     // key counts off the 64-key tile, windows, and rows = keys.
-    prefill(
-        &[&scalar, &be],
-        &mut seed,
-        &mut r,
-        &[
-            (4, 2, 5, 9, 16, 0),
-            (6, 2, 40, 170, 64, 0),
-            (4, 1, 33, 33, 256, 7),
-            (2, 2, 130, 300, 32, 64),
-            (4, 2, 70, 200, 128, 50),
-            (2, 1, 130, 130, 64, 0),
-        ],
-    )?;
-    window_scores(&scalar, &mut seed, &mut r)?;
-    window_scores(&be, &mut seed, &mut r)?;
-    quantization(&be, &mut seed, &mut r)?;
-    decode(&be, &mut seed, &mut r, small_decode_cases())?;
+    let cases = [
+        (4, 2, 5, 9, 16, 0),
+        (6, 2, 40, 170, 64, 0),
+        (4, 1, 33, 33, 256, 7),
+        (2, 2, 130, 300, 32, 64),
+        (4, 2, 70, 200, 128, 50),
+        (2, 1, 130, 130, 64, 0),
+    ];
+    r.stage("prefill", |r| {
+        prefill(&[&scalar, &be], &mut seed, r, &cases)
+    });
+    r.stage("window scores (scalar)", |r| {
+        window_scores(&scalar, &mut seed, r)
+    });
+    r.stage("window scores", |r| window_scores(&be, &mut seed, r));
+    r.stage("quantization", |r| quantization(&be, &mut seed, r));
+    r.stage("decode", |r| {
+        decode(&be, &mut seed, r, small_decode_cases())
+    });
     Ok(r)
 }
 
@@ -144,7 +155,9 @@ pub fn run_large(dev: Arc<dyn Device>, tokens: usize, paths: &[PrefillPath]) -> 
         .map(|&p| CudaBackend::new(dev.clone()).with_prefill_path(p))
         .collect();
     let on: Vec<&CudaBackend> = on.iter().collect();
-    prefill(&on, &mut seed, &mut r, &[(32, 8, 4, tokens, 128, 0)])?;
+    r.stage("prefill (large)", |r| {
+        prefill(&on, &mut seed, r, &[(32, 8, 4, tokens, 128, 0)])
+    });
     let heads: Vec<(usize, usize, usize, usize)> = (0..8)
         .map(|i| {
             // Ragged: the longest head holds `tokens`, the others less; a
@@ -154,15 +167,17 @@ pub fn run_large(dev: Arc<dyn Device>, tokens: usize, paths: &[PrefillPath]) -> 
             (len, nq, nq, if i % 4 == 1 { 3 } else { 0 })
         })
         .collect();
-    decode(
-        &be,
-        &mut seed,
-        &mut r,
-        vec![
-            (128, 32, heads.clone(), 2, Axis::Channel),
-            (128, 32, heads, 4, Axis::Channel),
-        ],
-    )?;
+    r.stage("decode (large)", |r| {
+        decode(
+            &be,
+            &mut seed,
+            r,
+            vec![
+                (128, 32, heads.clone(), 2, Axis::Channel),
+                (128, 32, heads, 4, Axis::Channel),
+            ],
+        )
+    });
     Ok(r)
 }
 
