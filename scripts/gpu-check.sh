@@ -109,9 +109,12 @@ echo "== decode attention (32/8 heads, d = 128): cuda and the CPU"
 unset MINIKV_CUDA_CHECK
 for tl in 16384:8 131072:2; do
   t=${tl%:*} layers=${tl#*:}
-  for be in cuda tiled; do
-    timeout 150 "$BIN/minikv" bench attention --tokens "$t" --q-heads 32 --kv-heads 8 --head-dim 128 \
-      --layers "$layers" --backend "$be" --seconds 1 --json > "$OUTDIR/bench-attention-$be-$t.json" 2>> "$OUTDIR/bench.log" \
+  # cuda-general: the general decode kernel (MINIKV_CUDA_DECODE=general),
+  # the fast one's baseline.
+  for be in cuda cuda-general tiled; do
+    env $([ "$be" = cuda-general ] && echo MINIKV_CUDA_DECODE=general) timeout 150 \
+      "$BIN/minikv" bench attention --tokens "$t" --q-heads 32 --kv-heads 8 --head-dim 128 \
+      --layers "$layers" --backend "${be%-general}" --seconds 1 --json > "$OUTDIR/bench-attention-$be-$t.json" 2>> "$OUTDIR/bench.log" \
       || fail "bench attention $be $t (exit $?)"
   done
 done
@@ -133,37 +136,40 @@ for f in sorted(glob.glob(os.path.join(out, "bench-attention-*.json"))):
         r = json.load(open(f))
     except Exception:
         continue
+    label = os.path.basename(f)[len("bench-attention-"):].rsplit("-", 1)[0]
+    gpu = label.startswith("cuda")
     for x in r["results"]:
         if not x.get("seconds_per_token"):
             continue
         gbs = x["bytes_read_per_token"] / x["seconds_per_token"] / 1e9
-        frac = f"{100 * gbs / bound:5.1f}% of {bound:.0f} GB/s" if bound and r["backend"] == "cuda" else ""
-        if copy and r["backend"] == "cuda":
+        frac = f"{100 * gbs / bound:5.1f}% of {bound:.0f} GB/s" if bound and gpu else ""
+        if copy and gpu:
             frac += f", {100 * gbs / copy:5.1f}% of copy"
-        print(f"  {r['backend']:<6} {r['tokens']:>7} {x['cache'][:44]:<44} {x['seconds_per_token'] * 1e6:9.1f} us/token {gbs:8.1f} GB/s {frac}")
-        rows.append({"backend": r["backend"], "tokens": r["tokens"], "cache": x["cache"],
+        print(f"  {label:<12} {r['tokens']:>7} {x['cache'][:44]:<44} {x['seconds_per_token'] * 1e6:9.1f} us/token {gbs:8.1f} GB/s {frac}")
+        rows.append({"backend": label, "tokens": r["tokens"], "cache": x["cache"],
                      "us_per_token": x["seconds_per_token"] * 1e6, "gb_s": gbs,
-                     "fraction_of_bound": gbs / bound if bound and r["backend"] == "cuda" else None,
-                     "fraction_of_copy": gbs / copy if copy and r["backend"] == "cuda" else None})
+                     "fraction_of_bound": gbs / bound if bound and gpu else None,
+                     "fraction_of_copy": gbs / copy if copy and gpu else None})
 # Every cuda call pays a fixed host round trip (query up, output down, two
 # launches); the marginal bandwidth between the two depths, extra bytes over
 # extra time, is the kernels' own.
 marginal = {}
 for x in rows:
-    if x["backend"] != "cuda" or x["tokens"] != 16384:
+    if not x["backend"].startswith("cuda") or x["tokens"] != 16384:
         continue
-    y = next((z for z in rows if z["backend"] == "cuda" and z["tokens"] == 131072 and z["cache"] == x["cache"]), None)
+    y = next((z for z in rows if z["backend"] == x["backend"] and z["tokens"] == 131072 and z["cache"] == x["cache"]), None)
     if not y or y["us_per_token"] <= x["us_per_token"]:
         continue
     b16, b128 = x["gb_s"] * x["us_per_token"] * 1e3, y["gb_s"] * y["us_per_token"] * 1e3
     gbs = (b128 - b16) / ((y["us_per_token"] - x["us_per_token"]) * 1e3)
-    marginal[x["cache"]] = {"gb_s": gbs, "overhead_us": x["us_per_token"] - b16 / gbs / 1e3,
-                            "fraction_of_bound": gbs / bound if bound else None,
-                            "fraction_of_copy": gbs / copy if copy else None}
-    print(f"  cuda marginal 16K->128K {x['cache'][:44]:<44} {gbs:8.1f} GB/s"
+    key = f"{x['backend']}: {x['cache']}"
+    marginal[key] = {"gb_s": gbs, "overhead_us": x["us_per_token"] - b16 / gbs / 1e3,
+                     "fraction_of_bound": gbs / bound if bound else None,
+                     "fraction_of_copy": gbs / copy if copy else None}
+    print(f"  {x['backend']:<12} marginal 16K->128K {x['cache'][:40]:<40} {gbs:8.1f} GB/s"
           + (f" ({100 * gbs / bound:.1f}% of bound" if bound else " (")
           + (f", {100 * gbs / copy:.1f}% of copy)" if copy else ")")
-          + f"; fixed cost per call {marginal[x['cache']]['overhead_us']:.1f} us")
+          + f"; fixed cost per call {marginal[key]['overhead_us']:.1f} us")
 json.dump({"bandwidth_bound_gb_s": bound, "copy_gb_s": copy, "decode": rows, "marginal": marginal}, open(os.path.join(out, "decode-bandwidth.json"), "w"), indent=1)
 PY
 

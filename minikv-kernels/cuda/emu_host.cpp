@@ -12,6 +12,7 @@
 #include "emulate.h"
 #include "minikv.cu"
 #include "prefill_mma.cu"
+#include "decode_fast.cu"
 
 namespace {
 template <class... A, std::size_t... I>
@@ -43,6 +44,7 @@ int mk_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsig
     MK_KERNEL(mk_quant_keys_channel)
     MK_KERNEL(mk_quant_values_token)
     MK_KERNEL(mk_decode_partial)
+    MK_KERNEL(mk_decode_fast)
     MK_KERNEL(mk_decode_combine)
     MK_KERNEL(mk_scatter)
     MK_KERNEL(mk_prefill_mma64)

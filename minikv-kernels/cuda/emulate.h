@@ -39,6 +39,7 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __restrict__
 #define __shared__ static
 

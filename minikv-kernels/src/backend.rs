@@ -18,8 +18,57 @@ use std::sync::{Arc, Mutex};
 pub(crate) const THREADS: u32 = 128;
 /// Largest head dimension the kernels take (`MK_MAX_D`).
 pub const MAX_HEAD_DIM: usize = 256;
-/// Tokens per split of the fused decode (flash-decoding).
+/// Tokens per split of the fused decode (flash-decoding; `MK_CHUNK` of
+/// the fast kernel).
 pub const DECODE_CHUNK: usize = 256;
+/// Query heads a block of the fast decode kernel serves (`MK_G`).
+const FAST_GROUP: usize = 4;
+
+/// Blocks the fast decode aims to launch at least (a few per SM of a large
+/// GPU: 132 SMs on an H100 or H200).
+const FAST_MIN_BLOCKS: usize = 512;
+
+/// The decode kernel, its grid rows and tokens per split: the fast kernel
+/// reads a KV head once for up to [`FAST_GROUP`] of its query heads (rows:
+/// KV heads x slices of the group), with splits halved down to 32 tokens
+/// while the grid is under [`FAST_MIN_BLOCKS`] (short caches still fill the
+/// GPU); the general one (any layout) reads it once per query head, in
+/// splits of [`DECODE_CHUNK`].
+fn decode_plan(
+    heads: &[MkHead],
+    d: usize,
+    group: usize,
+    hq: usize,
+    longest: usize,
+) -> (&'static str, usize, usize) {
+    if !fast_decode(heads, d) {
+        return ("mk_decode_partial", hq, DECODE_CHUNK);
+    }
+    let rows = heads.len() * group.div_ceil(FAST_GROUP);
+    let mut chunk = DECODE_CHUNK;
+    while chunk > 32 && longest.div_ceil(chunk) * rows < FAST_MIN_BLOCKS {
+        chunk /= 2;
+    }
+    ("mk_decode_fast", rows, chunk)
+}
+
+/// True when `mk_decode_fast` takes these heads: head dim 16, 32, 64, 128
+/// or 256 (whole 8-channel columns that divide the block), quantized keys
+/// per channel and quantized values per token with scale groups of whole
+/// columns, at 2, 4 or 8 bits (or none of either). `MINIKV_CUDA_DECODE=general`
+/// forces the general kernel (to compare the two on a device).
+fn fast_decode(heads: &[MkHead], d: usize) -> bool {
+    static GENERAL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *GENERAL.get_or_init(|| std::env::var("MINIKV_CUDA_DECODE").as_deref() == Ok("general")) {
+        return false;
+    }
+    let bits_ok = |b: i32| matches!(b, 2 | 4 | 8);
+    [16, 32, 64, 128, 256].contains(&d)
+        && heads.iter().all(|h| {
+            (h.k.n == 0 || (h.k.axis == 0 && bits_ok(h.k.bits)))
+                && (h.v.n == 0 || (h.v.axis == 1 && bits_ok(h.v.bits) && h.v.group % 8 == 0))
+        })
+}
 
 /// `MkQuant` of minikv.cu with device addresses (same C layout; the padding
 /// is explicit so that the struct is plain bytes).
@@ -463,7 +512,8 @@ impl AttentionBackend for CudaBackend {
             .map(|h| h.len() + h.n_extra())
             .max()
             .unwrap_or(0);
-        let splits = longest.div_ceil(DECODE_CHUNK).max(1);
+        let (kernel, rows, chunk) = decode_plan(&heads, d, group, hq, longest);
+        let splits = longest.div_ceil(chunk).max(1);
         let hp = s.put(dev, 11, &heads)?;
         let qp = s.put(dev, 12, a.q)?;
         let pm = s.get(dev, 13, hq * splits * 4)?.ptr();
@@ -484,9 +534,9 @@ impl AttentionBackend for CudaBackend {
         };
         let scale = 1.0 / (d as f32).sqrt();
         dev.launch(
-            "mk_decode_partial",
+            kernel,
             Launch {
-                grid: (splits as u32, hq as u32, 1),
+                grid: (splits as u32, rows as u32, 1),
                 block: (THREADS, 1, 1),
             },
             &[
@@ -495,7 +545,7 @@ impl AttentionBackend for CudaBackend {
                 Arg::I32(int(d)?),
                 Arg::I32(int(group)?),
                 Arg::F32(scale),
-                Arg::I32(int(DECODE_CHUNK)?),
+                Arg::I32(int(chunk)?),
                 Arg::Ptr(pm),
                 Arg::Ptr(pl),
                 Arg::Ptr(pacc),

@@ -49,6 +49,8 @@ pub struct EmuDevice {
     mem: Mutex<BTreeMap<u64, usize>>,
     /// Run a block's threads as OS threads (else as fibers).
     os_threads: bool,
+    /// Launches per kernel name.
+    launched: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 impl Drop for EmuDevice {
@@ -73,7 +75,14 @@ impl EmuDevice {
         Arc::new(Self {
             mem: Mutex::default(),
             os_threads: true,
+            launched: Mutex::default(),
         })
+    }
+    /// How many times `kernel` was launched on this device (tests check
+    /// which kernel a backend path takes).
+    pub fn launches(&self, kernel: &str) -> u64 {
+        let l = self.launched.lock().unwrap_or_else(|p| p.into_inner());
+        l.get(kernel).copied().unwrap_or(0)
     }
     /// Bytes currently allocated.
     pub fn allocated(&self) -> usize {
@@ -153,6 +162,12 @@ impl Device for EmuDevice {
             .iter_mut()
             .map(|v| v as *mut u64 as *mut c_void)
             .collect();
+        *self
+            .launched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(kernel)
+            .or_default() += 1;
         let name = CString::new(kernel).map_err(|_| err("kernel name"))?;
         let (g, b) = (shape.grid, shape.block);
         // SAFETY: the parameter array holds one pointer per argument to a

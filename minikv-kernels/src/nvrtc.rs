@@ -16,17 +16,19 @@ use std::path::{Path, PathBuf};
 /// tensor-core prefill of `cuda/prefill_mma.cu`, which uses its helpers).
 pub const SOURCE: &str = concat!(
     include_str!("../cuda/minikv.cu"),
-    include_str!("../cuda/prefill_mma.cu")
+    include_str!("../cuda/prefill_mma.cu"),
+    include_str!("../cuda/decode_fast.cu")
 );
 
 /// The kernels in [`SOURCE`].
-pub const KERNELS: [&str; 12] = [
+pub const KERNELS: [&str; 13] = [
     "mk_prefill_fwd",
     "mk_column_sums",
     "mk_pool1d",
     "mk_quant_keys_channel",
     "mk_quant_values_token",
     "mk_decode_partial",
+    "mk_decode_fast",
     "mk_decode_combine",
     "mk_scatter",
     "mk_prefill_mma64",

@@ -50,14 +50,19 @@ fn fp16_conversions_are_those_of_half() {
 /// Every parity check of the backend on the emulated device passes.
 #[test]
 fn the_backend_matches_the_cpu_reference_under_emulation() {
-    let r = parity::run_all(EmuDevice::new()).unwrap();
+    let dev = EmuDevice::new();
+    let r = parity::run_all(dev.clone()).unwrap();
     for row in &r.rows {
         assert_eq!(row["ok"], true, "{row}");
     }
     // prefill 9 (6 cases, 3 of them also on tensor cores), window scores 3
     // (both shapes on the scalar kernels, d = 64 on tensor cores),
-    // quantization 7, decode 4.
-    assert_eq!(r.rows.len(), 23);
+    // quantization 7, decode 6.
+    assert_eq!(r.rows.len(), 25);
+    // Keys per token take the general decode kernel; the other five cases
+    // the fast one (each case decodes once).
+    assert_eq!(dev.launches("mk_decode_partial"), 1);
+    assert_eq!(dev.launches("mk_decode_fast"), 5);
     let mma = r
         .rows
         .iter()

@@ -498,6 +498,17 @@ fn small_decode_cases() -> Vec<DecodeCase> {
             Axis::Channel,
         ),
         (128, 2, vec![(260, 256, 256, 1)], 2, Axis::Token),
+        // Five query heads per KV head (two blocks of the fast kernel per
+        // head, the second one partly used) at d = 16; three at d = 256
+        // with 8-bit codes.
+        (
+            16,
+            10,
+            vec![(90, 80, 70, 1), (33, 16, 20, 0)],
+            4,
+            Axis::Channel,
+        ),
+        (256, 3, vec![(300, 288, 280, 2)], 8, Axis::Channel),
         // A head with no token and no extra entry (its output is 0).
         (
             64,
