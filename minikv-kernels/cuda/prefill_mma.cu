@@ -69,40 +69,48 @@ __device__ __forceinline__ void mk_mma(float* d, const unsigned* a, const unsign
 #endif
 }
 
-// A fragments of 16 rows x D channels of a row-major f32 matrix (`rows` valid
+// Elements i and i + 1 (i even) of a source as two fp16 in one word, `i` in
+// the low half: f32 times `mul`, rounded (queries); or fp16 bits as they are
+// (keys and values, uploaded as fp16 by the host: the same bits as rounding
+// their f32 here, since their `mul` is 1).
+__device__ __forceinline__ unsigned mk_pair(const float* p, mk_size i, float mul) {
+  return mk_pack(p[i] * mul, p[i + 1] * mul);
+}
+__device__ __forceinline__ unsigned mk_pair(const unsigned short* p, mk_size i, float) {
+#ifdef MK_EMULATED
+  unsigned w;
+  std::memcpy(&w, p + i, 4);
+  return w;
+#else
+  return *(const unsigned*)(p + i);
+#endif
+}
+
+// A fragments of 16 rows x D channels of a row-major matrix (`rows` valid
 // rows from `base`, zeros after), times `mul`, as fp16: frag[kc] covers
 // channels 16 kc .. 16 kc + 15.
-template <int D>
-__device__ __forceinline__ void mk_a_frags(unsigned (*frag)[4], const float* base, int rows, float mul) {
+template <int D, class T>
+__device__ __forceinline__ void mk_a_frags(unsigned (*frag)[4], const T* base, int rows, float mul) {
   int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 #pragma unroll
   for (int kc = 0; kc < D / 16; ++kc)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       int row = g + (r % 2) * 8, col = kc * 16 + 2 * c + (r / 2) * 8;
-      float x = 0.f, y = 0.f;
-      if (row < rows) {
-        x = base[(mk_size)row * D + col] * mul;
-        y = base[(mk_size)row * D + col + 1] * mul;
-      }
-      frag[kc][r] = mk_pack(x, y);
+      frag[kc][r] = row < rows ? mk_pair(base, (mk_size)row * D + col, mul) : 0u;
     }
 }
 
-// Stages rows [r0, r0 + 64) of a row-major f32 [.][D] matrix (rows >= `rows`
-// as zeros), times `mul`, as fp16 into shared `dst` [64][D + PAD] and/or
+// Stages rows [r0, r0 + 64) of a row-major [.][D] matrix (rows >= `rows` as
+// zeros), times `mul`, as fp16 into shared `dst` [64][D + PAD] and/or
 // transposed into `dt` [D][64 + PAD] (either may be null).
-template <int D>
-__device__ __forceinline__ void mk_stage(unsigned short* dst, unsigned short* dt, const float* src,
+template <int D, class T>
+__device__ __forceinline__ void mk_stage(unsigned short* dst, unsigned short* dt, const T* src,
                                          int r0, int rows, float mul) {
   for (int e = threadIdx.x; e < MK_MMA_TILE * D / 2; e += blockDim.x) {
     int r = e / (D / 2), c = 2 * (e % (D / 2));
-    float x = 0.f, y = 0.f;
-    if (r0 + r < rows) {
-      x = src[(mk_size)(r0 + r) * D + c] * mul;
-      y = src[(mk_size)(r0 + r) * D + c + 1] * mul;
-    }
-    unsigned hx = mk_h(x), hy = mk_h(y);
+    unsigned w = r0 + r < rows ? mk_pair(src, (mk_size)(r0 + r) * D + c, mul) : 0u;
+    unsigned hx = w & 0xffffu, hy = w >> 16;
     if (dst) {
       dst[r * (D + MK_MMA_PAD) + c] = (unsigned short)hx;
       dst[r * (D + MK_MMA_PAD) + c + 1] = (unsigned short)hy;
@@ -127,15 +135,16 @@ __device__ __forceinline__ bool mk_sees(int pos, int j, int window) {
 // 5a. Tensor-core prefill: block (64 query rows, query head h); outputs and
 // each row's log-sum-exp (of the scaled scores), as mk_prefill_fwd.
 template <int D>
-__device__ void mk_prefill_mma(const float* q, const float* k, const float* v, float* out,
-                               float* lse, int n, int t, int group, float scale, int window) {
+__device__ void mk_prefill_mma(const float* q, const unsigned short* k, const unsigned short* v,
+                               float* out, float* lse, int n, int t, int group, float scale,
+                               int window) {
   constexpr int LK = D + MK_MMA_PAD, LV = MK_MMA_TILE + MK_MMA_PAD, NT = D / 8;
   __shared__ unsigned short sk[MK_MMA_TILE * LK];
   __shared__ unsigned short svt[D * LV];
   int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
   int h = blockIdx.y, i0 = blockIdx.x * MK_MMA_TILE + warp * 16;
-  const float* kh = k + (mk_size)(h / group) * t * D;
-  const float* vh = v + (mk_size)(h / group) * t * D;
+  const unsigned short* kh = k + (mk_size)(h / group) * t * D;
+  const unsigned short* vh = v + (mk_size)(h / group) * t * D;
   unsigned qa[D / 16][4];
   int left = n - i0;
   mk_a_frags<D>(qa, q + ((mk_size)h * n + (i0 < n ? i0 : 0)) * D, left > 0 ? left : 0, scale);
@@ -235,7 +244,7 @@ __device__ void mk_prefill_mma(const float* q, const float* k, const float* v, f
 // the block and computes S^T = K Q^T per tile of 64 rows; a lane sums its two
 // keys' entries, and the 4 lanes of a key are added in a fixed order at the end.
 template <int D>
-__device__ void mk_column_sums_mma(const float* q, const float* k, const float* lse, float* cumul,
+__device__ void mk_column_sums_mma(const float* q, const unsigned short* k, const float* lse, float* cumul,
                                    int n, int t, int group, float scale, int window, int i_begin,
                                    int i_end) {
   constexpr int LK = D + MK_MMA_PAD;
@@ -288,17 +297,21 @@ __device__ void mk_column_sums_mma(const float* q, const float* k, const float* 
 // The launchable instances (head dims 64 and 128; grid: fwd (ceil(n / 64),
 // Hq), column sums (ceil(t / 64), Hq); 128 threads). Their arguments are the
 // scalar kernels' (`d`, equal to D, included) so the host launches either
-// with one argument list.
+// with one argument list, except that keys and values are fp16 bits (the
+// host rounds them once, at upload, and keeps prefill histories so: half the
+// bytes moved and read of the f32 the scalar kernels take).
 #define MK_PREFILL_MMA(D)                                                                        \
   extern "C" __global__ void mk_prefill_mma##D(                                                  \
-      const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,     \
+      const float* __restrict__ q, const unsigned short* __restrict__ k,                          \
+      const unsigned short* __restrict__ v,                                                      \
       float* __restrict__ out, float* __restrict__ lse, int n, int t, int d, int group,          \
       float scale, int window) {                                                                 \
     (void)d;                                                                                     \
     mk_prefill_mma<D>(q, k, v, out, lse, n, t, group, scale, window);                            \
   }                                                                                              \
   extern "C" __global__ void mk_column_sums_mma##D(                                              \
-      const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ lse,   \
+      const float* __restrict__ q, const unsigned short* __restrict__ k,                          \
+      const float* __restrict__ lse,                                                             \
       float* __restrict__ cumul, int n, int t, int d, int group, float scale, int window,        \
       int i_begin, int i_end) {                                                                  \
     (void)d;                                                                                     \

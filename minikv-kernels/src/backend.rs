@@ -4,7 +4,7 @@
 
 use crate::device::{Arg, Batched, Calls, Device, Launch, Scratch, err, int};
 pub use crate::prefill::PrefillPath;
-use crate::prefill::Rows;
+use crate::prefill::{Rows, f16_rows};
 use crate::resident::Histories;
 use crate::store::{DeviceFpStore, DeviceQuantStore, Staging};
 use minikv_core::attention::{
@@ -285,8 +285,13 @@ impl CudaBackend {
         let dev = &self.dev;
         let mut s = self.scratch();
         let qp = s.put(dev, 0, q_window)?;
-        let kall: Vec<f32> = keys.iter().flat_map(|k| k.iter().copied()).collect();
-        let kp = s.put(dev, 1, &kall)?;
+        let mma = Rows::use_mma(self.prefill_path, d);
+        let kp = if mma {
+            s.put(dev, 1, &f16_rows(keys))?
+        } else {
+            let kall: Vec<f32> = keys.iter().flat_map(|k| k.iter().copied()).collect();
+            s.put(dev, 1, &kall)?
+        };
         // The values are not needed for the scores; pass the keys (same shape).
         let outp = s.get(dev, 2, hq * w * d * 4)?.ptr();
         let lsep = s.get(dev, 3, hq * w * 4)?.ptr();
@@ -303,7 +308,7 @@ impl CudaBackend {
             group: int(hq / hkv)?,
             scale: 1.0 / (d as f32).sqrt(),
             window: 0,
-            mma: Rows::use_mma(self.prefill_path, d),
+            mma,
         };
         rows.forward(dev, kp, outp, lsep)?;
         rows.column_sums(dev, lsep, sp, 0, rows.n)?;
@@ -451,10 +456,16 @@ impl AttentionBackend for CudaBackend {
         let dev = &self.dev;
         let mut s = self.scratch();
         let qp = s.put(dev, 0, a.q)?;
+        let mma = Rows::use_mma(self.prefill_path, d);
         // Held to the end of the call: the kept rows' buffers stay alive.
         let mut hist = self.histories();
         let (kp, vp) = match a.history {
-            Some(h) => hist.rows(dev, h, a.keys, a.values, t, d)?,
+            Some(h) => hist.rows(dev, h, a.keys, a.values, t, d, mma)?,
+            // The tensor-core kernels take keys and values as fp16.
+            None if mma => {
+                let kp = s.put(dev, 1, &f16_rows(a.keys))?;
+                (kp, s.put(dev, 2, &f16_rows(a.values))?)
+            }
             None => {
                 let mut kv = Vec::with_capacity(hkv * t * d);
                 for k in a.keys {
@@ -480,7 +491,7 @@ impl AttentionBackend for CudaBackend {
             group: int(group)?,
             scale: 1.0 / (d as f32).sqrt(),
             window: int(a.window.unwrap_or(0))?,
-            mma: Rows::use_mma(self.prefill_path, d),
+            mma,
         };
         rows.forward(dev, vp, op, lp)?;
         if let Some(c) = a.cumulative {

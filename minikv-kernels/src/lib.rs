@@ -17,8 +17,10 @@
 //!    accumulators, the probabilities reused from registers as the next
 //!    product's operand) and `A_cumul` from the same 16 x 8 tiles of `K Q^T`,
 //!    each lane summing its keys in a fixed order (deterministic, no
-//!    atomics); fp16 operands, so results are within about 1e-3 of the f32
-//!    kernels, FlashAttention-2's precision;
+//!    atomics); fp16 operands (keys and values rounded once by the host
+//!    and uploaded, and kept in prefill histories, as fp16: half the bytes
+//!    of the f32 the scalar kernels take), so results are within about 1e-3
+//!    of the f32 kernels, FlashAttention-2's precision;
 //! 2. SnapKV window scores: `mk_column_sums` over the last W queries, then
 //!    `mk_pool1d` (max or average, `same` padding);
 //! 3. `mk_quant_keys_channel` / `mk_quant_values_token`: 2/4-bit min-max
@@ -67,15 +69,22 @@
 //!   (windows, GQA) on the scalar kernels and within 2e-3 (measured 6.2e-4)
 //!   on the tensor-core ones, whose `mma.sync` the emulation computes from
 //!   the fragments' documented layout; window scores within the same
-//!   bounds; codes bit-exact with the CPU quantizer (2/4/8 bits, both axes), fused decode (both kernels: 2/4/8 bits, head dims 16-256, one to five query heads per KV head, splits of 32-256 tokens) within 1e-4 over ragged heads with extra
-//!   entries, and a whole cache (MiniKV, KIVI, H2O with decode-time
+//!   bounds; codes bit-exact with the CPU quantizer (2/4/8 bits, both
+//!   axes); fused decode (both kernels: 2/4/8 bits, head dims 16-256, one
+//!   to five query heads per KV head, splits of 32-256 tokens) within 1e-4
+//!   over ragged heads with extra entries, and a whole cache (MiniKV, KIVI, H2O with decode-time
 //!   probabilities) built on the backend against the same cache on the CPU;
 //!   from the CLI, the real model generates with `backend = "cuda-emulated"`.
 //!   The emulated checks also cover a model's shapes (32 query / 8 KV heads,
 //!   d = 128, 32K tokens: many waves of blocks, large offsets; the scalar
 //!   prefill there, the tensor-core one only at the small shapes), residual
 //!   rings that wrap hundreds of times against the CPU cache, the upload
-//!   queue's ordering, and the number of host-device calls per decode step.
+//!   queue's ordering, the number of host-device calls per decode step,
+//!   and prefill histories: a chunked prefill keeps each layer's rows on
+//!   the device and uploads only each chunk's new rows, bitwise the results
+//!   of whole uploads, with the bytes moved counted (fp16 keys and values
+//!   for the tensor cores, f32 for the scalar kernels;
+//!   `tests/prefill_history.rs`).
 //! * **Compiled** (CI, after `scripts/fetch-cuda-tools.sh`): NVRTC 12.9
 //!   compiles every kernel for sm_80 and sm_90 and `ptxas` assembles them
 //!   with no spills, at most 64 registers (the tensor-core prefill: at most

@@ -8,7 +8,8 @@ use minikv_core::Result;
 use std::sync::Arc;
 
 /// One prefill-shaped attention on the device: `hq` query heads of `n`
-/// rows `q [Hq][n][d]` at the last `n` of `t` positions, keys `[Hkv][t][d]`.
+/// rows `q [Hq][n][d]` at the last `n` of `t` positions, keys `[Hkv][t][d]`
+/// (f32 for the scalar kernels, fp16 bits for the tensor-core ones).
 pub(crate) struct Rows {
     pub(crate) q: DevPtr,
     pub(crate) k: DevPtr,
@@ -33,6 +34,31 @@ pub enum PrefillPath {
     TensorCores,
     /// The scalar f32 kernels for every head dim (one block per query row).
     Scalar,
+}
+
+/// Rows of f32 as fp16 bits, one after another (keys or values `[Hkv][t][d]`
+/// for the tensor-core kernels, which take them as fp16): rounded to
+/// nearest even, as the kernels' own conversion, so the staged operands are
+/// the bits an on-device rounding of the f32 gives; in parallel chunks.
+pub(crate) fn f16_rows(rows: &[&[f32]]) -> Vec<u16> {
+    use half::slice::HalfFloatSliceExt;
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    let total: usize = rows.iter().map(|r| r.len()).sum();
+    let mut out = vec![half::f16::ZERO; total];
+    let mut rest = &mut out[..];
+    let mut parts = Vec::with_capacity(rows.len());
+    for r in rows {
+        let (head, tail) = rest.split_at_mut(r.len());
+        parts.push((head, *r));
+        rest = tail;
+    }
+    parts.into_par_iter().for_each(|(dst, src)| {
+        dst.par_chunks_mut(CHUNK)
+            .zip(src.par_chunks(CHUNK))
+            .for_each(|(d, s)| d.convert_from_f32_slice(s));
+    });
+    out.into_iter().map(half::f16::to_bits).collect()
 }
 
 /// Query rows (fwd) or keys (column sums) per block of the tensor-core kernels.

@@ -7,6 +7,7 @@
 //! [`PrefillArgs::history`]: minikv_core::PrefillArgs::history
 
 use crate::device::{DevBuf, DevPtr, Device};
+use crate::prefill::f16_rows;
 use minikv_core::{KvHistory, Result};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,13 +18,15 @@ use std::sync::Arc;
 /// correctness).
 pub(crate) const HISTORY_BYTES_MAX: usize = 8 << 30;
 
-/// One history's rows on the device: keys and values `[hkv][t][d]` f32,
-/// exactly `t` rows per head (the kernels' layout).
+/// One history's rows on the device: keys and values `[hkv][t][d]`, f32 or
+/// (for the tensor-core kernels) fp16, exactly `t` rows per head (the
+/// kernels' layout).
 #[derive(Debug)]
 struct Resident {
     hkv: usize,
     d: usize,
     t: usize,
+    half: bool,
     k: DevBuf,
     v: DevBuf,
     used: u64,
@@ -44,10 +47,12 @@ pub(crate) struct Histories {
 
 impl Histories {
     /// The keys and values of a call of history `h` on the device (`t` rows
-    /// of `d` per KV head): the rows it kept, moved on the device into a
-    /// buffer of the new length, and the new rows uploaded. A history whose
-    /// shape changed, or that holds more rows than the call (against the
-    /// append-only promise), is uploaded whole.
+    /// of `d` per KV head; fp16 when `half`, else f32): the rows it kept,
+    /// moved on the device into a buffer of the new length, and the new rows
+    /// uploaded. A history whose shape or element type changed, or that
+    /// holds more rows than the call (against the append-only promise), is
+    /// uploaded whole.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn rows(
         &mut self,
         dev: &Arc<dyn Device>,
@@ -56,12 +61,14 @@ impl Histories {
         values: &[&[f32]],
         t: usize,
         d: usize,
+        half: bool,
     ) -> Result<(DevPtr, DevPtr)> {
         let hkv = keys.len();
+        let es = if half { 2 } else { 4 };
         self.clock += 1;
         let old = self.map.remove(&h);
         let kept = match &old {
-            Some(r) if r.hkv == hkv && r.d == d && r.t <= t => r.t,
+            Some(r) if r.hkv == hkv && r.d == d && r.t <= t && r.half == half => r.t,
             _ => 0,
         };
         let r = match old {
@@ -70,7 +77,7 @@ impl Histories {
                 r
             }
             old => {
-                let bytes = hkv * t * d * 4;
+                let bytes = hkv * t * d * es;
                 let (k, v) = (DevBuf::zeroed(dev, bytes)?, DevBuf::zeroed(dev, bytes)?);
                 for (buf, src, prev) in [
                     (&k, keys, old.as_ref().map(|r| &r.k)),
@@ -79,15 +86,27 @@ impl Histories {
                     for (head, rows) in src.iter().enumerate() {
                         if let Some(p) = prev {
                             // Nothing moves when `kept` is 0.
-                            buf.copy_from(head * t * d * 4, p, head * kept * d * 4, kept * d * 4)?;
+                            buf.copy_from(
+                                head * t * d * es,
+                                p,
+                                head * kept * d * es,
+                                kept * d * es,
+                            )?;
                         }
-                        buf.write((head * t + kept) * d * 4, &rows[kept * d..t * d])?;
+                        let new = &rows[kept * d..t * d];
+                        let at = (head * t + kept) * d * es;
+                        if half {
+                            buf.write(at, &f16_rows(&[new]))?;
+                        } else {
+                            buf.write(at, new)?;
+                        }
                     }
                 }
                 Resident {
                     hkv,
                     d,
                     t,
+                    half,
                     k,
                     v,
                     used: self.clock,

@@ -5,8 +5,8 @@
 
 use minikv_core::KvHistory;
 use minikv_core::attention::{AttentionBackend, PrefillArgs};
-use minikv_kernels::CudaBackend;
 use minikv_kernels::emulated::EmuDevice;
+use minikv_kernels::{CudaBackend, PrefillPath};
 
 const HQ: usize = 4;
 const HKV: usize = 2;
@@ -52,24 +52,45 @@ fn call(
 
 #[test]
 fn a_named_history_uploads_only_new_rows_with_the_same_results() {
+    for path in [PrefillPath::TensorCores, PrefillPath::Scalar] {
+        history_on(path);
+    }
+}
+
+/// The check on one prefill path; the tensor-core kernels take keys and
+/// values as fp16 (2 bytes each, uploaded and kept so), the scalar ones as
+/// f32.
+fn history_on(path: PrefillPath) {
     let total = 150;
     let rows: Vec<(Vec<f32>, Vec<f32>)> = (0..HKV)
         .map(|h| (data(total * D, h), data(total * D, h + 9)))
         .collect();
-    let kept = CudaBackend::new(EmuDevice::new());
-    let whole = CudaBackend::new(EmuDevice::new());
+    let kept = CudaBackend::new(EmuDevice::new()).with_prefill_path(path);
+    let whole = CudaBackend::new(EmuDevice::new()).with_prefill_path(path);
+    let es = if kept.prefill_on_tensor_cores(D) {
+        2
+    } else {
+        4
+    };
+    assert_eq!(es == 2, path == PrefillPath::TensorCores);
     let h = KvHistory::fresh();
     let mut t = 0;
     for n in [48usize, 40, 62] {
         t += n;
         let (o1, c1, b1) = call(&kept, &rows, t, n, Some(h));
         let (o2, c2, b2) = call(&whole, &rows, t, n, None);
-        assert_eq!(o1, o2, "outputs at t = {t}");
-        assert_eq!(c1, c2, "A_cumul at t = {t}");
+        assert_eq!(o1, o2, "{path:?}: outputs at t = {t}");
+        assert_eq!(c1, c2, "{path:?}: A_cumul at t = {t}");
         // The whole upload carries every earlier row again; the history
         // only the chunk's (a batch's copy table aside).
-        let earlier = (2 * HKV * (t - n) * D * 4) as u64;
+        let earlier = (2 * HKV * (t - n) * D * es) as u64;
         assert!(b2 >= b1 + earlier - 1024, "t = {t}: {b1} vs {b2} bytes");
+        // And rows of `es` bytes: queries (f32), A_cumul in, keys and values.
+        let whole_bytes = ((HQ * n * D + HQ * t) * 4 + 2 * HKV * t * D * es) as u64;
+        assert!(
+            (whole_bytes..whole_bytes + 1024).contains(&b2),
+            "{path:?}: {b2} bytes uploaded, {whole_bytes} expected"
+        );
         assert!(kept.kept_histories() == 1);
     }
     // A shorter call under the same identity (a broken promise) is
