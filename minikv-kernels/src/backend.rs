@@ -66,7 +66,11 @@ fn fast_decode(heads: &[MkHead], d: usize) -> bool {
     [16, 32, 64, 128, 256].contains(&d)
         && heads.iter().all(|h| {
             (h.k.n == 0 || (h.k.axis == 0 && bits_ok(h.k.bits)))
-                && (h.v.n == 0 || (h.v.axis == 1 && bits_ok(h.v.bits) && h.v.group % 8 == 0))
+                && (h.v.n == 0
+                    || (h.v.axis == 1
+                        && bits_ok(h.v.bits)
+                        && h.v.group % 8 == 0
+                        && d.is_multiple_of(h.v.group as usize)))
         })
 }
 

@@ -36,11 +36,11 @@ pub enum PrefillPath {
     Scalar,
 }
 
-/// Rows of f32 as fp16 bits, one after another (keys or values `[Hkv][t][d]`
+/// Rows of f32 as fp16, one after another (keys or values `[Hkv][t][d]`
 /// for the tensor-core kernels, which take them as fp16): rounded to
 /// nearest even, as the kernels' own conversion, so the staged operands are
 /// the bits an on-device rounding of the f32 gives; in parallel chunks.
-pub(crate) fn f16_rows(rows: &[&[f32]]) -> Vec<u16> {
+pub(crate) fn f16_rows(rows: &[&[f32]]) -> Vec<half::f16> {
     use half::slice::HalfFloatSliceExt;
     use rayon::prelude::*;
     const CHUNK: usize = 1 << 16;
@@ -58,7 +58,7 @@ pub(crate) fn f16_rows(rows: &[&[f32]]) -> Vec<u16> {
             .zip(src.par_chunks(CHUNK))
             .for_each(|(d, s)| d.convert_from_f32_slice(s));
     });
-    out.into_iter().map(half::f16::to_bits).collect()
+    out
 }
 
 /// Query rows (fwd) or keys (column sums) per block of the tensor-core kernels.
