@@ -1705,3 +1705,60 @@ fn int8_products_are_a_config_switch() {
     assert!(ki <= ke * 1.25 + 1e-3, "exact {ke}, int8 {ki}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `scripts/gguf-truncate.py` (the GPU bundle's small copy of the real
+/// model): keeping every block rewrites the file byte for byte; keeping two
+/// gives a model that loads with two layers and the same shapes, and
+/// generates; keeping more blocks than the model has is refused.
+#[test]
+fn gguf_truncation_keeps_the_first_blocks_of_the_real_model() {
+    let model = minikv_test_support::smollm2_path();
+    let dir = std::env::temp_dir().join(format!("minikv-truncate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let truncate = |out: &Path, blocks: &str| {
+        Command::new("python3")
+            .arg(root().join("scripts/gguf-truncate.py"))
+            .arg(&model)
+            .arg(out)
+            .arg(blocks)
+            .output()
+            .unwrap()
+    };
+    let all = dir.join("all.gguf");
+    assert!(truncate(&all, "30").status.success());
+    assert!(
+        std::fs::read(&all).unwrap() == std::fs::read(&model).unwrap(),
+        "keeping all 30 blocks changed the file"
+    );
+    let two = dir.join("two.gguf");
+    assert!(truncate(&two, "2").status.success());
+    let full = ok_json(&["info", "--model", model.to_str().unwrap()]);
+    let small = ok_json(&["info", "--model", two.to_str().unwrap()]);
+    assert_eq!(full["config"]["n_layers"], 30);
+    assert_eq!(small["config"]["n_layers"], 2);
+    for k in [
+        "hidden",
+        "head_dim",
+        "n_heads",
+        "n_kv_heads",
+        "ffn",
+        "vocab",
+    ] {
+        assert_eq!(small["config"][k], full["config"][k], "{k}");
+    }
+    let g = ok_json(&[
+        "generate",
+        "--model",
+        two.to_str().unwrap(),
+        "--prompt",
+        "Alice was beginning to get very tired",
+        "--max-tokens",
+        "4",
+        "--json",
+    ]);
+    assert_eq!(g["tokens"].as_array().unwrap().len(), 4);
+    let over = truncate(&dir.join("over.gguf"), "31");
+    assert!(!over.status.success());
+    assert!(String::from_utf8_lossy(&over.stderr).contains("the model has 30"));
+    std::fs::remove_dir_all(&dir).ok();
+}
