@@ -23,6 +23,8 @@
 #      (bytes read per token / time) against the device's bound and the
 #      measured copy, and the marginal bandwidth from 16K to 128K (the
 #      kernels' own, without the fixed host round trip of a call);
+#   4b. where Nsight Compute can read the counters: each decode kernel's
+#      own duration and DRAM bytes at 128K tokens (fast and general);
 #   5. with the real model (assets/, else the bundle's first blocks of
 #      it): MiniKV 2-bit generation with backend = "cuda" against
 #      backend = "tiled" (same greedy tokens);
@@ -172,6 +174,57 @@ for x in rows:
           + f"; fixed cost per call {marginal[key]['overhead_us']:.1f} us")
 json.dump({"bandwidth_bound_gb_s": bound, "copy_gb_s": copy, "decode": rows, "marginal": marginal}, open(os.path.join(out, "decode-bandwidth.json"), "w"), indent=1)
 PY
+
+# The decode kernels alone, from the hardware counters where Nsight Compute
+# can read them (not on gVisor): duration and DRAM bytes of each launch of
+# the fp16 row (8 launches: 3 warm-up steps, 5 timed) and then the 2-bit
+# row at 128K tokens, for the fast kernel and the general one.
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+if [ -n "$NCU" ]; then
+  echo "== decode kernels under Nsight Compute (128K tokens, 32/8 heads, d = 128)"
+  for k in fast general; do
+    env $([ "$k" = general ] && echo MINIKV_CUDA_DECODE=general) timeout 150 "$NCU" --clock-control none \
+      --kernel-name regex:'mk_decode_(fast|partial)' --launch-count 16 --csv \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+      "$BIN/minikv" bench attention --tokens 131072 --q-heads 32 --kv-heads 8 --head-dim 128 \
+      --backend cuda --bits 2 --arithmetic exact --seconds 0.001 > "$OUTDIR/ncu-$k.csv" 2> "$OUTDIR/ncu-$k.log" \
+      || echo "  (ncu $k: exit $?; $(tail -1 "$OUTDIR/ncu-$k.log"))"
+  done
+  python3 - "$OUTDIR" <<'PY'
+import csv, io, os, statistics, sys
+out = sys.argv[1]
+for k in ("fast", "general"):
+    try:
+        lines = [l for l in open(os.path.join(out, f"ncu-{k}.csv")) if l.startswith('"')]
+    except OSError:
+        continue
+    launches = {}
+    for r in csv.DictReader(io.StringIO("".join(lines))):
+        try:
+            v = float(r["Metric Value"].replace(",", ""))
+        except (KeyError, ValueError):
+            continue
+        unit = r.get("Metric Unit", "")
+        name = r["Metric Name"]
+        if name == "gpu__time_duration.sum":
+            v *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(unit, 1.0)
+        if name == "dram__bytes_read.sum":
+            v *= {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(unit, 1.0)
+        launches.setdefault(int(r["ID"]), {})[name] = v
+    ids = sorted(launches)
+    for label, part in (("fp16", ids[:8]), ("2-bit exact", ids[8:16])):
+        rows = [launches[i] for i in part if "gpu__time_duration.sum" in launches[i]]
+        if not rows:
+            continue
+        us = statistics.median(r["gpu__time_duration.sum"] for r in rows)
+        gb = statistics.median(r.get("dram__bytes_read.sum", 0) for r in rows)
+        pct = statistics.median(r.get("dram__throughput.avg.pct_of_peak_sustained_elapsed", 0) for r in rows)
+        print(f"  {k:<8} {label:<12} kernel {us:9.1f} us, DRAM read {gb / 1e6:8.1f} MB "
+              f"({gb / us / 1e3:7.1f} GB/s), DRAM throughput {pct:5.1f}% of peak ({len(rows)} launches)")
+PY
+else
+  echo "== (Nsight Compute not on this machine: kernel counters skipped)"
+fi
 
 # The real model; a device run that cannot carry it (98 MB) uses the bundle's
 # copy of its first blocks (scripts/gpu-bundle.sh): the same weights, fewer
