@@ -10,8 +10,8 @@
 //   1. scores: one token per thread; a quantized key's channel is dequantized
 //      once and multiplied with the MK_G queries (in shared memory, channel
 //      major); codes become floats by the exponent trick (2^23 + code, minus
-//      2^23: exact), not by a slow integer conversion; fp16 rows are read a
-//      word (two halves) at a time and converted by the hardware.
+//      2^23: exact), not by a slow integer conversion; fp16 rows are read 16
+//      bytes (eight halves) at a time and converted by the hardware.
 //   2. softmax over the chunk: one warp per query head (max, then e^(s - m)
 //      and its sum), no rescaling (a block holds one chunk).
 //   3. values: thread (column of 8 channels, token lane); a quantized token
@@ -36,6 +36,21 @@ __device__ __forceinline__ float mk_h2f_fast(unsigned short h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
   return f;
+#endif
+}
+
+// Eight fp16 (16 bytes) of a row in one load (rows start 16-byte aligned:
+// the host checks).
+struct alignas(16) mk_u4 {
+  unsigned w[4];
+};
+__device__ __forceinline__ mk_u4 mk_ld16(const unsigned* p) {
+#ifdef MK_EMULATED
+  mk_u4 r;
+  std::memcpy(&r, p, 16);
+  return r;
+#else
+  return *(const mk_u4*)p;
 #endif
 }
 
@@ -79,11 +94,14 @@ __device__ __forceinline__ void mk_dot_quant(const MkQuant& z, int j, int d,
 
 __device__ __forceinline__ void mk_dot_fp(const unsigned* row, int d, const float (*sq)[MK_G],
                                           float* dot) {
-  for (int c = 0; c < d; c += 2) {
-    unsigned two = row[c / 2];
-    float k0 = mk_h2f_fast((unsigned short)(two & 0xffffu));
-    float k1 = mk_h2f_fast((unsigned short)(two >> 16));
-    for (int g = 0; g < MK_G; ++g) dot[g] += sq[c][g] * k0 + sq[c + 1][g] * k1;
+  for (int c0 = 0; c0 < d; c0 += 8) {
+    mk_u4 x = mk_ld16(row + c0 / 2);
+    for (int i = 0; i < 4; ++i) {
+      int c = c0 + 2 * i;
+      float k0 = mk_h2f_fast((unsigned short)(x.w[i] & 0xffffu));
+      float k1 = mk_h2f_fast((unsigned short)(x.w[i] >> 16));
+      for (int g = 0; g < MK_G; ++g) dot[g] += sq[c][g] * k0 + sq[c + 1][g] * k1;
+    }
   }
 }
 
@@ -116,10 +134,10 @@ __device__ __forceinline__ void mk_acc_quant(const MkQuant& z, int j, int d, int
 
 __device__ __forceinline__ void mk_acc_fp(const unsigned* row, int c0, const float* p,
                                           float (*acc)[MK_G]) {
+  mk_u4 x = mk_ld16(row + c0 / 2);  // MK_COL = 8 channels: one load
   for (int i = 0; i < MK_COL / 2; ++i) {
-    unsigned two = row[c0 / 2 + i];
-    float v0 = mk_h2f_fast((unsigned short)(two & 0xffffu));
-    float v1 = mk_h2f_fast((unsigned short)(two >> 16));
+    float v0 = mk_h2f_fast((unsigned short)(x.w[i] & 0xffffu));
+    float v1 = mk_h2f_fast((unsigned short)(x.w[i] >> 16));
     for (int g = 0; g < MK_G; ++g) {
       acc[2 * i][g] += p[g] * v0;
       acc[2 * i + 1][g] += p[g] * v1;

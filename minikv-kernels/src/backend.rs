@@ -55,17 +55,21 @@ fn decode_plan(
 /// True when `mk_decode_fast` takes these heads: head dim 16, 32, 64, 128
 /// or 256 (whole 8-channel columns that divide the block), quantized keys
 /// per channel and quantized values per token with scale groups of whole
-/// columns, at 2, 4 or 8 bits (or none of either). `MINIKV_CUDA_DECODE=general`
-/// forces the general kernel (to compare the two on a device).
+/// columns, at 2, 4 or 8 bits (or none of either), fp16 rows 16-byte
+/// aligned. `MINIKV_CUDA_DECODE=general` forces the general kernel (to
+/// compare the two on a device).
 fn fast_decode(heads: &[MkHead], d: usize) -> bool {
     static GENERAL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     if *GENERAL.get_or_init(|| std::env::var("MINIKV_CUDA_DECODE").as_deref() == Ok("general")) {
         return false;
     }
     let bits_ok = |b: i32| matches!(b, 2 | 4 | 8);
+    // fp16 rows are read 16 bytes at a time.
+    let aligned = |h: &MkHead| [h.fk, h.fv, h.ek, h.ev].iter().all(|p| p % 16 == 0);
     [16, 32, 64, 128, 256].contains(&d)
         && heads.iter().all(|h| {
-            (h.k.n == 0 || (h.k.axis == 0 && bits_ok(h.k.bits)))
+            aligned(h)
+                && (h.k.n == 0 || (h.k.axis == 0 && bits_ok(h.k.bits)))
                 && (h.v.n == 0
                     || (h.v.axis == 1
                         && bits_ok(h.v.bits)

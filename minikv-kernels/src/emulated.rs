@@ -41,10 +41,15 @@ fn err(reason: impl Into<String>) -> Error {
     }
 }
 
+/// The unit of emulated allocations: 16 bytes, so that every allocation is
+/// aligned as the kernels' 16-byte loads need (`cuMemAlloc` aligns to 256).
+type Word = u128;
+const WORD: usize = std::mem::size_of::<Word>();
+
 /// Host memory standing in for device memory; launches through the emulator.
 #[derive(Debug, Default)]
 pub struct EmuDevice {
-    /// Live allocations: base address -> length in 8-byte words (owned
+    /// Live allocations: base address -> length in 16-byte words (owned
     /// through raw pointers from `Box::into_raw`, freed by `free` or drop).
     mem: Mutex<BTreeMap<u64, usize>>,
     /// Run a block's threads as OS threads (else as fibers).
@@ -57,8 +62,8 @@ impl Drop for EmuDevice {
     fn drop(&mut self) {
         let m = std::mem::take(self.mem.get_mut().unwrap_or_else(|p| p.into_inner()));
         for (p, n) in m {
-            // SAFETY: each entry is a live `Box<[u64]>` of `n` words.
-            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p as *mut u64, n)) });
+            // SAFETY: each entry is a live `Box<[Word]>` of `n` words.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p as *mut Word, n)) });
         }
     }
 }
@@ -87,13 +92,13 @@ impl EmuDevice {
     /// Bytes currently allocated.
     pub fn allocated(&self) -> usize {
         let m = self.mem.lock().unwrap_or_else(|p| p.into_inner());
-        m.values().map(|n| n * 8).sum()
+        m.values().map(|n| n * WORD).sum()
     }
     /// Checks that `[p, p + n)` lies inside one live allocation.
     fn check(&self, p: DevPtr, n: usize, what: &str) -> Result<()> {
         let m = self.mem.lock().unwrap_or_else(|p| p.into_inner());
         match m.range(..=p).next_back() {
-            Some((&base, &words)) if p + n as u64 <= base + (words * 8) as u64 => Ok(()),
+            Some((&base, &words)) if p + n as u64 <= base + (words * WORD) as u64 => Ok(()),
             _ => Err(err(format!(
                 "{what} of {n} bytes at {p:#x} is outside every device allocation"
             ))),
@@ -106,8 +111,8 @@ impl Device for EmuDevice {
         "emulated".into()
     }
     fn alloc(&self, bytes: usize) -> Result<DevPtr> {
-        let n = bytes.div_ceil(8).max(1);
-        let p = Box::into_raw(vec![0u64; n].into_boxed_slice()) as *mut u64 as u64;
+        let n = bytes.div_ceil(WORD).max(1);
+        let p = Box::into_raw(vec![0 as Word; n].into_boxed_slice()) as *mut Word as u64;
         self.mem
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -121,8 +126,8 @@ impl Device for EmuDevice {
             .unwrap_or_else(|p| p.into_inner())
             .remove(&ptr);
         if let Some(n) = n {
-            // SAFETY: `ptr` was a live `Box<[u64]>` of `n` words, now unlisted.
-            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr as *mut u64, n)) });
+            // SAFETY: `ptr` was a live `Box<[Word]>` of `n` words, now unlisted.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr as *mut Word, n)) });
         }
     }
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
