@@ -130,6 +130,7 @@
 
 pub mod backend;
 pub mod cuda;
+mod decode;
 pub mod device;
 #[cfg(feature = "emulate")]
 pub mod emulated;
