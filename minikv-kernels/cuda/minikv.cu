@@ -387,31 +387,60 @@ extern "C" __global__ void mk_decode_partial(const float* __restrict__ q, const 
 }
 
 // 4b. The exact combination of the splits: out_h = sum_s e^(m_s - M) acc_s /
-// sum_s e^(m_s - M) l_s. One block per query head; with `lse` non-null, the
-// head's log-sum-exp M + log(sum_s e^(m_s - M) l_s) goes to lse[h].
+// sum_s e^(m_s - M) l_s. Block (query head h, slice y of 32 channels); its
+// threads are (channel lane, split lane): M and the denominator by block
+// reductions, then the weights e^(m_s - M) of a tile of splits once into
+// shared memory and each split lane's share of the tile's rows (coalesced
+// over channels), the split lanes' sums added in lane order (deterministic).
+// With `lse` non-null, the head's log-sum-exp M + log(sum_s e^(m_s - M) l_s)
+// goes to lse[h]. A head with no token and no extra entry (every split
+// empty): output 0 and log-sum-exp -inf, as the CPU backends give (never
+// 0 / 0).
+// (The emulation takes tiles of 64 so that its tests, at most a few hundred
+// splits, cross tile boundaries.)
+#ifdef MK_EMULATED
+#define MK_COMBINE_TILE 64
+#else
+#define MK_COMBINE_TILE 1024
+#endif
 extern "C" __global__ void mk_decode_combine(const float* __restrict__ pm,
                                              const float* __restrict__ pl,
                                              const float* __restrict__ pacc, int splits, int d,
                                              float* __restrict__ out, float* __restrict__ lse) {
+  __shared__ float sw[MK_COMBINE_TILE];
+  __shared__ float red[MK_THREADS / 32];
+  __shared__ float part[MK_THREADS];
   int h = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+  int lane = tid % 32, sl = tid / 32, nsl = nt / 32, c = blockIdx.y * 32 + lane;
+  const float* mh = pm + (mk_size)h * splits;
+  const float* lh = pl + (mk_size)h * splits;
   float mx = -MK_INF;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, pm[(mk_size)h * splits + s]);
+  for (int s = tid; s < splits; s += nt) mx = fmaxf(mx, mh[s]);
+  mx = mk_block_reduce(mx, red, true);
   float z = 0.f;
-  for (int s = 0; s < splits; ++s) {
-    float m = pm[(mk_size)h * splits + s];
-    if (m != -MK_INF) z += __expf(m - mx) * pl[(mk_size)h * splits + s];
-  }
-  for (int c = tid; c < d; c += nt) {
-    float a = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      float m = pm[(mk_size)h * splits + s];
-      if (m != -MK_INF) a += __expf(m - mx) * pacc[((mk_size)h * splits + s) * d + c];
+  for (int s = tid; s < splits; s += nt)
+    if (mh[s] != -MK_INF) z += __expf(mh[s] - mx) * lh[s];
+  z = mk_block_reduce(z, red, false);
+  float a = 0.f;
+  for (int s0 = 0; s0 < splits; s0 += MK_COMBINE_TILE) {
+    int n = splits - s0 < MK_COMBINE_TILE ? splits - s0 : MK_COMBINE_TILE;
+    __syncthreads();  // the previous tile's weights are no longer read
+    for (int i = tid; i < n; i += nt) {
+      float m = mh[s0 + i];
+      sw[i] = m == -MK_INF ? 0.f : __expf(m - mx);
     }
-    // A head with no token and no extra entry (every split empty): output
-    // 0 and log-sum-exp -inf, as the CPU backends give (never 0 / 0).
-    out[(mk_size)h * d + c] = z > 0.f ? a / z : 0.f;
+    __syncthreads();
+    if (c < d)
+      for (int i = sl; i < n; i += nsl) a += sw[i] * pacc[((mk_size)h * splits + s0 + i) * d + c];
   }
-  if (lse && tid == 0) lse[h] = z > 0.f ? mx + __logf(z) : -MK_INF;
+  part[tid] = a;
+  __syncthreads();
+  if (sl == 0 && c < d) {
+    float t = 0.f;
+    for (int k = 0; k < nsl; ++k) t += part[k * 32 + lane];
+    out[(mk_size)h * d + c] = z > 0.f ? t / z : 0.f;
+  }
+  if (lse && blockIdx.y == 0 && tid == 0) lse[h] = z > 0.f ? mx + __logf(z) : -MK_INF;
 }
 
 // 5. Batched copies: entry e copies `bytes` bytes from src to dst (one block

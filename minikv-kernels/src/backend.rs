@@ -519,7 +519,8 @@ impl AttentionBackend for CudaBackend {
         dev.launch(
             "mk_decode_combine",
             Launch {
-                grid: (hq as u32, 1, 1),
+                // A block per query head and slice of 32 channels.
+                grid: (hq as u32, d.div_ceil(32) as u32, 1),
                 block: (THREADS, 1, 1),
             },
             &[
