@@ -63,19 +63,6 @@ __device__ __forceinline__ float mk_scale_at(const void* p, mk_size i, int f16) 
   return f16 ? mk_h2f_fast(((const unsigned short*)p)[i]) : ((const float*)p)[i];
 }
 
-// Token j's fp16 row (a residual ring row, or extra entry j - len), as words
-// of two halves; `n` is the quantized tokens before the ring.
-__device__ __forceinline__ const unsigned* mk_fp_row(const unsigned short* ring, int r0, int cap,
-                                                     int n, const unsigned short* extra, int len,
-                                                     int j, int d) {
-  if (j < len) {
-    int r = j - n + r0;
-    if (r >= cap) r -= cap;
-    return (const unsigned*)(ring + (mk_size)r * d);
-  }
-  return (const unsigned*)(extra + (mk_size)(j - len) * d);
-}
-
 // dot[g] = sum_c sq[c][g] k_c for quantized key j (per channel, BITS bits).
 template <int BITS>
 __device__ __forceinline__ void mk_dot_quant(const MkQuant& z, int j, int d,
@@ -180,7 +167,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 5)
         else if (hd.k.bits == 4) mk_dot_quant<4>(hd.k, j, d, sq, dot);
         else mk_dot_quant<8>(hd.k, j, d, sq, dot);
       } else {
-        mk_dot_fp(mk_fp_row(hd.fk, hd.fk0, hd.fkcap, hd.k.n, hd.ek, hd.len, j, d), d, sq, dot);
+        const unsigned short* row = mk_fp_row(hd.fk, hd.fk0, hd.fkcap, hd.k.n, hd.ek, hd.len, j, d);
+        mk_dot_fp((const unsigned*)row, d, sq, dot);
       }
       float bias = j >= hd.len ? hd.ebias[j - hd.len] : 0.f;
       for (int g = 0; g < MK_G; ++g) {
@@ -230,7 +218,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 5)
       else if (hd.v.bits == 4) mk_acc_quant<4>(hd.v, j, d, c0, p, acc, macc);
       else mk_acc_quant<8>(hd.v, j, d, c0, p, acc, macc);
     } else {
-      mk_acc_fp(mk_fp_row(hd.fv, hd.fv0, hd.fvcap, hd.v.n, hd.ev, hd.len, j, d), c0, p, acc);
+      const unsigned short* row = mk_fp_row(hd.fv, hd.fv0, hd.fvcap, hd.v.n, hd.ev, hd.len, j, d);
+      mk_acc_fp((const unsigned*)row, c0, p, acc);
     }
   }
   for (int e = 0; e < MK_COL; ++e)

@@ -311,24 +311,28 @@ __device__ __forceinline__ float mk_deq(const MkQuant& z, int j, int c, int d) {
   return (float)code * sc + mn;
 }
 
+// Token j's fp16 row, j >= n (the quantized tokens before the ring): a
+// residual ring row (slot (r0 + j - n) % cap) or extra entry j - len.
+__device__ __forceinline__ const unsigned short* mk_fp_row(const unsigned short* ring, int r0,
+                                                           int cap, int n,
+                                                           const unsigned short* extra, int len,
+                                                           int j, int d) {
+  if (j < len) {
+    int r = j - n + r0;
+    if (r >= cap) r -= cap;
+    return ring + (mk_size)r * d;
+  }
+  return extra + (mk_size)(j - len) * d;
+}
+
 __device__ __forceinline__ float mk_key(const MkHead& hd, int j, int c, int d) {
   if (j < hd.k.n) return mk_deq(hd.k, j, c, d);
-  if (j < hd.len) {
-    int r = j - hd.k.n + hd.fk0;
-    if (r >= hd.fkcap) r -= hd.fkcap;
-    return mk_h2f(hd.fk[(mk_size)r * d + c]);
-  }
-  return mk_h2f(hd.ek[(mk_size)(j - hd.len) * d + c]);
+  return mk_h2f(mk_fp_row(hd.fk, hd.fk0, hd.fkcap, hd.k.n, hd.ek, hd.len, j, d)[c]);
 }
 
 __device__ __forceinline__ float mk_value(const MkHead& hd, int j, int c, int d) {
   if (j < hd.v.n) return mk_deq(hd.v, j, c, d);
-  if (j < hd.len) {
-    int r = j - hd.v.n + hd.fv0;
-    if (r >= hd.fvcap) r -= hd.fvcap;
-    return mk_h2f(hd.fv[(mk_size)r * d + c]);
-  }
-  return mk_h2f(hd.ev[(mk_size)(j - hd.len) * d + c]);
+  return mk_h2f(mk_fp_row(hd.fv, hd.fv0, hd.fvcap, hd.v.n, hd.ev, hd.len, j, d)[c]);
 }
 
 // 4a. Fused decode, split over tokens (flash-decoding): block (split s, query
@@ -417,22 +421,22 @@ extern "C" __global__ void mk_decode_combine(const float* __restrict__ pm,
   float mx = -MK_INF;
   for (int s = tid; s < splits; s += nt) mx = fmaxf(mx, mh[s]);
   mx = mk_block_reduce(mx, red, true);
-  float z = 0.f;
-  for (int s = tid; s < splits; s += nt)
-    if (mh[s] != -MK_INF) z += __expf(mh[s] - mx) * lh[s];
-  z = mk_block_reduce(z, red, false);
-  float a = 0.f;
+  // Each weight once: into the tile, and into this thread's share of the
+  // denominator (summed over the block after the last tile).
+  float z = 0.f, a = 0.f;
   for (int s0 = 0; s0 < splits; s0 += MK_COMBINE_TILE) {
     int n = splits - s0 < MK_COMBINE_TILE ? splits - s0 : MK_COMBINE_TILE;
     __syncthreads();  // the previous tile's weights are no longer read
     for (int i = tid; i < n; i += nt) {
-      float m = mh[s0 + i];
-      sw[i] = m == -MK_INF ? 0.f : __expf(m - mx);
+      float m = mh[s0 + i], w = m == -MK_INF ? 0.f : __expf(m - mx);
+      sw[i] = w;
+      z += w * lh[s0 + i];
     }
     __syncthreads();
     if (c < d)
       for (int i = sl; i < n; i += nsl) a += sw[i] * pacc[((mk_size)h * splits + s0 + i) * d + c];
   }
+  z = mk_block_reduce(z, red, false);
   part[tid] = a;
   __syncthreads();
   if (sl == 0 && c < d) {

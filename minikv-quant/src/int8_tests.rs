@@ -38,6 +38,46 @@ fn bit_patterns(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// `st`'s int8 scores (`g` rows of `stride`) on the portable loops, after
+/// checking that every kernel set this CPU runs gives the same bits
+/// (`what` names the case in a failure).
+fn scores_on_every_isa(
+    st: &MinMaxStore,
+    q: &[f32],
+    g: usize,
+    stride: usize,
+    what: &str,
+) -> Vec<f32> {
+    let mut want = vec![0.0f32; g * stride];
+    st.scores_int8(Isa::Portable, q, g, &mut want, stride);
+    for isa in Isa::available() {
+        let mut got = vec![0.0f32; g * stride];
+        st.scores_int8(isa, q, g, &mut got, stride);
+        assert_eq!(bit_patterns(&got), bit_patterns(&want), "{isa:?} {what}");
+    }
+    want
+}
+
+/// `base` plus `st`'s int8 weighted values on the portable loops, after
+/// checking that every kernel set this CPU runs gives the same bits.
+fn accumulate_on_every_isa(
+    st: &MinMaxStore,
+    p: &[f32],
+    g: usize,
+    stride: usize,
+    base: &[f32],
+    what: &str,
+) -> Vec<f32> {
+    let mut want = base.to_vec();
+    st.accumulate_int8(Isa::Portable, p, g, stride, &mut want);
+    for isa in Isa::available() {
+        let mut got = base.to_vec();
+        st.accumulate_int8(isa, p, g, stride, &mut got);
+        assert_eq!(bit_patterns(&got), bit_patterns(&want), "{isa:?} {what}");
+    }
+    want
+}
+
 /// The same store with exact arithmetic.
 pub(crate) fn exact(st: &MinMaxStore) -> MinMaxStore {
     let mut e = st.clone();
@@ -82,17 +122,8 @@ fn key_kernels_agree_bitwise_and_within_bound() {
         );
         let q: Vec<f32> = (0..g * d).map(|_| rng.random_range(-2.0f32..2.0)).collect();
         let stride = n + 3;
-        let mut want = vec![0.0f32; g * stride];
-        st.scores_int8(Isa::Portable, &q, g, &mut want, stride);
-        for isa in Isa::available() {
-            let mut got = vec![0.0f32; g * stride];
-            st.scores_int8(isa, &q, g, &mut got, stride);
-            assert_eq!(
-                bit_patterns(&got),
-                bit_patterns(&want),
-                "{isa:?} bits {bits} G {group} d {d} g {g}"
-            );
-        }
+        let what = format!("bits {bits} G {group} d {d} g {g}");
+        let want = scores_on_every_isa(&st, &q, g, stride, &what);
         let mut ex = vec![0.0f32; g * stride];
         exact(&st).scores(&q, g, &mut ex, stride);
         // |sigma * q8 - q * scale| <= sigma / 2 per channel, codes <= qmax,
@@ -163,17 +194,8 @@ fn value_kernels_agree_bitwise_and_within_bound() {
             row.iter_mut().for_each(|x| *x /= s);
         }
         let base: Vec<f32> = (0..g * d).map(|i| (i % 7) as f32 * 0.01).collect();
-        let mut want = base.clone();
-        st.accumulate_int8(Isa::Portable, &p, g, stride, &mut want);
-        for isa in Isa::available() {
-            let mut got = base.clone();
-            st.accumulate_int8(isa, &p, g, stride, &mut got);
-            assert_eq!(
-                bit_patterns(&got),
-                bit_patterns(&want),
-                "{isa:?} bits {bits} G {group} d {d} n {n} g {g}"
-            );
-        }
+        let what = format!("bits {bits} G {group} d {d} n {n} g {g}");
+        let want = accumulate_on_every_isa(&st, &p, g, stride, &base, &what);
         let mut ex = base.clone();
         exact(&st).accumulate(&p, g, stride, &mut ex);
         let qmax = ((1u32 << bits) - 1) as f32;
@@ -208,34 +230,15 @@ fn tiny_steps_agree_bitwise() {
         for tiny in [1e-35f32, 1e-38] {
             let mut q: Vec<f32> = (0..g * d).map(|_| rng.random_range(-2.0f32..2.0)).collect();
             q[d..].iter_mut().for_each(|x| *x *= tiny);
-            let mut want = vec![0.0f32; g * n];
-            st.scores_int8(Isa::Portable, &q, g, &mut want, n);
+            let want = scores_on_every_isa(&st, &q, g, n, &format!("bits {bits} query x {tiny}"));
             assert!(want[n..].iter().any(|&x| x != 0.0), "the tiny head scores");
-            for isa in Isa::available() {
-                let mut got = vec![0.0f32; g * n];
-                st.scores_int8(isa, &q, g, &mut got, n);
-                assert_eq!(
-                    bit_patterns(&got),
-                    bit_patterns(&want),
-                    "{isa:?} bits {bits} query x {tiny}"
-                );
-            }
         }
         // Weights of one head so small that whole blocks' steps overflow.
         let v = store_as(Axis::Token, bits, 16, d, n, 6, dtype);
         let mut p: Vec<f32> = (0..g * n).map(|_| rng.random_range(0.0f32..1.0)).collect();
         p[n..].iter_mut().for_each(|x| *x *= 1e-37);
-        let mut want = vec![0.0f32; g * d];
-        v.accumulate_int8(Isa::Portable, &p, g, n, &mut want);
-        for isa in Isa::available() {
-            let mut got = vec![0.0f32; g * d];
-            v.accumulate_int8(isa, &p, g, n, &mut got);
-            assert_eq!(
-                bit_patterns(&got),
-                bit_patterns(&want),
-                "values {isa:?} bits {bits}"
-            );
-        }
+        let zeros = vec![0.0f32; g * d];
+        accumulate_on_every_isa(&v, &p, g, n, &zeros, &format!("values bits {bits}"));
     }
 }
 
