@@ -2,30 +2,40 @@
 // 4c. Fused decode, the fast path for the common layouts: quantized keys per
 // channel (or none), quantized values per token with scale groups of whole
 // 8-channel columns (or none), fp16 residual rows and extra entries, head
-// dims 16, 32, 64, 128 or 256 (the host picks mk_decode_partial otherwise).
+// dims 16, 32, 64, 128 or 256 (compiled for each: the channel loops unroll,
+// so a thread's loads are issued together; the host picks
+// mk_decode_partial otherwise).
 // Block (split s, y = KV head * slices + slice) reads its KV head's tokens
 // [s * chunk, (s + 1) * chunk) once for up to MK_G query heads of the group
 // (mk_decode_partial reads them once per query head), and writes the same
 // partial (m, l, acc) per query head, so mk_decode_combine is shared.
-//   1. scores: one token per thread; a quantized key's channel is dequantized
-//      once and multiplied with the MK_G queries (in shared memory, channel
-//      major); codes become floats by the exponent trick (2^23 + code, minus
-//      2^23: exact), not by a slow integer conversion; fp16 rows are read 16
-//      bytes (eight halves) at a time and converted by the hardware.
+//   1. scores. Quantized keys by warp tiles of 16 tokens (mk_key_tile): a
+//      lane reads 4 channels' words (16 tokens each) and their scales at
+//      once, folds each channel's scale into the MK_G queries (in shared
+//      memory, a channel's four in 16 bytes, rows padded against bank
+//      conflicts: mk_sqr) for its 4 tokens and its minimum into one sum per
+//      head, and 8 lanes' partial sums are added by shuffles. fp16 rows
+//      (the residual, extra entries, an fp16 cache): one token per thread,
+//      the row read 16 bytes (eight halves) at a time and converted by the
+//      hardware. Codes become floats by the exponent trick (2^23 + code,
+//      minus 2^23: exact), not by a slow integer conversion.
 //   2. softmax over the chunk: one warp per query head (max, then e^(s - m)
 //      and its sum), no rescaling (a block holds one chunk).
-//   3. values: thread (column of 8 channels, token lane); a quantized token
-//      folds its column's scale into the probabilities (p s code) and its
-//      minimum into one sum per head (p m, added to every channel at the
-//      end), so a code costs one fused multiply-add per query head; the
-//      token lanes' sums are added in shared memory in a fixed order (no
-//      atomics: deterministic).
-// Every chunk has the same size on the host (DECODE_CHUNK = MK_CHUNK).
+//   3. values: thread (column of 8 channels, token lane), MK_UNROLL tokens'
+//      loads issued before their sums; a quantized token folds its column's
+//      scale into the probabilities (p s code) and its minimum into one sum
+//      per head (p m, added to every channel at the end), so a code costs
+//      one fused multiply-add per query head; the token lanes' sums are
+//      added in shared memory in a fixed order (no atomics: deterministic).
+// Every chunk has the same size on the host (a multiple of 16 tokens, at
+// most MK_CHUNK), so a chunk's quantized keys start on a tile boundary.
 
 #define MK_G 4
 #define MK_CHUNK 256
 #define MK_COL 8
 #define MK_RED (MK_COL * MK_G + MK_G)
+#define MK_TILE 16
+#define MK_UNROLL 4
 
 // fp16 bits to f32: the hardware conversion on a GPU (exact, as the software
 // one the emulation uses).
@@ -44,6 +54,21 @@ __device__ __forceinline__ float mk_h2f_fast(unsigned short h) {
 struct alignas(16) mk_u4 {
   unsigned w[4];
 };
+struct alignas(8) mk_u2 {
+  unsigned w[2];
+};
+// A channel's MK_G scaled query values (one 16-byte shared-memory load).
+struct alignas(16) mk_f4 {
+  float v[MK_G];
+};
+// The shared-memory row of channel c: a spare row after each lane's block of
+// D / 8 channels, so that the 8 lanes of a key tile, each reading its own
+// block, hit 8 different bank quads (unpadded, their rows D / 8 x 16 bytes
+// apart fall in the same banks: 8-way conflicts on every query load).
+template <int D>
+__device__ __forceinline__ int mk_sqr(int c) {
+  return c + c / (D / 8);
+}
 __device__ __forceinline__ mk_u4 mk_ld16(const unsigned* p) {
 #ifdef MK_EMULATED
   mk_u4 r;
@@ -52,6 +77,44 @@ __device__ __forceinline__ mk_u4 mk_ld16(const unsigned* p) {
 #else
   return *(const mk_u4*)p;
 #endif
+}
+
+// N (1, 2 or 4) consecutive words in one load (p aligned to 4 N bytes: the
+// host checks the stores' bases, the kernels' offsets keep it).
+template <int N>
+__device__ __forceinline__ void mk_ldn(const unsigned* p, unsigned* out) {
+#ifdef MK_EMULATED
+  std::memcpy(out, p, 4 * N);
+#else
+  if constexpr (N == 4) {
+    mk_u4 v = *(const mk_u4*)p;
+    for (int i = 0; i < 4; ++i) out[i] = v.w[i];
+  } else if constexpr (N == 2) {
+    mk_u2 v = *(const mk_u2*)p;
+    out[0] = v.w[0];
+    out[1] = v.w[1];
+  } else {
+    out[0] = *p;
+  }
+#endif
+}
+
+// N (2 or 4) scales or minimums from element i (a multiple of N) of p, fp16
+// bits or f32, in one load.
+template <int N>
+__device__ __forceinline__ void mk_ld_scales(const void* p, mk_size i, int f16, float* out) {
+  if (f16) {
+    unsigned w[N / 2];
+    mk_ldn<N / 2>((const unsigned*)((const unsigned short*)p + i), w);
+    for (int k = 0; k < N / 2; ++k) {
+      out[2 * k] = mk_h2f_fast((unsigned short)(w[k] & 0xffffu));
+      out[2 * k + 1] = mk_h2f_fast((unsigned short)(w[k] >> 16));
+    }
+  } else {
+    unsigned w[N];
+    mk_ldn<N>((const unsigned*)((const float*)p + i), w);
+    for (int k = 0; k < N; ++k) out[k] = __uint_as_float(w[k]);
+  }
 }
 
 // A code (< 2^23) as a float: the bits of 2^23 + code, minus 2^23 (exact).
@@ -63,65 +126,157 @@ __device__ __forceinline__ float mk_scale_at(const void* p, mk_size i, int f16) 
   return f16 ? mk_h2f_fast(((const unsigned short*)p)[i]) : ((const float*)p)[i];
 }
 
-// dot[g] = sum_c sq[c][g] k_c for quantized key j (per channel, BITS bits).
-template <int BITS>
-__device__ __forceinline__ void mk_dot_quant(const MkQuant& z, int j, int d,
-                                             const float (*sq)[MK_G], float* dot) {
-  const int P = 32 / BITS;
-  const unsigned mask = (1u << BITS) - 1u;
-  const unsigned* w = z.words + (mk_size)(j / P) * d;
-  int sh = BITS * (j % P);
-  mk_size s0 = (mk_size)(j / z.group) * d;
-  for (int c = 0; c < d; ++c) {
-    float k = mk_codef((w[c] >> sh) & mask) * mk_scale_at(z.scale, s0 + c, z.f16) +
-              mk_scale_at(z.minv, s0 + c, z.f16);
-    for (int g = 0; g < MK_G; ++g) dot[g] += sq[c][g] * k;
+// Lanes i and i ^ o (o = 4, 2, 1: within a group of 8) each hold N
+// partial sums of the same N values: each keeps the half selected by its
+// bit o, adds the other lane's copy of that half (sent in exchange for its
+// own copy of the other half), and ends with N / 2 values in r[0, N / 2).
+template <int N>
+__device__ __forceinline__ void mk_halve(float* r, int lane, int o) {
+  bool hi = (lane & o) != 0;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    float send = hi ? r[i] : r[i + N / 2];
+    float keep = hi ? r[i + N / 2] : r[i];
+    r[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
   }
 }
 
-__device__ __forceinline__ void mk_dot_fp(const unsigned* row, int d, const float (*sq)[MK_G],
-                                          float* dot) {
-  for (int c0 = 0; c0 < d; c0 += 8) {
+// Scores of the quantized keys (per channel, BITS bits) of the MK_TILE-token
+// tile at j0 (a multiple of 16) for the block's MK_G query heads, by one
+// warp: lane (tq, cb) = (lane / 8, lane % 8) takes tokens j0 + 4 tq .. + 3
+// (one word per channel: 4 | P, and one scale group: 4 | G, which the host
+// checks) over channels [cb D / 8, (cb + 1) D / 8), read 4 channels' words,
+// scales and minimums at a time. A channel's scale is folded into the
+// queries once for the four tokens (sq s) and its minimum into one sum per
+// head (sq m). The eight lanes of a token group then add their 16 partial
+// sums (4 tokens x 4 heads) by three halving steps: lane cb ends with token
+// j0 + 4 tq + cb / 2, heads 2 (cb % 2) and + 1, in r2. Lanes whose tokens
+// are past the quantized ones read nothing (their words may not exist) and
+// their sums are not used.
+template <int D, int BITS>
+__device__ __forceinline__ void mk_key_tile(const MkQuant& z, int j0, int lane,
+                                           const mk_f4* sq, float* r2) {
+  constexpr int P = 32 / BITS, CPL = D / 8, VW = CPL < 4 ? CPL : 4;
+  const unsigned mask = (1u << BITS) - 1u;
+  int tq = lane / 8, cb = lane % 8, jt = j0 + 4 * tq;
+  float r[4 * MK_G];
+#pragma unroll
+  for (int i = 0; i < 4 * MK_G; ++i) r[i] = 0.f;
+  if (jt < z.n) {
+    float bias[MK_G];
+    for (int g = 0; g < MK_G; ++g) bias[g] = 0.f;
+    const unsigned* w = z.words + (mk_size)(jt / P) * D + cb * CPL;
+    mk_size s0 = (mk_size)(jt / z.group) * D + cb * CPL;
+    int sh = BITS * (jt % P);
+#pragma unroll 2
+    for (int c4 = 0; c4 < CPL; c4 += VW) {
+      unsigned wv[VW];
+      float sc[VW], mn[VW];
+      mk_ldn<VW>(w + c4, wv);
+      mk_ld_scales<VW>(z.scale, s0 + c4, z.f16, sc);
+      mk_ld_scales<VW>(z.minv, s0 + c4, z.f16, mn);
+#pragma unroll
+      for (int i = 0; i < VW; ++i) {
+        const mk_f4 qc = sq[mk_sqr<D>(cb * CPL + c4 + i)];
+        float qs[MK_G];
+#pragma unroll
+        for (int g = 0; g < MK_G; ++g) {
+          qs[g] = qc.v[g] * sc[i];
+          bias[g] += qc.v[g] * mn[i];
+        }
+        unsigned x = wv[i] >> sh;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          float cf = mk_codef((x >> (BITS * t)) & mask);
+#pragma unroll
+          for (int g = 0; g < MK_G; ++g) r[t * MK_G + g] += qs[g] * cf;
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+      for (int g = 0; g < MK_G; ++g) r[t * MK_G + g] += bias[g];
+  }
+  mk_halve<4 * MK_G>(r, lane, 4);
+  mk_halve<2 * MK_G>(r, lane, 2);
+  mk_halve<MK_G>(r, lane, 1);
+  r2[0] = r[0];
+  r2[1] = r[1];
+}
+
+// dot[g] = sum_c sq[c][g] k_c for an fp16 row (unrolled by 8 loads of 16
+// bytes: more spill past the kernel's 96 registers at D = 256).
+template <int D>
+__device__ __forceinline__ void mk_dot_fp(const unsigned* row, const mk_f4* sq, float* dot) {
+#pragma unroll 8
+  for (int c0 = 0; c0 < D; c0 += 8) {
     mk_u4 x = mk_ld16(row + c0 / 2);
+#pragma unroll
     for (int i = 0; i < 4; ++i) {
       int c = c0 + 2 * i;
       float k0 = mk_h2f_fast((unsigned short)(x.w[i] & 0xffffu));
       float k1 = mk_h2f_fast((unsigned short)(x.w[i] >> 16));
-      for (int g = 0; g < MK_G; ++g) dot[g] += sq[c][g] * k0 + sq[c + 1][g] * k1;
+      const mk_f4 q0 = sq[mk_sqr<D>(c)], q1 = sq[mk_sqr<D>(c + 1)];
+      for (int g = 0; g < MK_G; ++g) dot[g] += q0.v[g] * k0 + q1.v[g] * k1;
     }
   }
 }
 
-// acc[e][g] += p[g] s code_e and macc[g] += p[g] m over the MK_COL channels
-// of the column at c0 of quantized value j (per token, BITS bits; a column
-// lies in one scale group and, at 2 and 4 bits, in one word).
-template <int BITS>
-__device__ __forceinline__ void mk_acc_quant(const MkQuant& z, int j, int d, int c0,
-                                             const float* p, float (*acc)[MK_G], float* macc) {
-  const int P = 32 / BITS;
+// acc[e][g] += p_j[g] s_j code_{j,e} and macc[g] += p_j[g] m_j over the
+// MK_COL channels of the column at c0, for quantized values (per token, BITS
+// bits; a column lies in one scale group and, at 2 and 4 bits, in one word)
+// of the chunk's tokens jl = tl, tl + lanes, ... < cnt: MK_UNROLL tokens'
+// codes and scales loaded before their sums.
+template <int D, int BITS>
+__device__ __forceinline__ void mk_values_quant(const MkQuant& z, int begin, int cnt, int tl,
+                                               int lanes, int c0, const float (*sp)[MK_G],
+                                               float (*acc)[MK_G], float* macc) {
+  constexpr int P = 32 / BITS, NW = P >= MK_COL ? 1 : MK_COL / P, PE = P >= MK_COL ? MK_COL : P;
   const unsigned mask = (1u << BITS) - 1u;
-  const unsigned* w = z.words + (mk_size)j * (d / P);
-  mk_size si = (mk_size)j * (d / z.group) + c0 / z.group;
-  float sc = mk_scale_at(z.scale, si, z.f16), mn = mk_scale_at(z.minv, si, z.f16);
-  float ps[MK_G];
-  for (int g = 0; g < MK_G; ++g) {
-    ps[g] = p[g] * sc;
-    macc[g] += p[g] * mn;
-  }
-  for (int i = 0; i < (P >= MK_COL ? 1 : MK_COL / P); ++i) {
-    // At 2 and 4 bits the column is MK_COL codes of one word from bit
-    // BITS * (c0 % P); at 8 bits, MK_COL / P whole words.
-    unsigned x = P >= MK_COL ? w[c0 / P] >> (BITS * (c0 % P)) : w[c0 / P + i];
-    for (int e = 0; e < (P >= MK_COL ? MK_COL : P); ++e) {
-      float cf = mk_codef((x >> (BITS * e)) & mask);
-      for (int g = 0; g < MK_G; ++g) acc[i * P + e][g] += ps[g] * cf;
+  const int sh = P >= MK_COL ? BITS * (c0 % P) : 0;
+  const int gpt = D / z.group, cg = c0 / z.group;
+  for (int jl0 = tl; jl0 < cnt; jl0 += MK_UNROLL * lanes) {
+    unsigned x[MK_UNROLL][NW] = {};
+    float sc[MK_UNROLL] = {}, mn[MK_UNROLL] = {};
+#pragma unroll
+    for (int u = 0; u < MK_UNROLL; ++u) {
+      int jl = jl0 + u * lanes;
+      if (jl < cnt) {
+        int j = begin + jl;
+        const unsigned* w = z.words + (mk_size)j * (D / P) + c0 / P;
+        for (int i = 0; i < NW; ++i) x[u][i] = w[i];
+        mk_size si = (mk_size)j * gpt + cg;
+        sc[u] = mk_scale_at(z.scale, si, z.f16);
+        mn[u] = mk_scale_at(z.minv, si, z.f16);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < MK_UNROLL; ++u) {
+      int jl = jl0 + u * lanes;
+      if (jl >= cnt) break;
+      float ps[MK_G];
+      for (int g = 0; g < MK_G; ++g) {
+        float p = sp[jl][g];
+        ps[g] = p * sc[u];
+        macc[g] += p * mn[u];
+      }
+#pragma unroll
+      for (int i = 0; i < NW; ++i) {
+        unsigned xx = x[u][i] >> sh;
+#pragma unroll
+        for (int e = 0; e < PE; ++e) {
+          float cf = mk_codef((xx >> (BITS * e)) & mask);
+          for (int g = 0; g < MK_G; ++g) acc[i * P + e][g] += ps[g] * cf;
+        }
+      }
     }
   }
 }
 
-__device__ __forceinline__ void mk_acc_fp(const unsigned* row, int c0, const float* p,
-                                          float (*acc)[MK_G]) {
-  mk_u4 x = mk_ld16(row + c0 / 2);  // MK_COL = 8 channels: one load
+// acc[e][g] += p[g] v_e over the MK_COL channels of an fp16 row's column
+// (x: its 16 bytes).
+__device__ __forceinline__ void mk_acc_fp(const mk_u4& x, const float* p, float (*acc)[MK_G]) {
+#pragma unroll
   for (int i = 0; i < MK_COL / 2; ++i) {
     float v0 = mk_h2f_fast((unsigned short)(x.w[i] & 0xffffu));
     float v1 = mk_h2f_fast((unsigned short)(x.w[i] >> 16));
@@ -132,44 +287,80 @@ __device__ __forceinline__ void mk_acc_fp(const unsigned* row, int c0, const flo
   }
 }
 
-// Launch bounds: 5 resident blocks of 128 threads per SM (at most 102
-// registers; ptxas gives 96 without spills, tests/nvrtc.rs holds it there).
-extern "C" __global__ void __launch_bounds__(MK_THREADS, 5)
-    mk_decode_fast(const float* __restrict__ q, const MkHead* heads, int d, int group, float scale,
-                   int chunk, float* __restrict__ pm, float* __restrict__ pl,
-                   float* __restrict__ pacc, float* __restrict__ logits, int lstride) {
-  __shared__ float sq[MK_MAX_D][MK_G];
-  __shared__ float sp[MK_CHUNK][MK_G];
-  __shared__ float red[MK_THREADS][MK_RED];
-  __shared__ float sm[MK_G], sl[MK_G];
+// acc[e][g] += p_j[g] v_{j,e} over the column at c0 for the fp16 value rows
+// (the residual ring, then extra entries) of the chunk's tokens jl = from +
+// tl, + lanes, ... < cnt: MK_UNROLL rows' 16 bytes loaded before their sums.
+template <int D>
+__device__ __forceinline__ void mk_values_fp(const MkHead& hd, int begin, int from, int cnt, int tl,
+                                            int lanes, int c0, const float (*sp)[MK_G],
+                                            float (*acc)[MK_G]) {
+  for (int jl0 = from + tl; jl0 < cnt; jl0 += MK_UNROLL * lanes) {
+    mk_u4 x[MK_UNROLL] = {};
+#pragma unroll
+    for (int u = 0; u < MK_UNROLL; ++u) {
+      int jl = jl0 + u * lanes;
+      if (jl < cnt) {
+        const unsigned short* row =
+            mk_fp_row(hd.fv, hd.fv0, hd.fvcap, hd.v.n, hd.ev, hd.len, begin + jl, D);
+        x[u] = mk_ld16((const unsigned*)row + c0 / 2);  // MK_COL = 8 channels
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < MK_UNROLL; ++u) {
+      int jl = jl0 + u * lanes;
+      if (jl >= cnt) break;
+      mk_acc_fp(x[u], sp[jl], acc);
+    }
+  }
+}
+
+// The kernel's body for head dim D (the kernel below picks it).
+template <int D>
+__device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, const MkHead& hd,
+                                                int group, float scale, int chunk,
+                                                float* __restrict__ pm, float* __restrict__ pl,
+                                                float* __restrict__ pacc,
+                                                float* __restrict__ logits, int lstride,
+                                                mk_f4* sq, float (*sp)[MK_G],
+                                                float (*red)[MK_RED], float* sm, float* sl) {
   int s = blockIdx.x, ns = gridDim.x, tid = threadIdx.x, nt = blockDim.x;
   int slices = (group + MK_G - 1) / MK_G;
   int kvh = blockIdx.y / slices, g0 = (int)(blockIdx.y % slices) * MK_G;
   int gn = group - g0 < MK_G ? group - g0 : MK_G;
-  const MkHead hd = heads[kvh];
   int total = hd.len + hd.n_extra;
   int begin = s * chunk, end = begin + chunk < total ? begin + chunk : total;
   int h0 = kvh * group + g0;  // the block's first query head
-  for (int i = tid; i < d * MK_G; i += nt) {
+  for (int i = tid; i < D * MK_G; i += nt) {
     int c = i / MK_G, g = i % MK_G;
-    sq[c][g] = g < gn ? q[(mk_size)(h0 + g) * d + c] * scale : 0.f;
+    sq[mk_sqr<D>(c)].v[g] = g < gn ? q[(mk_size)(h0 + g) * D + c] * scale : 0.f;
   }
   __syncthreads();
 
-  // 1. Scores.
-  for (int jl = tid; jl < chunk; jl += nt) {
+  // 1. Scores: the quantized keys [begin, begin + kq) by warp tiles, then
+  // fp16 rows (and -inf past the end) one token per thread.
+  int warp = tid / 32, lane = tid % 32;
+  int kq = (hd.k.n < end ? hd.k.n : end) - begin;
+  if (kq < 0) kq = 0;
+  for (int t0 = warp * MK_TILE; t0 < kq; t0 += (nt / 32) * MK_TILE) {
+    float r2[2];
+    if (hd.k.bits == 2) mk_key_tile<D, 2>(hd.k, begin + t0, lane, sq, r2);
+    else if (hd.k.bits == 4) mk_key_tile<D, 4>(hd.k, begin + t0, lane, sq, r2);
+    else mk_key_tile<D, 8>(hd.k, begin + t0, lane, sq, r2);
+    int jl = t0 + 4 * (lane / 8) + (lane % 8) / 2, g = 2 * (lane % 2);
+    if (jl < kq) {
+      for (int e = 0; e < 2; ++e) {
+        sp[jl][g + e] = r2[e];
+        if (logits && g + e < gn) logits[(mk_size)(h0 + g + e) * lstride + begin + jl] = r2[e];
+      }
+    }
+  }
+  for (int jl = kq + tid; jl < chunk; jl += nt) {
     int j = begin + jl;
     float dot[MK_G];
     for (int g = 0; g < MK_G; ++g) dot[g] = 0.f;
     if (j < end) {
-      if (j < hd.k.n) {
-        if (hd.k.bits == 2) mk_dot_quant<2>(hd.k, j, d, sq, dot);
-        else if (hd.k.bits == 4) mk_dot_quant<4>(hd.k, j, d, sq, dot);
-        else mk_dot_quant<8>(hd.k, j, d, sq, dot);
-      } else {
-        const unsigned short* row = mk_fp_row(hd.fk, hd.fk0, hd.fkcap, hd.k.n, hd.ek, hd.len, j, d);
-        mk_dot_fp((const unsigned*)row, d, sq, dot);
-      }
+      const unsigned short* row = mk_fp_row(hd.fk, hd.fk0, hd.fkcap, hd.k.n, hd.ek, hd.len, j, D);
+      mk_dot_fp<D>((const unsigned*)row, sq, dot);
       float bias = j >= hd.len ? hd.ebias[j - hd.len] : 0.f;
       for (int g = 0; g < MK_G; ++g) {
         dot[g] += bias;
@@ -183,7 +374,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 5)
   __syncthreads();
 
   // 2. Softmax over the chunk, one warp per query head.
-  int warp = tid / 32, lane = tid % 32;
   if (warp < MK_G) {
     float mx = -MK_INF;
     for (int jl = lane; jl < chunk; jl += 32) mx = fmaxf(mx, sp[jl][warp]);
@@ -202,42 +392,65 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 5)
   }
   __syncthreads();
 
-  // 3. Values.
-  int cols = d / MK_COL, lanes = nt / cols;
-  int col = tid % cols, tl = tid / cols, c0 = col * MK_COL;
+  // 3. Values: the quantized ones [begin, begin + vq), then fp16 rows.
+  constexpr int COLS = D / MK_COL;
+  int lanes = nt / COLS, col = tid % COLS, tl = tid / COLS, c0 = col * MK_COL;
   float acc[MK_COL][MK_G], macc[MK_G];
   for (int e = 0; e < MK_COL; ++e)
     for (int g = 0; g < MK_G; ++g) acc[e][g] = 0.f;
   for (int g = 0; g < MK_G; ++g) macc[g] = 0.f;
-  for (int jl = tl; jl < end - begin; jl += lanes) {
-    int j = begin + jl;
-    float p[MK_G];
-    for (int g = 0; g < MK_G; ++g) p[g] = sp[jl][g];
-    if (j < hd.v.n) {
-      if (hd.v.bits == 2) mk_acc_quant<2>(hd.v, j, d, c0, p, acc, macc);
-      else if (hd.v.bits == 4) mk_acc_quant<4>(hd.v, j, d, c0, p, acc, macc);
-      else mk_acc_quant<8>(hd.v, j, d, c0, p, acc, macc);
-    } else {
-      const unsigned short* row = mk_fp_row(hd.fv, hd.fv0, hd.fvcap, hd.v.n, hd.ev, hd.len, j, d);
-      mk_acc_fp((const unsigned*)row, c0, p, acc);
-    }
+  int cnt = end - begin > 0 ? end - begin : 0;
+  int vq = (hd.v.n < end ? hd.v.n : end) - begin;
+  if (vq < 0) vq = 0;
+  if (vq > 0) {
+    if (hd.v.bits == 2) mk_values_quant<D, 2>(hd.v, begin, vq, tl, lanes, c0, sp, acc, macc);
+    else if (hd.v.bits == 4) mk_values_quant<D, 4>(hd.v, begin, vq, tl, lanes, c0, sp, acc, macc);
+    else mk_values_quant<D, 8>(hd.v, begin, vq, tl, lanes, c0, sp, acc, macc);
   }
+  mk_values_fp<D>(hd, begin, vq, cnt, tl, lanes, c0, sp, acc);
   for (int e = 0; e < MK_COL; ++e)
     for (int g = 0; g < MK_G; ++g) red[tid][e * MK_G + g] = acc[e][g];
   for (int g = 0; g < MK_G; ++g) red[tid][MK_COL * MK_G + g] = macc[g];
   __syncthreads();
-  for (int o = tid; o < gn * d; o += nt) {
-    int g = o / d, c = o % d, cl = c / MK_COL, e = c % MK_COL;
+  for (int o = tid; o < gn * D; o += nt) {
+    int g = o / D, c = o % D, cl = c / MK_COL, e = c % MK_COL;
     float a = 0.f;
     for (int t = 0; t < lanes; ++t) {
-      const float* r = red[t * cols + cl];
+      const float* r = red[t * COLS + cl];
       a += r[e * MK_G + g] + r[MK_COL * MK_G + g];
     }
-    pacc[((mk_size)(h0 + g) * ns + s) * d + c] = a;
+    pacc[((mk_size)(h0 + g) * ns + s) * D + c] = a;
   }
   if (tid < gn) {
     mk_size slot = (mk_size)(h0 + tid) * ns + s;
     pm[slot] = sm[tid];
     pl[slot] = sl[tid];
   }
+}
+
+// Launch bounds: 5 resident blocks of 128 threads per SM (at most 102
+// registers; tests/nvrtc.rs holds ptxas to 96 without spills).
+extern "C" __global__ void __launch_bounds__(MK_THREADS, 5)
+    mk_decode_fast(const float* __restrict__ q, const MkHead* heads, int d, int group, float scale,
+                   int chunk, float* __restrict__ pm, float* __restrict__ pl,
+                   float* __restrict__ pacc, float* __restrict__ logits, int lstride) {
+  __shared__ mk_f4 sq[MK_MAX_D + 8];
+  __shared__ float sp[MK_CHUNK][MK_G];
+  __shared__ float red[MK_THREADS][MK_RED];
+  __shared__ float sm[MK_G], sl[MK_G];
+  // The head's table entry in shared memory (read where used: in registers
+  // its 20-odd words would crowd out the loads in flight).
+  __shared__ MkHead hd;
+  if (threadIdx.x == 0) hd = heads[blockIdx.y / ((group + MK_G - 1) / MK_G)];
+  __syncthreads();
+#define MK_FAST_D(D) \
+  mk_decode_fast_d<D>(q, hd, group, scale, chunk, pm, pl, pacc, logits, lstride, sq, sp, red, sm, sl)
+  switch (d) {
+    case 16: MK_FAST_D(16); break;
+    case 32: MK_FAST_D(32); break;
+    case 64: MK_FAST_D(64); break;
+    case 128: MK_FAST_D(128); break;
+    default: MK_FAST_D(256); break;
+  }
+#undef MK_FAST_D
 }

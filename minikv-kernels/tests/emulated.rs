@@ -57,12 +57,12 @@ fn the_backend_matches_the_cpu_reference_under_emulation() {
     }
     // prefill 9 (6 cases, 3 of them also on tensor cores), window scores 3
     // (both shapes on the scalar kernels, d = 64 on tensor cores),
-    // quantization 7, decode 6.
-    assert_eq!(r.rows.len(), 25);
-    // Keys per token take the general decode kernel; the other five cases
+    // quantization 7, decode 6, decode with f32 scales 2.
+    assert_eq!(r.rows.len(), 27);
+    // Keys per token take the general decode kernel; the other seven cases
     // the fast one (each case decodes once).
     assert_eq!(dev.launches("mk_decode_partial"), 1);
-    assert_eq!(dev.launches("mk_decode_fast"), 5);
+    assert_eq!(dev.launches("mk_decode_fast"), 7);
     let mma = r
         .rows
         .iter()

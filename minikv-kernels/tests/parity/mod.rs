@@ -137,6 +137,22 @@ pub fn run_all(dev: Arc<dyn Device>) -> Result<Report> {
     r.stage("decode", |r| {
         decode(&be, &mut seed, r, small_decode_cases())
     });
+    // f32 scales and key scale groups of 32 tokens (another scale load, a
+    // group spanning two key tiles), at d = 64 and at d = 16 (two channels
+    // per lane), 2- and 8-bit.
+    r.stage("decode (f32 scales)", |r| {
+        let cases = vec![
+            (
+                64,
+                8,
+                vec![(200, 160, 190, 2), (75, 64, 70, 0)],
+                2,
+                Axis::Channel,
+            ),
+            (16, 4, vec![(130, 96, 128, 1)], 8, Axis::Channel),
+        ];
+        decode_scaled(&be, &mut seed, r, cases, 32, ScaleDtype::F32)
+    });
     Ok(r)
 }
 
@@ -521,19 +537,32 @@ fn small_decode_cases() -> Vec<DecodeCase> {
 }
 
 fn decode(be: &CudaBackend, seed: &mut u64, r: &mut Report, cases: Vec<DecodeCase>) -> Result<()> {
+    decode_scaled(be, seed, r, cases, 16, ScaleDtype::F16)
+}
+
+/// [`decode`] with keys quantized in scale groups of `key_group` tokens and
+/// scales (keys and values) stored as `dtype`.
+fn decode_scaled(
+    be: &CudaBackend,
+    seed: &mut u64,
+    r: &mut Report,
+    cases: Vec<DecodeCase>,
+    key_group: usize,
+    dtype: ScaleDtype,
+) -> Result<()> {
     for (d, hq, heads, bits, kaxis) in cases {
         let kq = MinMax {
             bits,
-            group: 16,
+            group: key_group,
             axis: kaxis,
-            scale_dtype: ScaleDtype::F16,
+            scale_dtype: dtype,
             arithmetic: Default::default(),
         };
         let vq = MinMax {
             bits,
             group: 16,
             axis: Axis::Token,
-            scale_dtype: ScaleDtype::F16,
+            scale_dtype: dtype,
             arithmetic: Default::default(),
         };
         let data: Vec<HeadData> = heads
@@ -592,6 +621,7 @@ fn decode(be: &CudaBackend, seed: &mut u64, r: &mut Report, cases: Vec<DecodeCas
         r.push(
             (eo <= TOL || ev <= TOL_V) && ep <= TOL && finite,
             json!({"check": "fused decode", "d": d, "hq": hq, "heads": heads.len(), "bits": bits,
+                   "key_group": key_group, "scales": format!("{dtype:?}"),
                    "tokens": tokens, "key_axis": format!("{kaxis:?}"), "out_err": eo, "out_err_of_values": ev,
                    "probs_err": ep, "finite": finite}),
         );
