@@ -31,7 +31,10 @@
 #   6. last, the small shapes again under compute-sanitizer (memcheck) when
 #      the machine has it and it can attach (gVisor refuses it).
 # Writes $OUT (or results/gpu-check/): one file per step and summary.json,
-# and prints a short report. Budget: under 8 minutes.
+# and prints a short report. Budget: under 8 minutes. GPUCHECK_QUICK=1
+# (a rerun after a kernel change, when device time is short): steps 4 and
+# 4b time only the kernels the backend picks (no general kernel, no CPU).
+QUICK=${GPUCHECK_QUICK:-0}
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${OUT:-results/gpu-check}
@@ -87,7 +90,9 @@ for path, p in r["prefill"].items():
         print(f"  prefill on {path}: FAILED: {p['error']}")
         continue
     print(f"  prefill on {path}, {p['tokens']} tokens (32/8 heads, d=128, A_cumul): "
-          f"{p['tokens_per_s']:.0f} tokens/s, {p['attention_tflop_s']:.1f} attention TFLOP/s")
+          f"{p['tokens_per_s']:.0f} tokens/s, {p['attention_tflop_s']:.1f} attention TFLOP/s"
+          f" (without A_cumul: {p['tokens'] / p['seconds_without_cumulative']:.0f} tokens/s, "
+          f"{p['attention_tflop_s_without_cumulative']:.1f} TFLOP/s)")
 PY
 
 echo "== ptxas (sm_80, sm_90)"
@@ -113,7 +118,9 @@ for tl in 16384:8 131072:2; do
   t=${tl%:*} layers=${tl#*:}
   # cuda-general: the general decode kernel (MINIKV_CUDA_DECODE=general),
   # the fast one's baseline.
-  for be in cuda cuda-general tiled; do
+  backends="cuda cuda-general tiled"
+  [ "$QUICK" = 1 ] && backends=cuda
+  for be in $backends; do
     env $([ "$be" = cuda-general ] && echo MINIKV_CUDA_DECODE=general) timeout 150 \
       "$BIN/minikv" bench attention --tokens "$t" --q-heads 32 --kv-heads 8 --head-dim 128 \
       --layers "$layers" --backend "${be%-general}" --seconds 1 --json > "$OUTDIR/bench-attention-$be-$t.json" 2>> "$OUTDIR/bench.log" \
@@ -182,7 +189,9 @@ PY
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 if [ -n "$NCU" ]; then
   echo "== decode kernels under Nsight Compute (128K tokens, 32/8 heads, d = 128)"
-  for k in fast general; do
+  kinds="fast general"
+  [ "$QUICK" = 1 ] && kinds=fast
+  for k in $kinds; do
     env $([ "$k" = general ] && echo MINIKV_CUDA_DECODE=general) timeout 150 "$NCU" --clock-control none \
       --kernel-name regex:'mk_decode_(fast|partial)' --launch-count 16 --csv \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
@@ -207,9 +216,12 @@ for k in ("fast", "general"):
         unit = r.get("Metric Unit", "")
         name = r["Metric Name"]
         if name == "gpu__time_duration.sum":
-            v *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(unit, 1.0)
+            # Nsight Compute spells units "nsecond" or "ns" by version.
+            v *= {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3,
+                  "ms": 1e3, "second": 1e6, "s": 1e6}.get(unit, 1.0)
         if name == "dram__bytes_read.sum":
-            v *= {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(unit, 1.0)
+            v *= {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "B": 1, "KB": 1e3,
+                  "MB": 1e6, "GB": 1e9}.get(unit, 1.0)
         launches.setdefault(int(r["ID"]), {})[name] = v
     ids = sorted(launches)
     for label, part in (("fp16", ids[:8]), ("2-bit exact", ids[8:16])):
