@@ -92,24 +92,24 @@
 //!   bounds' five blocks per SM); CUBINs for sm_80, sm_86, sm_89,
 //!   sm_90 and sm_100 are made and found by name ([`nvrtc`], the
 //!   `minikv-kernels-check` binary, `tests/nvrtc.rs`).
-//! * **On a GPU: once, an NVIDIA H200** (driver 580, CUDA 13.0; commit
-//!   00aaa04 through `scripts/gpu-bundle.sh` and `scripts/gpu-check.sh`,
+//! * **On a GPU: an NVIDIA H200, in two sessions** (driver 580, CUDA 13.0;
+//!   through `scripts/gpu-bundle.sh` and `scripts/gpu-check.sh`,
 //!   docs/performance.md has the figures): the prebuilt sm_90 CUBIN loaded
 //!   without NVRTC; every parity check passed with every launch synchronized
-//!   and checked (small shapes, and 32 query / 8 KV heads, d = 128, 32K
-//!   tokens: prefill on tensor cores within 4.3e-4, on the scalar kernels
-//!   within 6.1e-6, 2- and 4-bit fused decode within 1.6e-4 of the largest
-//!   output, 7.2e-6 of the values' scale), so the emulation's reading of
-//!   the `mma.sync` fragments holds on the hardware; compute-sanitizer's
-//!   memcheck found 0 errors; MiniKV 2-bit generation on the real model's
-//!   first two blocks gave the same greedy tokens with `backend = "cuda"` as
-//!   with `"tiled"`. Speed on that run (the general decode kernel; the fast
-//!   one came after it and has not met a GPU yet): decode 0.4% (2-bit) to
-//!   2.9% (fp16) of the 4.8 TB/s bound, prefill with `A_cumul` at 32K tokens
-//!   14.4 attention TFLOP/s on tensor cores, host uploads included.
-//!   `mk_decode_fast` is checked under the emulation and by ptxas (96
-//!   registers, no spills); its bandwidth waits for the next GPU run, which
-//!   `scripts/gpu-check.sh` measures beside the general kernel's.
+//!   and checked (small shapes, f32 and fp16 scales, and 32 query / 8 KV
+//!   heads, d = 128, 32K tokens: prefill on tensor cores within 4.3e-4, on
+//!   the scalar kernels within 6.1e-6, 2- and 4-bit fused decode within
+//!   1.6e-4 of the largest output, 7.3e-6 of the values' scale), so the
+//!   emulation's reading of the `mma.sync` fragments holds on the hardware;
+//!   compute-sanitizer's memcheck found 0 errors; MiniKV 2-bit generation on
+//!   the real model's first blocks gave the same greedy tokens with
+//!   `backend = "cuda"` as with `"tiled"`. The `mk_decode_fast` in this
+//!   source is the one measured last: at 128K tokens fp16 decode reads at
+//!   53% of the 4.8 TB/s bound inside the kernel (38% per call, with the
+//!   host round trip), 2- and 4-bit at 14% (the 2-bit kernel takes as long
+//!   as fp16: instruction- and latency-bound), 12-23 times the general
+//!   kernel; prefill with `A_cumul` at 32K tokens 16-17.5 attention
+//!   TFLOP/s on tensor cores, host uploads included.
 //!
 //! Not implemented by the kernels (clear errors, never a silent CPU
 //! fallback): key-channel pruning (store wrappers), gated extra entries,
