@@ -33,7 +33,9 @@
 //!    with an exact final combination (an empty head gives 0, never 0 / 0).
 //!    `mk_decode_fast` takes the common layouts (keys per channel, values
 //!    per token, 2/4/8 bits, head dims 16-256 in powers of two): one block
-//!    reads a KV head's split once for up to four of its query heads, a
+//!    reads a KV head's split once for up to four of its query heads,
+//!    quantized keys go by warp tiles of 16 tokens (vector loads of 4
+//!    channels' words and scales, partial sums added by shuffles), a
 //!    code costs one fused multiply-add per query head (scales folded into
 //!    the query or the probabilities, codes made floats by the exponent
 //!    trick, fp16 converted by the hardware), and short caches take smaller
