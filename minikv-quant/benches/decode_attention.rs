@@ -1,12 +1,13 @@
 //! Decode attention per token for one layer (9 query / 3 KV heads, d = 64):
-//! full fp16 cache vs the fused 2-bit cache (keys per channel, values per token,
-//! G = 16). `cargo bench -p minikv-quant --bench decode_attention`
+//! full fp16 cache vs the fused 2- and 4-bit caches (keys per channel, values
+//! per token, G = 16), with exact and with integer (`int8`) arithmetic.
+//! `cargo bench -p minikv-quant --bench decode_attention`
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use minikv_core::attention::{AttentionBackend, DecodeArgs, HeadView, TiledBackend};
 use minikv_core::storage::{Fp16Rows, FpStore};
 use minikv_core::{Axis, QuantStore, Quantizer};
-use minikv_quant::{MinMax, ScaleDtype};
+use minikv_quant::{Arithmetic, MinMax, ScaleDtype};
 use std::hint::black_box;
 
 fn data(n: usize, s: u32) -> Vec<f32> {
@@ -24,7 +25,7 @@ struct Layer {
     fv: Vec<Fp16Rows>,
 }
 
-fn layer(t: usize, bits: Option<u32>) -> Layer {
+fn layer(t: usize, bits: Option<u32>, arithmetic: Arithmetic) -> Layer {
     let d = 64;
     let mut l = Layer {
         qk: vec![],
@@ -48,7 +49,7 @@ fn layer(t: usize, bits: Option<u32>) -> Layer {
                     group: 16,
                     axis: Axis::Channel,
                     scale_dtype: ScaleDtype::F16,
-                    arithmetic: Default::default(),
+                    arithmetic,
                 }
                 .new_store(d, 256)
                 .unwrap();
@@ -57,7 +58,7 @@ fn layer(t: usize, bits: Option<u32>) -> Layer {
                     group: 16,
                     axis: Axis::Token,
                     scale_dtype: ScaleDtype::F16,
-                    arithmetic: Default::default(),
+                    arithmetic,
                 }
                 .new_store(d, 256)
                 .unwrap();
@@ -80,12 +81,14 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("decode_attention");
     g.sample_size(20);
     for t in [1024usize, 4096, 16384, 32768] {
-        for (name, bits) in [
-            ("fp16", None),
-            ("fused_2bit", Some(2)),
-            ("fused_4bit", Some(4)),
+        for (name, bits, ar) in [
+            ("fp16", None, Arithmetic::Exact),
+            ("fused_2bit", Some(2), Arithmetic::Exact),
+            ("fused_2bit_int8", Some(2), Arithmetic::Int8),
+            ("fused_4bit", Some(4), Arithmetic::Exact),
+            ("fused_4bit_int8", Some(4), Arithmetic::Int8),
         ] {
-            let l = layer(t, bits);
+            let l = layer(t, bits, ar);
             let views: Vec<HeadView<'_>> = (0..3)
                 .map(|s| HeadView {
                     quant_keys: l.qk[s].as_deref(),

@@ -98,7 +98,6 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
         let bits = 8 / CPB;
         let per = 4 * CPB;
         let nm = if NM > 0 { NM } else { d / 16 };
-        let all: __mmask16 = 0xffff;
         let zero = _mm512_setzero_ps();
         // The segment's rounding step per head (`int8::segment_query`).
         let mut qi = [zero; 8 * (KEYS_MAX_D / 16)];
@@ -124,7 +123,13 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
             std::array::from_fn(|j| _mm512_mul_ps(unshift, _mm512_set1_ps(sig[j])));
         // 4-bit: lane k dwords 0 and 1 hold tokens 2k and 2k + 1.
         let pack2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-        let mut q8 = [_mm_setzero_si128(); 8 * (KEYS_MAX_D / 16)];
+        // The rounded query of the group in hand and of the next one: the
+        // next group's rounding (scale loads, products, conversions) is
+        // issued before this group's products, so its latency overlaps them.
+        let mut q8 = [[_mm_setzero_si128(); 8 * (KEYS_MAX_D / 16)]; 2];
+        if g0 < g1 {
+            round_query::<NG, H>(sc, &qi, d, nm, g0, &mut q8[0]);
+        }
         let blocks = grp / per;
         let mut gc = g0;
         while gc < g1 {
@@ -132,16 +137,14 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
             let bias = group_bias::<NG, H>(mn, q, d, nm, gc, ng);
             for k in 0..ng {
                 let gi = gc + k;
-                prefetch_group::<H>(words, sc, mn, d, blocks, gi + PREFETCH_TOKENS / grp);
-                for m in 0..nm {
-                    let s = ld::<H>(sc, gi * d + 16 * m, all);
-                    for j in 0..NG {
-                        // Round half to even (MXCSR default) as the portable
-                        // loop; |x| <= 127, so the saturation changes nothing.
-                        let x = _mm512_cvtps_epi32(_mm512_mul_ps(qi[j * nm + m], s));
-                        q8[j * nm + m] = _mm512_cvtsepi32_epi8(x);
-                    }
+                let cur = (gi - g0) % 2;
+                if gi + 1 < g1 {
+                    let (a, b) = q8.split_at_mut(1);
+                    let next = if cur == 0 { &mut b[0] } else { &mut a[0] };
+                    round_query::<NG, H>(sc, &qi, d, nm, gi + 1, next);
                 }
+                let q8 = &q8[cur];
+                prefetch_group::<H>(words, sc, mn, d, blocks, gi + PREFETCH_TOKENS / grp);
                 for kb in 0..blocks {
                     let blk = gi * blocks + kb;
                     let wp = words.add(blk * d) as *const __m512i;
@@ -185,6 +188,31 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
                 }
             }
             gc += ng;
+        }
+    }
+}
+
+/// The query of every head rounded to 8 bits for key group `gi`: `qi`
+/// times the group's scales, 16 channels per entry (`j * nm + m`).
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn round_query<const NG: usize, const H: bool>(
+    sc: *const u8,
+    qi: &[__m512],
+    d: usize,
+    nm: usize,
+    gi: usize,
+    q8: &mut [__m128i],
+) {
+    for m in 0..nm {
+        // SAFETY: the caller's scales hold group `gi`.
+        let s = unsafe { ld::<H>(sc, gi * d + 16 * m, 0xffff) };
+        for j in 0..NG {
+            // Round half to even (MXCSR default) as the portable loop;
+            // |x| <= 127, so the saturation changes nothing.
+            let x = _mm512_cvtps_epi32(_mm512_mul_ps(qi[j * nm + m], s));
+            q8[j * nm + m] = _mm512_cvtsepi32_epi8(x);
         }
     }
 }
