@@ -222,6 +222,13 @@ __device__ __forceinline__ void mk_dot_fp(const unsigned* row, const mk_f4* sq, 
   }
 }
 
+// Of the tokens [begin, end), how many lie among a store's first n (the
+// quantized ones, before the fp16 rows): min(n, end) - begin, at least 0.
+__device__ __forceinline__ int mk_stored_in(int n, int begin, int end) {
+  int k = (n < end ? n : end) - begin;
+  return k > 0 ? k : 0;
+}
+
 // acc[e][g] += p_j[g] s_j code_{j,e} and macc[g] += p_j[g] m_j over the
 // MK_COL channels of the column at c0, for quantized values (per token, BITS
 // bits; a column lies in one scale group and, at 2 and 4 bits, in one word)
@@ -339,8 +346,7 @@ __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, co
   // 1. Scores: the quantized keys [begin, begin + kq) by warp tiles, then
   // fp16 rows (and -inf past the end) one token per thread.
   int warp = tid / 32, lane = tid % 32;
-  int kq = (hd.k.n < end ? hd.k.n : end) - begin;
-  if (kq < 0) kq = 0;
+  int kq = mk_stored_in(hd.k.n, begin, end);
   for (int t0 = warp * MK_TILE; t0 < kq; t0 += (nt / 32) * MK_TILE) {
     float r2[2];
     if (hd.k.bits == 2) mk_key_tile<D, 2>(hd.k, begin + t0, lane, sq, r2);
@@ -400,8 +406,7 @@ __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, co
     for (int g = 0; g < MK_G; ++g) acc[e][g] = 0.f;
   for (int g = 0; g < MK_G; ++g) macc[g] = 0.f;
   int cnt = end - begin > 0 ? end - begin : 0;
-  int vq = (hd.v.n < end ? hd.v.n : end) - begin;
-  if (vq < 0) vq = 0;
+  int vq = mk_stored_in(hd.v.n, begin, end);
   if (vq > 0) {
     if (hd.v.bits == 2) mk_values_quant<D, 2>(hd.v, begin, vq, tl, lanes, c0, sp, acc, macc);
     else if (hd.v.bits == 4) mk_values_quant<D, 4>(hd.v, begin, vq, tl, lanes, c0, sp, acc, macc);
