@@ -128,7 +128,7 @@ pub enum Finish {
     Length,
     /// The model's context is full.
     Context,
-    /// [`Engine::cancel`] was called.
+    /// [`Engine::cancel`](crate::Engine::cancel) was called.
     Cancelled,
     /// The step that ran it failed (the message says why).
     Error(String),
@@ -155,7 +155,7 @@ pub struct Finished {
     pub kv_bytes: usize,
     /// The most KV bytes its cache held after any step.
     pub peak_kv_bytes: usize,
-    /// Its projection ([`KvCache::projected_kv_bytes`]).
+    /// Its projection ([`KvCache::projected_kv_bytes`](minikv_core::KvCache::projected_kv_bytes)).
     pub reserved: usize,
     /// Bytes a full fp16 cache would hold for its tokens.
     pub full_fp16_bytes: usize,

@@ -2,7 +2,7 @@
 //! kernel by name), behind one object-safe trait with two implementations:
 //! the CUDA driver through cudarc ([`crate::cuda::CudaDevice`]) and, with the
 //! `emulate` feature, the CPU emulation of the same kernels
-//! ([`crate::emulated::EmuDevice`]). The backend's host code (stores,
+//! (`crate::emulated::EmuDevice`). The backend's host code (stores,
 //! layouts, launch geometry, argument lists) is therefore one code path,
 //! exercised here without a GPU.
 

@@ -55,7 +55,7 @@
 //! device's exact architecture, prebuilt by `minikv-kernels-check
 //! --cubin-out` or compiled by NVRTC at first use, cached per device; never
 //! PTX, which an older driver may be unable to JIT), or
-//! the CPU emulation of the same kernels ([`emulated::EmuDevice`], feature
+//! the CPU emulation of the same kernels (`emulated::EmuDevice`, feature
 //! `emulate`, registered as `backend = "cuda-emulated"`).
 //!
 //! What is verified where:

@@ -1,5 +1,5 @@
 //! Gemma 3 decoder (Gemma 3 270M): hybrid sliding-window / global attention
-//! through the [`KvCache`] trait only.
+//! through the [`KvCache`](minikv_core::KvCache) trait only.
 //!
 //! Per block: RMSNorm, Q/K/V projections, per-head RMSNorm of queries and
 //! keys, RoPE ("rotate half" pairs; base 10 000 on sliding-window layers,

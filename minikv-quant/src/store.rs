@@ -409,10 +409,9 @@ impl QuantStore for MinMaxStore {
         }
     }
 
-    /// The integer kernels run per segment of
-    /// [`seg_tokens`](crate::int8::seg_tokens) tokens (of this store's
-    /// length): keys (per channel) score by ranges, values (per token)
-    /// accumulate by ranges.
+    /// The integer kernels run per segment of the store's length (4096
+    /// tokens; 2048 for heads of at most 6144): keys (per channel) score by
+    /// ranges, values (per token) accumulate by ranges.
     fn split_rows(&self, g: usize) -> Option<usize> {
         self.int8_ok(g).then(|| crate::int8::seg_tokens(self.len))
     }

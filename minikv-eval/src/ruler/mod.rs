@@ -12,7 +12,7 @@
 //! Scoring is RULER's: the fraction of expected strings found in the answer.
 //!
 //! Each task is a [`RulerGenerator`] in its own file, registered with one
-//! line ([`register_ruler!`]), which also makes it an evaluation task
+//! line (`register_ruler!`), which also makes it an evaluation task
 //! (`minikv eval --task ruler-...`) in the `ruler` family; a new one is one
 //! file plus one line.
 //!
@@ -58,7 +58,7 @@ pub struct TrialContext<'a> {
     pub budget: usize,
 }
 
-/// A registered generator (see [`register_ruler!`]).
+/// A registered generator (see `register_ruler!`).
 pub struct RulerEntry(pub &'static dyn RulerGenerator);
 
 inventory::collect!(RulerEntry);

@@ -1,5 +1,5 @@
 //! Evaluation tasks as components: each task is one [`EvalTask`] in its own
-//! file, registered with one line ([`register_task!`]); `minikv eval --task`,
+//! file, registered with one line (`register_task!`); `minikv eval --task`,
 //! `minikv sweep` and `minikv report` find it by name and never name it.
 //!
 //! A task says what its prompt is made of ([`Input`]: windows of a text,
@@ -271,7 +271,7 @@ impl TaskContext<'_> {
     }
 }
 
-/// A registered task (see [`register_task!`]).
+/// A registered task (see `register_task!`).
 pub struct TaskEntry(pub &'static dyn EvalTask);
 
 inventory::collect!(TaskEntry);
