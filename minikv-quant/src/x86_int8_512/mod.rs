@@ -5,7 +5,8 @@
 //!
 //! Keys (per channel): one rounding step per head and segment (`int8::seg_tokens`)
 //! (`crate::int8::segment_query`), then per key group the pre-scaled query
-//! times the group's scales is rounded to 8 bits (`vpmovsdb`); one 64-byte
+//! times the group's scales is rounded to 8 bits (`vpmovsdb`), one group
+//! ahead of the products that use it; one 64-byte
 //! load holds 16 channels' words, and one `vpermb` puts byte position k of
 //! the 16 channels in lane k, so that the query's 16 bytes broadcast to every
 //! lane multiply them (`vpdpbusd`); code positions are masked in place where
