@@ -194,7 +194,6 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
 
 /// The query of every head rounded to 8 bits for key group `gi`: `qi`
 /// times the group's scales, 16 channels per entry (`j * nm + m`).
-#[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
 unsafe fn round_query<const NG: usize, const H: bool>(
