@@ -10,13 +10,8 @@ use minikv_core::{Axis, QuantStore, Quantizer};
 use minikv_quant::{Arithmetic, MinMax, ScaleDtype};
 use std::hint::black_box;
 
-fn data(n: usize, s: u32) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            (((i as u32).wrapping_mul(2654435761).wrapping_add(s)) % 2000) as f32 / 1000.0 - 1.0
-        })
-        .collect()
-}
+mod common;
+use common::data;
 
 struct Layer {
     qk: Vec<Option<Box<dyn QuantStore>>>,

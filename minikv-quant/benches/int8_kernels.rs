@@ -10,17 +10,12 @@ use minikv_core::{Axis, QuantStore, Quantizer};
 use minikv_quant::{Arithmetic, MinMax, ScaleDtype};
 use std::hint::black_box;
 
+mod common;
+use common::data;
+
 const D: usize = 64;
 const G: usize = 3;
 const TOKENS: usize = 2048;
-
-fn data(n: usize, s: u32) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            (((i as u32).wrapping_mul(2654435761).wrapping_add(s)) % 2000) as f32 / 1000.0 - 1.0
-        })
-        .collect()
-}
 
 fn store(bits: u32, axis: Axis, seed: u32) -> Box<dyn QuantStore> {
     let mut s = MinMax {

@@ -126,9 +126,11 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
         // The rounded query of the group in hand and of the next one: the
         // next group's rounding (scale loads, products, conversions) is
         // issued before this group's products, so its latency overlaps them.
-        let mut q8 = [[_mm_setzero_si128(); 8 * (KEYS_MAX_D / 16)]; 2];
+        let mut bufs = [[_mm_setzero_si128(); 8 * (KEYS_MAX_D / 16)]; 2];
+        let [a, b] = &mut bufs;
+        let (mut q8, mut next) = (a, b);
         if g0 < g1 {
-            round_query::<NG, H>(sc, &qi, d, nm, g0, &mut q8[0]);
+            round_query::<NG, H>(sc, &qi, d, nm, g0, q8);
         }
         let blocks = grp / per;
         let mut gc = g0;
@@ -137,13 +139,9 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
             let bias = group_bias::<NG, H>(mn, q, d, nm, gc, ng);
             for k in 0..ng {
                 let gi = gc + k;
-                let cur = (gi - g0) % 2;
                 if gi + 1 < g1 {
-                    let (a, b) = q8.split_at_mut(1);
-                    let next = if cur == 0 { &mut b[0] } else { &mut a[0] };
                     round_query::<NG, H>(sc, &qi, d, nm, gi + 1, next);
                 }
-                let q8 = &q8[cur];
                 prefetch_group::<H>(words, sc, mn, d, blocks, gi + PREFETCH_TOKENS / grp);
                 for kb in 0..blocks {
                     let blk = gi * blocks + kb;
@@ -186,6 +184,8 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
                         }
                     }
                 }
+                // The next group's query becomes the one in hand.
+                std::mem::swap(&mut q8, &mut next);
             }
             gc += ng;
         }
