@@ -310,8 +310,18 @@ mod tests {
         };
         let mut special = vec![f32::NEG_INFINITY, f32::NAN, -87.3, -87.299_99, -87.300_01];
         special.extend([0.0, -0.0, -1e-30, -126.0, -1000.0]);
-        // x with x * log2(e) near an exact half: round's ties.
-        special.extend((0..120).map(|k| -(k as f32 + 0.5) / std::f32::consts::LOG2_E));
+        // Every x within 64 ulps of -(k + 1/2) / log2(e) whose product with
+        // log2(e) is exactly -(k + 1/2): round's ties.
+        let ties = (0..126).flat_map(|k| {
+            let y = -(k as f32 + 0.5);
+            let x0 = (y / std::f32::consts::LOG2_E).to_bits();
+            (x0 - 64..x0 + 64)
+                .map(f32::from_bits)
+                .filter(move |x| x * std::f32::consts::LOG2_E == y)
+        });
+        let n_special = special.len();
+        special.extend(ties);
+        assert!(special.len() > n_special + 100, "too few ties");
         let mut cases: Vec<Vec<f32>> = (0..70)
             .map(|n| (0..n).map(|_| -95.0 * rnd()).collect())
             .collect();
