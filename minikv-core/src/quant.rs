@@ -170,6 +170,25 @@ pub trait QuantStore: Send + Sync + Debug {
     ) {
         scores_range_by_whole(self, q, g, out, stride, rows)
     }
+    /// [`scores_range`](QuantStore::scores_range), and `max[j]` the largest
+    /// of query `j`'s scores of the range (a softmax's maximum, read while
+    /// the scores are written instead of in a pass of its own). The default
+    /// scores, then takes [`simd::max`](crate::simd::max) of each row.
+    fn scores_range_max(
+        &self,
+        q: &[f32],
+        g: usize,
+        out: &mut [f32],
+        stride: usize,
+        rows: Range<usize>,
+        max: &mut [f32],
+    ) {
+        let n = rows.len();
+        self.scores_range(q, g, out, stride, rows);
+        for (j, m) in max[..g].iter_mut().enumerate() {
+            *m = crate::simd::max(&out[j * stride..j * stride + n]);
+        }
+    }
     /// [`accumulate`](QuantStore::accumulate) of tokens `rows` only (as
     /// [`scores_range`](QuantStore::scores_range)), with
     /// `p[j * stride + (t - rows.start)]` as the weights. The default spreads

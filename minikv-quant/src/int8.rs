@@ -282,7 +282,7 @@ impl MinMaxStore {
         let run = |g0: usize, g1: usize| {
             // SAFETY: `out` holds `g` rows of `stride` covering every token
             // (asserted above); segments write disjoint token ranges.
-            unsafe { self.scores_int8_range(isa, q, g, ptr.get(), stride, g0, g1, 0) }
+            unsafe { self.scores_int8_range(isa, q, g, ptr.get(), stride, g0, g1, 0, None) }
         };
         if groups <= per {
             run(0, groups);
@@ -295,7 +295,8 @@ impl MinMaxStore {
     }
 
     /// Key scores of groups `g0 .. g1` (one segment: one rounding step per
-    /// head), token `t`'s at `out[j * stride + t - origin]`.
+    /// head), token `t`'s at `out[j * stride + t - origin]`; with `max`,
+    /// `max[j]` the largest of head `j`'s (as `simd::max` of the row).
     ///
     /// # Safety
     /// `out` must be valid for writes at `j * stride + t - origin` for `j <
@@ -312,14 +313,16 @@ impl MinMaxStore {
         g0: usize,
         g1: usize,
         origin: usize,
+        max: Option<&mut [f32]>,
     ) {
         let (d, grp, bits) = (self.d, self.q.group, self.q.bits);
         debug_assert!(g0 * grp >= origin);
+        debug_assert!(max.as_ref().is_none_or(|m| m.len() >= g));
         let p = 32 / bits as usize;
         #[cfg(target_arch = "x86_64")]
         if isa == Isa::Avx512 && crate::x86_int8_512::keys_ok(self, g) {
             // SAFETY: as this function's contract.
-            unsafe { crate::x86_int8_512::keys(self, q, g, out, stride, g0, g1, origin) };
+            unsafe { crate::x86_int8_512::keys(self, q, g, out, stride, g0, g1, origin, max) };
             return;
         }
         #[cfg(target_arch = "x86_64")]
@@ -395,6 +398,14 @@ impl MinMaxStore {
                         k * p - origin,
                     )
                 };
+            }
+        }
+        if let Some(mx) = max {
+            let (a, b) = (g0 * grp - origin, g1 * grp - origin);
+            for (j, m) in mx[..g].iter_mut().enumerate() {
+                // SAFETY: the scores just written (this function's contract).
+                let row = unsafe { std::slice::from_raw_parts(out.add(j * stride + a), b - a) };
+                *m = minikv_core::simd::max(row);
             }
         }
     }

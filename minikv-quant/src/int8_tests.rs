@@ -316,6 +316,7 @@ fn segment_ranges_agree_across_kernels() {
         keys.scores_int8(Isa::Portable, &q, g, &mut whole, n);
         for isa in Isa::available() {
             let mut got = vec![0.0f32; g * m];
+            let mut max = [f32::NAN; 8];
             // SAFETY: `got` holds `g` rows of `m`, the segment's tokens.
             unsafe {
                 keys.scores_int8_range(
@@ -327,10 +328,18 @@ fn segment_ranges_agree_across_kernels() {
                     span.start / 16,
                     span.end / 16,
                     span.start,
+                    Some(&mut max),
                 )
             };
             for j in 0..g {
                 let w = &whole[j * n + span.start..j * n + span.end];
+                // The maximum kept while scoring is the row's.
+                let want = minikv_core::simd::max(w);
+                assert!(
+                    max[j] == want,
+                    "{isa:?} max bits {bits} d {d}: {} vs {want}",
+                    max[j]
+                );
                 assert!(
                     got[j * m..(j + 1) * m]
                         .iter()

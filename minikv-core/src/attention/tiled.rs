@@ -527,8 +527,15 @@ fn split_decode(a: DecodeArgs<'_>, g: usize, rows: usize) {
                     // Quantized keys of the block, then full-precision ones.
                     let nqk = head.n_quant_keys();
                     let kq = hi.min(nqk).max(lo);
+                    // A block of quantized keys only: its maxima come with
+                    // the scores.
+                    let whole = kq == hi && head.quant_keys.is_some();
                     if let Some(qk) = head.quant_keys.filter(|_| kq > lo) {
-                        qk.scores_range(qs, g, sc, len, lo..kq);
+                        if whole {
+                            qk.scores_range_max(qs, g, sc, len, lo..kq, ms);
+                        } else {
+                            qk.scores_range(qs, g, sc, len, lo..kq);
+                        }
                     }
                     if hi > kq {
                         let fp = &mut sc[kq - lo..];
@@ -536,9 +543,10 @@ fn split_decode(a: DecodeArgs<'_>, g: usize, rows: usize) {
                     }
                     for j in 0..g {
                         let row = &mut sc[j * len..(j + 1) * len];
-                        let m = crate::simd::max(row);
-                        ms[j] = m;
-                        ls[j] = crate::simd::exp_sub_sum(row, m);
+                        if !whole {
+                            ms[j] = crate::simd::max(row);
+                        }
+                        ls[j] = crate::simd::exp_sub_sum(row, ms[j]);
                     }
                     os.fill(0.0);
                     let nqv = head.n_quant_values();

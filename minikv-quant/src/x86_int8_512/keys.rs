@@ -6,7 +6,8 @@ use super::*;
 
 /// Key scores of groups `g0 .. g1`, one segment (only when [`keys_ok`] and
 /// [`detected`]): `out[j * stride + t - origin] = sig * sum + bias` as
-/// `crate::int8` documents.
+/// `crate::int8` documents; with `max`, `max[j]` the largest of head `j`'s
+/// scores (`-inf` for no group), kept in registers as they are written.
 ///
 /// # Safety
 /// `out` must be valid for writes at `j * stride + t - origin` for `j < g`
@@ -22,9 +23,12 @@ pub(crate) unsafe fn keys(
     g0: usize,
     g1: usize,
     origin: usize,
+    max: Option<&mut [f32]>,
 ) {
     let (d, grp, bits) = (st.d, st.q.group, st.q.bits);
     let (sc, h, ns) = src(&st.scale[0]);
+    assert!(max.as_ref().is_none_or(|m| m.len() >= g));
+    let mx = max.map_or(std::ptr::null_mut(), |m| m.as_mut_ptr());
     let (mn, _, nm) = src(&st.min[0]);
     assert!(keys_ok(st, g) && detected() && q.len() >= g * d);
     assert!(g1 * grp <= st.len && st.words.len() >= g1 * grp * d * bits as usize / 32);
@@ -49,7 +53,8 @@ pub(crate) unsafe fn keys(
                     stride,
                     g0,
                     g1,
-                    origin
+                    origin,
+                    mx
                 )
             );
             return;
@@ -70,7 +75,8 @@ pub(crate) unsafe fn keys(
                 stride,
                 g0,
                 g1,
-                origin
+                origin,
+                mx
             )
         )
     }
@@ -92,10 +98,14 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
     g0: usize,
     g1: usize,
     origin: usize,
+    mx_out: *mut f32,
 ) {
     // SAFETY: as `keys`.
     unsafe {
         let bits = 8 / CPB;
+        // Each head's running maximum of the scores written (vmaxps keeps
+        // the running value unless the score is larger: `simd::max`'s rule).
+        let mut mx = [_mm512_set1_ps(f32::NEG_INFINITY); NG];
         let per = 4 * CPB;
         let nm = if NM > 0 { NM } else { d / 16 };
         let zero = _mm512_setzero_ps();
@@ -179,8 +189,10 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
                         let o = out.add(j * stride + blk * per - origin);
                         if CPB == 4 {
                             _mm512_storeu_ps(o, f);
+                            mx[j] = _mm512_max_ps(f, mx[j]);
                         } else {
                             _mm512_mask_storeu_ps(o, 0x00ff, f);
+                            mx[j] = _mm512_mask_max_ps(mx[j], 0x00ff, f, mx[j]);
                         }
                     }
                 }
@@ -188,6 +200,11 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
                 std::mem::swap(&mut q8, &mut next);
             }
             gc += ng;
+        }
+        if !mx_out.is_null() {
+            for j in 0..NG {
+                *mx_out.add(j) = _mm512_reduce_max_ps(mx[j]);
+            }
         }
     }
 }
