@@ -473,7 +473,9 @@ fn ranged_rows(a: &DecodeArgs<'_>, g: usize) -> Option<usize> {
 /// (`out = Σ e^{m_b - M} o_b / Σ e^{m_b - M} l_b`). Balances 3 KV heads over
 /// 2 cores (or any heads over any cores). Quantized tokens (the first
 /// `n_quant_*` of a head) go through the stores' ranged kernels, the rest
-/// through the full-precision rows.
+/// through the full-precision rows; a block of quantized keys only takes
+/// its maxima from the key call
+/// ([`QuantStore::scores_range_max`](crate::QuantStore::scores_range_max)).
 fn split_decode(a: DecodeArgs<'_>, g: usize, rows: usize) {
     let d = a.head_dim;
     let scale = 1.0 / (d as f32).sqrt();
