@@ -4,7 +4,7 @@ use minikv_core::attention::{
     AttentionBackend, DecodeArgs, HeadView, ReferenceBackend, TiledBackend,
 };
 use minikv_core::storage::{Fp16Rows, FpStore};
-use minikv_core::{Axis, Quantizer};
+use minikv_core::{Axis, QuantStore, Quantizer};
 use minikv_quant::{MinMax, ScaleDtype, pack, quantize_row, unpack};
 use proptest::prelude::*;
 
@@ -140,8 +140,9 @@ fn per_channel_keys_beat_per_token_on_outlier_channels() {
 /// `arithmetic = "int8"` through the tiled backend on heads long enough to be
 /// cut into parallel segments, of ragged lengths (a long head in 4096-token
 /// segments, shorter ones in 2048-token segments, so the split decode cuts
-/// each head by its own segment): the same bits with 1, 2 and 3 threads, and
-/// close to dequantize-then-attend.
+/// each head by its own segment): the same bits with 1, 2 and 3 threads and
+/// with the softmax maxima taken after the key call instead of from the key
+/// kernel, and close to dequantize-then-attend.
 #[test]
 fn int8_decode_is_thread_count_independent_and_close_to_reference() {
     use minikv_quant::Arithmetic;
@@ -214,6 +215,35 @@ fn int8_decode_is_thread_count_independent_and_close_to_reference() {
             "{t} threads differ from 1"
         );
     }
+    // The blocks of quantized keys only take their softmax maxima from the
+    // key kernel: the same bits as the trait's default (scores, then
+    // `simd::max` of each row), which a wrapper without the override runs.
+    let plain: Vec<DefaultMax<'_>> = heads.iter().map(|h| DefaultMax(h.0.as_ref())).collect();
+    let views2: Vec<HeadView<'_>> = heads
+        .iter()
+        .zip(&plain)
+        .map(|((_, qv, fk, fv), pk)| HeadView {
+            quant_keys: Some(pk as &dyn QuantStore),
+            quant_values: Some(qv.as_ref()),
+            fp_keys: fk,
+            fp_values: fv,
+            extra: None,
+        })
+        .collect();
+    let mut o2 = vec![0.0f32; q.len()];
+    TiledBackend::default()
+        .decode(DecodeArgs {
+            q: &q,
+            heads: &views2,
+            head_dim: d,
+            out: &mut o2,
+            probs: None,
+        })
+        .unwrap();
+    assert!(
+        o2.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "maxima from the key kernel change the output"
+    );
     let mut r = vec![0.0f32; q.len()];
     ReferenceBackend
         .decode(DecodeArgs {
@@ -233,4 +263,65 @@ fn int8_decode_is_thread_count_independent_and_close_to_reference() {
     // half from the keys' and half from the values' rounding; exact products
     // give 3e-6 on the same heads).
     assert!(err < 0.01, "max error {err}");
+}
+
+/// A quantized store's decode calls without its own
+/// `QuantStore::scores_range_max` (the trait's default runs instead).
+#[derive(Debug)]
+struct DefaultMax<'a>(&'a dyn QuantStore);
+
+impl QuantStore for DefaultMax<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn head_dim(&self) -> usize {
+        self.0.head_dim()
+    }
+    fn append(&mut self, _: &[f32]) -> minikv_core::Result<()> {
+        unreachable!("decode only")
+    }
+    fn scores(&self, q: &[f32], g: usize, out: &mut [f32], stride: usize) {
+        self.0.scores(q, g, out, stride)
+    }
+    fn accumulate(&self, p: &[f32], g: usize, stride: usize, out: &mut [f32]) {
+        self.0.accumulate(p, g, stride, out)
+    }
+    fn split_rows(&self, g: usize) -> Option<usize> {
+        self.0.split_rows(g)
+    }
+    fn scores_range(
+        &self,
+        q: &[f32],
+        g: usize,
+        out: &mut [f32],
+        stride: usize,
+        rows: std::ops::Range<usize>,
+    ) {
+        self.0.scores_range(q, g, out, stride, rows)
+    }
+    fn accumulate_range(
+        &self,
+        p: &[f32],
+        g: usize,
+        stride: usize,
+        out: &mut [f32],
+        rows: std::ops::Range<usize>,
+    ) {
+        self.0.accumulate_range(p, g, stride, out, rows)
+    }
+    fn dequantize(&self, out: &mut [f32]) {
+        self.0.dequantize(out)
+    }
+    fn bytes(&self) -> minikv_core::QuantBytes {
+        self.0.bytes()
+    }
+    fn used_bytes(&self) -> usize {
+        self.0.used_bytes()
+    }
+    fn shrink(&mut self) {
+        unreachable!("decode only")
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self.0.as_any()
+    }
 }
