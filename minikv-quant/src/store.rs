@@ -282,54 +282,6 @@ impl MinMaxStore {
     }
 }
 
-impl MinMaxStore {
-    /// [`QuantStore::scores_range`], and with `max` each head's largest
-    /// score of the range ([`QuantStore::scores_range_max`]).
-    fn scores_range_opt_max(
-        &self,
-        q: &[f32],
-        g: usize,
-        out: &mut [f32],
-        stride: usize,
-        rows: Range<usize>,
-        max: Option<&mut [f32]>,
-    ) {
-        let grp = self.q.group;
-        let ok = self.q.axis == Axis::Channel
-            && self.int8_ok(g)
-            && rows.start.is_multiple_of(crate::int8::seg_tokens(self.len))
-            && rows.end.is_multiple_of(grp)
-            && rows.end <= self.len;
-        if !ok {
-            let n = rows.len();
-            minikv_core::quant::scores_range_by_whole(self, q, g, out, stride, rows);
-            if let Some(mx) = max {
-                for (j, m) in mx[..g].iter_mut().enumerate() {
-                    *m = simd::max(&out[j * stride..j * stride + n]);
-                }
-            }
-            return;
-        }
-        let m = rows.len();
-        assert!(q.len() >= g * self.d && out.len() >= (g - 1) * stride + m && m <= stride);
-        // SAFETY: `out` holds `g` rows of `stride >= m` (asserted); the
-        // groups' tokens are `rows`, written at `t - rows.start`.
-        unsafe {
-            self.scores_int8_range(
-                crate::int8::Isa::detected(),
-                q,
-                g,
-                out.as_mut_ptr(),
-                stride,
-                rows.start / grp,
-                rows.end / grp,
-                rows.start,
-                max,
-            )
-        }
-    }
-}
-
 impl QuantStore for MinMaxStore {
     fn len(&self) -> usize {
         self.len

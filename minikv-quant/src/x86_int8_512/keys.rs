@@ -201,10 +201,21 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
             }
             gc += ng;
         }
-        if !mx_out.is_null() {
-            for j in 0..NG {
-                *mx_out.add(j) = _mm512_reduce_max_ps(mx[j]);
-            }
+        store_maxima(&mx, mx_out);
+    }
+}
+
+/// `out[j]` = the largest lane of `mx[j]`, unless `out` is null.
+///
+/// # Safety
+/// A non-null `out` is valid for `NG` writes.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn store_maxima<const NG: usize>(mx: &[__m512; NG], out: *mut f32) {
+    if !out.is_null() {
+        for (j, m) in mx.iter().enumerate() {
+            // SAFETY: as this function's contract.
+            unsafe { *out.add(j) = _mm512_reduce_max_ps(*m) };
         }
     }
 }
