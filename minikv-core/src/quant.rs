@@ -77,6 +77,14 @@ pub struct QuantBytes {
     pub scales: usize,
 }
 
+/// `max[j] = simd::max(out[j * stride .. j * stride + n])` for `j < g`: the
+/// maxima of [`QuantStore::scores_range_max`] taken after the scores.
+pub fn row_maxima(out: &[f32], g: usize, stride: usize, n: usize, max: &mut [f32]) {
+    for (j, m) in max[..g].iter_mut().enumerate() {
+        *m = crate::simd::max(&out[j * stride..j * stride + n]);
+    }
+}
+
 /// [`QuantStore::scores_range`] from [`QuantStore::scores`] of every token
 /// (the default; for stores without ranged kernels).
 pub fn scores_range_by_whole<S: QuantStore + ?Sized>(
@@ -185,9 +193,7 @@ pub trait QuantStore: Send + Sync + Debug {
     ) {
         let n = rows.len();
         self.scores_range(q, g, out, stride, rows);
-        for (j, m) in max[..g].iter_mut().enumerate() {
-            *m = crate::simd::max(&out[j * stride..j * stride + n]);
-        }
+        row_maxima(out, g, stride, n, max);
     }
     /// [`accumulate`](QuantStore::accumulate) of tokens `rows` only (as
     /// [`scores_range`](QuantStore::scores_range)), with

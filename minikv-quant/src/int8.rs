@@ -316,9 +316,7 @@ impl MinMaxStore {
             let n = rows.len();
             minikv_core::quant::scores_range_by_whole(self, q, g, out, stride, rows);
             if let Some(mx) = max {
-                for (j, m) in mx[..g].iter_mut().enumerate() {
-                    *m = minikv_core::simd::max(&out[j * stride..j * stride + n]);
-                }
+                minikv_core::quant::row_maxima(out, g, stride, n, mx);
             }
             return;
         }

@@ -27,12 +27,12 @@ pub(crate) unsafe fn keys(
 ) {
     let (d, grp, bits) = (st.d, st.q.group, st.q.bits);
     let (sc, h, ns) = src(&st.scale[0]);
-    assert!(max.as_ref().is_none_or(|m| m.len() >= g));
-    let mx = max.map_or(std::ptr::null_mut(), |m| m.as_mut_ptr());
     let (mn, _, nm) = src(&st.min[0]);
     assert!(keys_ok(st, g) && detected() && q.len() >= g * d);
     assert!(g1 * grp <= st.len && st.words.len() >= g1 * grp * d * bits as usize / 32);
     assert!(ns >= g1 * d && nm >= g1 * d);
+    assert!(max.as_ref().is_none_or(|m| m.len() >= g));
+    let mx = max.map_or(std::ptr::null_mut(), |m| m.as_mut_ptr());
     // SAFETY: the features were detected; the buffers hold the groups'
     // words, scales and minimums (asserted), `out` as the caller guarantees.
     unsafe {
