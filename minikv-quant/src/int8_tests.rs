@@ -168,6 +168,11 @@ fn value_kernels_agree_bitwise_and_within_bound() {
         (2, 16, 512, 35, 3),
         (4, 16, 64, 15, 1),
         (2, 64, 64, 96, 6),
+        // Groups that 16-byte row chunks cut unevenly (no weight period):
+        // the 512-bit kernel gathers the weights per dword.
+        (4, 48, 96, 70, 3),
+        (2, 48, 192, 45, 2),
+        (4, 128, 128, 40, 3),
     ] {
         let dtype = if n % 3 == 0 {
             ScaleDtype::F32

@@ -128,48 +128,52 @@ unsafe fn values_k<const CPB: usize, const NG: usize, const H: bool, const D64: 
         let zero = _mm512_setzero_ps();
         let zi = _mm512_setzero_si512();
         let mut macc = [zero; 8 * 16];
-        // Rounded weights and taus of up to SB blocks, per block, head and
-        // zone: `zb` two registers (groups 0-1 and 2-3 of the zone, packed:
-        // lane L holds quads L and 4 + L of the first group, then of the
-        // second), `tauz` lane k: group 4 zone + k's tau in every dword.
-        const SB: usize = 4;
-        let mut zb = [[[[zi; 2]; 4]; NG]; SB];
-        let mut tauz = [[[zero; 4]; NG]; SB];
-        let mut t00 = a;
-        while t00 < b {
-            let nblk = (b - t00).div_ceil(TB).min(SB);
-            // Rounding of every block first: independent chains the core
-            // overlaps (one block's division no longer waits on products).
-            for bi in 0..nblk {
-                let t0 = t00 + bi * TB;
-                let nb = TB.min(b - t0);
-                prefetch_block::<H>(rows, rb, &sc[..gpt], &mn[..gpt], t0 + PREFETCH_TOKENS);
-                let (pt, sm) = (p.wrapping_add(t0), (&sc[..gpt], &mn[..gpt]));
-                let (zbb, tzb) = (&mut zb[bi], &mut tauz[bi]);
-                if nb == TB {
-                    round_block::<NG, H, true>(pt, stride, t0, nb, sm, &mut macc, zbb, tzb);
+        // The block's rounded weights and taus per head and zone: `zb` two
+        // registers (lane L: quad L, then quad 4 + L; dword k: group 4 zone
+        // + k), `tauz` lane k: group 4 zone + k's tau in every dword.
+        let mut zb = [[[[zi; 2]; 4]; NG]; 2];
+        let mut tauz = [[[zero; 4]; NG]; 2];
+        // A zone's products `p * scale` per head between the two phases of
+        // its rounding, and their group maxima.
+        let mut xs = [[[zero; 2]; 4]; NG];
+        let mut am = [zero; NG];
+        let sm = (&sc[..gpt], &mn[..gpt]);
+        // Software-pipelined: the next block's rounding is issued before
+        // this block's products (double-buffered weights), so that the core
+        // overlaps the two (each alone is bound by its chains).
+        macro_rules! round {
+            ($t0:expr, $bf:expr) => {{
+                let (t0, bf) = ($t0, $bf);
+                prefetch_block::<H>(rows, rb, sm.0, sm.1, t0 + PREFETCH_TOKENS);
+                let (w, t) = (&mut zb[bf], &mut tauz[bf]);
+                round_block::<NG, H>(p, stride, t0, b, sm, &mut macc, (&mut xs, &mut am), (w, t));
+            }};
+        }
+        if a < b {
+            round!(a, 0);
+        }
+        let mut cur = 0;
+        let mut t0 = a;
+        while t0 < b {
+            let nb = TB.min(b - t0);
+            if t0 + TB < b {
+                round!(t0 + TB, 1 - cur);
+            }
+            let r0 = rows.add(t0 * rb);
+            for h in 0..nh {
+                let (zh, w) = (zone[h], &zb[cur]);
+                let acc = if nb == TB {
+                    products::<CPB, NG, true>(r0, rb, h, nb, il, &il2, &avi[h], w, zh)
                 } else {
-                    round_block::<NG, H, false>(pt, stride, t0, nb, sm, &mut macc, zbb, tzb);
+                    products::<CPB, NG, false>(r0, rb, h, nb, il, &il2, &avi[h], w, zh)
+                };
+                for j in 0..NG {
+                    let tv = _mm512_permutexvar_ps(tvi[h], tauz[cur][j][zh]);
+                    flush::<CPB>(&acc[j], tv, facc.add(j * d + h * CPB * 16));
                 }
             }
-            for bi in 0..nblk {
-                let t0 = t00 + bi * TB;
-                let nb = TB.min(b - t0);
-                for h in 0..nh {
-                    let zh = zone[h];
-                    let r0 = rows.add(t0 * rb);
-                    let acc = if nb == TB {
-                        products::<CPB, NG, true>(r0, rb, h, nb, il, &il2, &avi[h], &zb[bi], zh)
-                    } else {
-                        products::<CPB, NG, false>(r0, rb, h, nb, il, &il2, &avi[h], &zb[bi], zh)
-                    };
-                    for j in 0..NG {
-                        let tv = _mm512_permutexvar_ps(tvi[h], tauz[bi][j][zh]);
-                        flush::<CPB>(&acc[j], tv, facc.add(j * d + h * CPB * 16));
-                    }
-                }
-            }
-            t00 += nblk * TB;
+            cur = 1 - cur;
+            t0 += TB;
         }
         for j in 0..NG {
             for gi in 0..gpt {
@@ -179,27 +183,62 @@ unsafe fn values_k<const CPB: usize, const NG: usize, const H: bool, const D64: 
     }
 }
 
-/// Rounds one block of `nb` tokens from `t0` (`FULL`: `nb` is [`TB`], no
-/// lane masks): per head and zone of four value groups, the weights `p *
-/// scale` to 8 bits ([`round_zone`]) into `zb` and `tauz`, and `p . min`
-/// into `macc` (head `j`, group `gi` at `j * groups + gi`); head `j`'s
-/// weights from `pt[j * stride]`.
+/// Rounds the block of tokens from `t0` (below `b`): per zone, the two
+/// phases ([`zone_products`] of every head, then [`round_zone`] of every
+/// head), whose chains (a maximum's reduction, a division) are independent
+/// and side by side in the code, so the core overlaps them (one head at a
+/// time left them latency bound); weights and taus into `zb` and `tauz`.
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+#[inline(always)]
+unsafe fn round_block<const NG: usize, const H: bool>(
+    p: *const f32,
+    stride: usize,
+    t0: usize,
+    b: usize,
+    sm: (&[*const u8], &[*const u8]),
+    macc: &mut [__m512; 8 * 16],
+    (xs, am): (&mut [[[__m512; 2]; 4]; NG], &mut [__m512; NG]),
+    (zb, tauz): (&mut [[[__m512i; 2]; 4]; NG], &mut [[__m512; 4]; NG]),
+) {
+    // SAFETY: the caller's weights, scales and minimums hold the block.
+    unsafe {
+        let (gpt, nb, pt) = (sm.0.len(), TB.min(b - t0), p.wrapping_add(t0));
+        for z in 0..gpt.div_ceil(4) {
+            if nb == TB {
+                zone_products::<NG, H, true>(pt, stride, t0, nb, sm, z, macc, xs, am);
+            } else {
+                zone_products::<NG, H, false>(pt, stride, t0, nb, sm, z, macc, xs, am);
+            }
+            for j in 0..NG {
+                (tauz[j][z], zb[j][z]) = round_zone(am[j], &xs[j], (gpt - 4 * z).min(4));
+            }
+        }
+    }
+}
+
+/// Phase one of zone `z`'s rounding for one block of `nb` tokens from `t0`
+/// (`FULL`: `nb` is [`TB`], no lane masks): per head `j` (weights from
+/// `pt[j * stride]`) and group `k` of the zone, the products `p * scale` of
+/// the block's two halves into `xs[j][k]` and their maximum per group into
+/// `am[j]` (lane `k`: group `k`'s, [`hmax4`]); `p . min` into `macc` (head
+/// `j`, group `gi` at `j * groups + gi`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn round_block<const NG: usize, const H: bool, const FULL: bool>(
+unsafe fn zone_products<const NG: usize, const H: bool, const FULL: bool>(
     pt: *const f32,
     stride: usize,
     t0: usize,
     nb: usize,
     (sc, mn): (&[*const u8], &[*const u8]),
+    z: usize,
     macc: &mut [__m512; 8 * 16],
-    zb: &mut [[[__m512i; 2]; 4]; NG],
-    tauz: &mut [[__m512; 4]; NG],
+    xs: &mut [[[__m512; 2]; 4]; NG],
+    am: &mut [__m512; NG],
 ) {
     // SAFETY: the caller's weights, scales and minimums hold the block.
     unsafe {
         let gpt = sc.len();
-        let nz = gpt.div_ceil(4);
+        let ng = (gpt - 4 * z).min(4);
         let zero = _mm512_setzero_ps();
         let (k0, k1) = if FULL {
             (0xffff, 0xffff)
@@ -210,29 +249,28 @@ unsafe fn round_block<const NG: usize, const H: bool, const FULL: bool>(
             let pj = pt.wrapping_add(j * stride);
             let p0 = _mm512_maskz_loadu_ps(k0, pj);
             let p1 = _mm512_maskz_loadu_ps(k1, pj.wrapping_add(16));
-            for z in 0..nz {
-                let ng = (gpt - 4 * z).min(4);
-                let mut xs = [[zero; 2]; 4];
-                let mut mx = [zero; 4];
-                for k in 0..ng {
-                    let gi = 4 * z + k;
-                    let x0 = _mm512_mul_ps(p0, ld::<H>(sc[gi], t0, k0));
-                    let x1 = _mm512_mul_ps(p1, ld::<H>(sc[gi], t0 + 16, k1));
-                    mx[k] = _mm512_max_ps(x0, x1);
-                    xs[k] = [x0, x1];
-                    let m = &mut macc[j * gpt + gi];
-                    *m = _mm512_mask3_fmadd_ps(p0, ld::<H>(mn[gi], t0, k0), *m, k0);
-                    *m = _mm512_mask3_fmadd_ps(p1, ld::<H>(mn[gi], t0 + 16, k1), *m, k1);
-                }
-                (tauz[j][z], zb[j][z]) = round_zone(mx, xs, ng);
+            let mut mx = [zero; 4];
+            for k in 0..ng {
+                let gi = 4 * z + k;
+                let x0 = _mm512_mul_ps(p0, ld::<H>(sc[gi], t0, k0));
+                let x1 = _mm512_mul_ps(p1, ld::<H>(sc[gi], t0 + 16, k1));
+                mx[k] = _mm512_max_ps(x0, x1);
+                xs[j][k] = [x0, x1];
+                let m = &mut macc[j * gpt + gi];
+                *m = _mm512_mask3_fmadd_ps(p0, ld::<H>(mn[gi], t0, k0), *m, k0);
+                *m = _mm512_mask3_fmadd_ps(p1, ld::<H>(mn[gi], t0 + 16, k1), *m, k1);
             }
+            am[j] = hmax4(mx);
         }
     }
 }
 
 /// The integer sums of row chunk `h` of one block of `nb` tokens from `r0`
 /// (`FULL`: `nb` is [`TB`], the loop without partial quads), per head and
-/// code position.
+/// code position. A quad's weights come from one register of its zone's
+/// two by a one-source permute (`avi[quad]`), which leaves the two
+/// multiply-add pipes to the products (a two-source permute measured as
+/// sharing them).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn products<const CPB: usize, const NG: usize, const FULL: bool>(
@@ -257,11 +295,10 @@ unsafe fn products<const CPB: usize, const NG: usize, const FULL: bool>(
         for qd in 0..quads {
             let valid = if FULL { 4 } else { (nb - 4 * qd).min(4) };
             let x = interleaved(r0.add(4 * qd * rb), rb, h, valid, il, il2);
-            let ix = avi[qd];
-            let av: [__m512i; NG] = std::array::from_fn(|j| {
-                let w = &zb[j][zh];
-                _mm512_permutex2var_epi32(w[0], ix, w[1])
-            });
+            let mut av = [_mm512_setzero_si512(); NG];
+            for j in 0..NG {
+                av[j] = _mm512_permutexvar_epi32(avi[qd], zb[j][zh][qd / 4]);
+            }
             // Times 2^shift(s), undone exactly at the flush.
             let top = _mm512_srl_epi16(x, _mm_cvtsi32_si128(bits as i32));
             for s in 0..CPB {
@@ -344,9 +381,9 @@ unsafe fn quad(r0: *const u8, rb: usize, valid: usize) -> __m512i {
 }
 
 /// Per row chunk `h`: the zone of four groups its weights come from, the
-/// weight dword of each of its dwords per token quad (in the zone's two
-/// packed registers), and the lane of its dwords' taus in the zone's tau
-/// register.
+/// weight dword of each of its dwords per token quad (an index into the
+/// quad's register of the zone, [`round_zone`]'s layout), and the lane of
+/// its dwords' taus in the zone's tau register.
 #[inline]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::type_complexity)]
@@ -366,9 +403,7 @@ fn chunk_tables<const CPB: usize>(
             let tx: [i32; 16] = std::array::from_fn(|i| 4 * gr[i]);
             tvi[h] = _mm512_loadu_si512(tx.as_ptr() as *const __m512i);
             for qq in 0..8i32 {
-                let ix: [i32; 16] = std::array::from_fn(|i| {
-                    (gr[i] / 2) * 16 + 4 * (qq % 4) + 2 * (gr[i] % 2) + qq / 4
-                });
+                let ix: [i32; 16] = std::array::from_fn(|i| 4 * (qq % 4) + gr[i]);
                 avi[h][qq as usize] = _mm512_loadu_si512(ix.as_ptr() as *const __m512i);
             }
         }
@@ -402,15 +437,15 @@ fn block_masks(nb: usize) -> (u16, u16) {
     (k0, k1)
 }
 
-/// One zone's rounding (`int8::steps(amax, 255)` of four groups at once,
-/// then `round(x / tau)`): the taus (lane k: group k's) and the two packed
-/// weight registers (lane L: quads L and 4 + L of groups 0 and 1, then of 2
-/// and 3). `mx` holds each group's lane maxima, `xs` its two halves.
+/// Phase two of one zone's rounding (`int8::steps(amax, 255)` of four
+/// groups at once, then `round(x / tau)`): the taus (lane k: group k's) and
+/// the two weight registers (lane L: quad L, then quad 4 + L; dword k:
+/// group k's four weights). `am` holds the groups' maxima (lane k: group
+/// k's), `xs` their products' two halves.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn round_zone(mx: [__m512; 4], xs: [[__m512; 2]; 4], ng: usize) -> (__m512, [__m512i; 2]) {
+fn round_zone(am: __m512, xs: &[[__m512; 2]; 4], ng: usize) -> (__m512, [__m512i; 2]) {
     let zero = _mm512_setzero_ps();
-    let am = hmax4(mx);
     let pos = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(am, zero);
     let inv = _mm512_maskz_div_ps(pos, _mm512_set1_ps(255.0), am);
     // `steps`: a step whose inverse overflows is 0 as well.
@@ -424,13 +459,21 @@ fn round_zone(mx: [__m512; 4], xs: [[__m512; 2]; 4], ng: usize) -> (__m512, [__m
             y[k][hf] = _mm512_cvtps_epi32(_mm512_mul_ps(xs[k][hf], iv));
         }
     }
-    // Codes are 0 ..= 255: the saturating packs keep them.
-    let w = std::array::from_fn(|pr| {
-        let c = _mm512_packus_epi32(y[2 * pr][0], y[2 * pr][1]);
-        let e = _mm512_packus_epi32(y[2 * pr + 1][0], y[2 * pr + 1][1]);
+    // Codes are 0 ..= 255: the saturating packs keep them. Lane L of
+    // `w[0]`: quads L and 4 + L of group 0, then of group 2 (dwords); of
+    // `w[1]`: of groups 1 and 3.
+    let w: [__m512i; 2] = std::array::from_fn(|pr| {
+        let c = _mm512_packus_epi32(y[pr][0], y[pr][1]);
+        let e = _mm512_packus_epi32(y[pr + 2][0], y[pr + 2][1]);
         _mm512_packus_epi16(c, e)
     });
-    (tau, w)
+    // Lane L, dword k: quad L (first register) or 4 + L (second) of group k.
+    let lo = _mm512_unpacklo_epi32(w[0], w[1]);
+    let hi = _mm512_unpackhi_epi32(w[0], w[1]);
+    (
+        tau,
+        [_mm512_unpacklo_epi64(lo, hi), _mm512_unpackhi_epi64(lo, hi)],
+    )
 }
 
 /// `facc = fma(tau, sum, facc)` for the `CPB` code positions of one chunk
