@@ -170,23 +170,30 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
                             }
                         }
                     }
+                    // Each step over every head before the next: the
+                    // heads' chains side by side in the code.
+                    let mut v = [zero; NG];
                     for j in 0..NG {
                         let a = &acc[j];
-                        let v = if CPB == 4 {
+                        let w = if CPB == 4 {
                             dwords4([a[0], a[1 % CPB], a[2 % CPB], a[3 % CPB]])
                         } else {
                             _mm512_permutexvar_epi32(pack2, dwords2([a[0], a[1 % CPB]]))
                         };
                         // The sums times 2^(bits s) are exact in f32 (below
                         // 2^24), so times 2^-(bits s) gives the sum exactly.
-                        let v = _mm512_cvtepi32_ps(v);
+                        v[j] = _mm512_cvtepi32_ps(w);
+                    }
+                    for j in 0..NG {
                         let sv = if fold {
-                            _mm512_mul_ps(v, sigu[j])
+                            _mm512_mul_ps(v[j], sigu[j])
                         } else {
-                            _mm512_mul_ps(_mm512_set1_ps(sig[j]), _mm512_mul_ps(v, unshift))
+                            _mm512_mul_ps(_mm512_set1_ps(sig[j]), _mm512_mul_ps(v[j], unshift))
                         };
-                        let f = _mm512_add_ps(sv, _mm512_set1_ps(bias[j][k]));
-                        let o = out.add(j * stride + blk * per - origin);
+                        v[j] = _mm512_add_ps(sv, _mm512_set1_ps(bias[j][k]));
+                    }
+                    for j in 0..NG {
+                        let (f, o) = (v[j], out.add(j * stride + blk * per - origin));
                         if CPB == 4 {
                             _mm512_storeu_ps(o, f);
                             mx[j] = _mm512_max_ps(f, mx[j]);
