@@ -172,18 +172,7 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
                     }
                     // Each step over every head before the next: the
                     // heads' chains side by side in the code.
-                    let mut v = [zero; NG];
-                    for j in 0..NG {
-                        let a = &acc[j];
-                        let w = if CPB == 4 {
-                            dwords4([a[0], a[1 % CPB], a[2 % CPB], a[3 % CPB]])
-                        } else {
-                            _mm512_permutexvar_epi32(pack2, dwords2([a[0], a[1 % CPB]]))
-                        };
-                        // The sums times 2^(bits s) are exact in f32 (below
-                        // 2^24), so times 2^-(bits s) gives the sum exactly.
-                        v[j] = _mm512_cvtepi32_ps(w);
-                    }
+                    let mut v = token_sums::<CPB, NG>(&acc, pack2);
                     for j in 0..NG {
                         let sv = if fold {
                             _mm512_mul_ps(v[j], sigu[j])
@@ -209,6 +198,31 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
             gc += ng;
         }
         store_maxima(&mx, mx_out);
+    }
+}
+
+/// Each head's 16 token sums of one block as floats, in token order: the
+/// four dwords of a lane added by unpacks (2 bits; at 4 bits two, then the
+/// tokens packed by `pack2`). The sums times 2^(bits s) are exact in f32
+/// (below 2^24), so the caller's times 2^-(bits s) gives each sum exactly.
+#[inline(always)]
+unsafe fn token_sums<const CPB: usize, const NG: usize>(
+    acc: &[[__m512i; CPB]; NG],
+    pack2: __m512i,
+) -> [__m512; NG] {
+    // SAFETY: AVX-512F is enabled in the calling kernel.
+    unsafe {
+        let mut v = [_mm512_setzero_ps(); NG];
+        for j in 0..NG {
+            let a = &acc[j];
+            let w = if CPB == 4 {
+                dwords4([a[0], a[1 % CPB], a[2 % CPB], a[3 % CPB]])
+            } else {
+                _mm512_permutexvar_epi32(pack2, dwords2([a[0], a[1 % CPB]]))
+            };
+            v[j] = _mm512_cvtepi32_ps(w);
+        }
+        v
     }
 }
 

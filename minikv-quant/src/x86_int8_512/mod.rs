@@ -15,11 +15,15 @@
 //!
 //! Values (per token): per block of [`TB`] tokens and head, the weights
 //! `p * scale` of every value group are rounded to 8 bits in registers (one
-//! division for all groups), packed with `vpmovusdb` and laid out per four
-//! tokens; four rows' 16-byte chunks are interleaved bytewise by one
-//! `vpermb`, so that a shift and a mask per code position give 16 channels'
-//! codes of four tokens, multiplied with the four tokens' weight bytes. The
-//! `p . min` sums run in the same pass, in [`crate::int8::LANES`] lanes.
+//! division for four groups), packed with `vpackus` and laid out per four
+//! tokens (a lane per quad, a dword per group); each block is rounded in
+//! two phases over all heads (products and maxima, then steps and codes)
+//! one block ahead of its products, so that the core overlaps the chains.
+//! Four rows' 16-byte chunks are interleaved bytewise by one `vpermb`, so
+//! that a shift and a mask per code position give 16 channels' codes of
+//! four tokens, multiplied with the four tokens' weight bytes (gathered by
+//! a one-source `vpermd`, which issues beside the products). The `p . min`
+//! sums run in the same pass, in [`crate::int8::LANES`] lanes.
 //!
 //! Every float step is the portable loops' operation on the same numbers
 //! (the tests compare bitwise).
