@@ -19,21 +19,23 @@
 #      is reported and the others still run;
 #   3. ptxas registers and spills (from the bundle, computed at build);
 #   4. decode attention (bench attention, 32/8 heads, d = 128) at 16K and
-#      128K tokens on cuda and on the CPU: us/token and achieved bandwidth
+#      128K tokens on cuda (the fast decode kernel, its staged form and the
+#      general kernel: MINIKV_CUDA_DECODE) and on the CPU: us/token and
+#      achieved bandwidth
 #      (bytes read per token / time) against the device's bound and the
 #      measured copy, and the marginal bandwidth from 16K to 128K (the
 #      kernels' own, without the fixed host round trip of a call);
 #   4b. where Nsight Compute can read the counters: each decode kernel's
-#      own duration and DRAM bytes at 128K tokens (fast and general);
+#      own duration and DRAM bytes at 128K tokens (fast, staged, general);
 #   5. with the real model (assets/, else the bundle's first blocks of
-#      it): MiniKV 2-bit generation with backend = "cuda" against
-#      backend = "tiled" (same greedy tokens);
+#      it): MiniKV 2-bit generation with backend = "cuda" (fast and staged
+#      decode) against backend = "tiled" (same greedy tokens);
 #   6. last, the small shapes again under compute-sanitizer (memcheck) when
 #      the machine has it and it can attach (gVisor refuses it).
 # Writes $OUT (or results/gpu-check/): one file per step and summary.json,
 # and prints a short report. Budget: under 8 minutes. GPUCHECK_QUICK=1
 # (a rerun after a kernel change, when device time is short): steps 4 and
-# 4b time only the kernels the backend picks (no general kernel, no CPU).
+# 4b time only the fast and the staged kernel (no general kernel, no CPU).
 QUICK=${GPUCHECK_QUICK:-0}
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,7 +84,7 @@ r = json.load(open(sys.argv[1]))
 i = r.get("info", {})
 print(f"device: {r['device']}  image: {i.get('image')}  bound: {i.get('peak_bandwidth_gb_s')} GB/s  ok: {r['ok']}")
 for c in r["checks"]:
-    errs = {k: v for k, v in c.items() if k.endswith("err") or k.endswith("equal") or k.endswith("values") or k in ("tokens", "t", "path", "error")}
+    errs = {k: v for k, v in c.items() if k.endswith("err") or k.endswith("equal") or k.endswith("values") or k in ("tokens", "t", "path", "kernel", "split", "error")}
     print(f"  {'ok ' if c['ok'] else 'BAD'} {c['check']}: {errs}")
 print("  registers (driver):", {k: v.get("registers") for k, v in sorted(i.get("kernels", {}).items())})
 for path, p in r["prefill"].items():
@@ -116,14 +118,17 @@ echo "== decode attention (32/8 heads, d = 128): cuda and the CPU"
 unset MINIKV_CUDA_CHECK
 for tl in 16384:8 131072:2; do
   t=${tl%:*} layers=${tl#*:}
+  # cuda-staged: the fast kernel's staged form (MINIKV_CUDA_DECODE=staged);
   # cuda-general: the general decode kernel (MINIKV_CUDA_DECODE=general),
   # the fast one's baseline.
-  backends="cuda cuda-general tiled"
-  [ "$QUICK" = 1 ] && backends=cuda
+  backends="cuda cuda-staged cuda-general tiled"
+  [ "$QUICK" = 1 ] && backends="cuda cuda-staged"
   for be in $backends; do
-    env $([ "$be" = cuda-general ] && echo MINIKV_CUDA_DECODE=general) timeout 150 \
+    kernel=fast
+    case $be in cuda-*) kernel=${be#cuda-} ;; esac
+    MINIKV_CUDA_DECODE=$kernel timeout 150 \
       "$BIN/minikv" bench attention --tokens "$t" --q-heads 32 --kv-heads 8 --head-dim 128 \
-      --layers "$layers" --backend "${be%-general}" --seconds 1 --json > "$OUTDIR/bench-attention-$be-$t.json" 2>> "$OUTDIR/bench.log" \
+      --layers "$layers" --backend "${be%%-*}" --seconds 1 --json > "$OUTDIR/bench-attention-$be-$t.json" 2>> "$OUTDIR/bench.log" \
       || fail "bench attention $be $t (exit $?)"
   done
 done
@@ -185,15 +190,16 @@ PY
 # The decode kernels alone, from the hardware counters where Nsight Compute
 # can read them (not on gVisor): duration and DRAM bytes of each launch of
 # the fp16 row (8 launches: 3 warm-up steps, 5 timed) and then the 2-bit
-# row at 128K tokens, for the fast kernel and the general one.
+# row at 128K tokens, for the fast kernel, its staged form and the general
+# one.
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 if [ -n "$NCU" ]; then
   echo "== decode kernels under Nsight Compute (128K tokens, 32/8 heads, d = 128)"
-  kinds="fast general"
-  [ "$QUICK" = 1 ] && kinds=fast
+  kinds="fast staged general"
+  [ "$QUICK" = 1 ] && kinds="fast staged"
   for k in $kinds; do
-    env $([ "$k" = general ] && echo MINIKV_CUDA_DECODE=general) timeout 150 "$NCU" --clock-control none \
-      --kernel-name regex:'mk_decode_(fast|partial)' --launch-count 16 --csv \
+    MINIKV_CUDA_DECODE=$k timeout 150 "$NCU" --clock-control none \
+      --kernel-name regex:'mk_decode_(fast|staged|partial)' --launch-count 16 --csv \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       "$BIN/minikv" bench attention --tokens 131072 --q-heads 32 --kv-heads 8 --head-dim 128 \
       --backend cuda --bits 2 --arithmetic exact --seconds 0.001 > "$OUTDIR/ncu-$k.csv" 2> "$OUTDIR/ncu-$k.log" \
@@ -202,7 +208,7 @@ if [ -n "$NCU" ]; then
   python3 - "$OUTDIR" <<'PY'
 import csv, io, os, statistics, sys
 out = sys.argv[1]
-for k in ("fast", "general"):
+for k in ("fast", "staged", "general"):
     try:
         lines = [l for l in open(os.path.join(out, f"ncu-{k}.csv")) if l.startswith('"')]
     except OSError:
@@ -247,17 +253,29 @@ if [ -f "$MODEL" ]; then
   echo "== MiniKV 2-bit on the real model ($MODEL): cuda against tiled"
   export MINIKV_CUDA_CHECK=1
   PROMPT="Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do"
-  for be in cuda tiled; do
-    { echo "backend = \"$be\""; cat configs/minikv.toml; } > "$OUTDIR/minikv-$be.toml"
-    timeout 120 "$BIN/minikv" generate --model "$MODEL" --config "$OUTDIR/minikv-$be.toml" --prompt "$PROMPT" --max-tokens 32 --json > "$OUTDIR/generate-$be.json" || fail "generate $be"
+  # cuda-staged: backend = "cuda" with MINIKV_CUDA_DECODE=staged.
+  for be in cuda cuda-staged tiled; do
+    { echo "backend = \"${be%%-*}\""; cat configs/minikv.toml; } > "$OUTDIR/minikv-$be.toml"
+    kernel=fast
+    [ "$be" = cuda-staged ] && kernel=staged
+    MINIKV_CUDA_DECODE=$kernel timeout 120 "$BIN/minikv" generate --model "$MODEL" --config "$OUTDIR/minikv-$be.toml" --prompt "$PROMPT" --max-tokens 32 --json > "$OUTDIR/generate-$be.json" || fail "generate $be"
   done
-  [ -s "$OUTDIR/generate-cuda.json" ] && python3 - "$OUTDIR/generate-cuda.json" "$OUTDIR/generate-tiled.json" <<'PY' || fail "greedy tokens differ"
+  [ -s "$OUTDIR/generate-cuda.json" ] && python3 - "$OUTDIR/generate-tiled.json" "$OUTDIR/generate-cuda.json" "$OUTDIR/generate-cuda-staged.json" <<'PY' || fail "greedy tokens differ"
 import json, sys
-a, b = (json.load(open(p)) for p in sys.argv[1:3])
-same = a["tokens"] == b["tokens"]
-print(f"  same greedy tokens: {same}; kv bytes {a['memory']['kv_bytes']} vs {b['memory']['kv_bytes']}; "
-      f"decode {a['decode_tokens_per_s']:.1f} vs {b['decode_tokens_per_s']:.1f} tok/s")
-sys.exit(0 if same else 1)
+b = json.load(open(sys.argv[1]))
+same_all = True
+for p in sys.argv[2:]:
+    try:
+        a = json.load(open(p))
+    except Exception as e:
+        print(f"  {p}: {e}")
+        same_all = False
+        continue
+    same = a["tokens"] == b["tokens"]
+    same_all &= same
+    print(f"  {p.rsplit('generate-', 1)[1][:-5]}: same greedy tokens as tiled: {same}; kv bytes {a['memory']['kv_bytes']} vs {b['memory']['kv_bytes']}; "
+          f"decode {a['decode_tokens_per_s']:.1f} vs {b['decode_tokens_per_s']:.1f} tok/s")
+sys.exit(0 if same_all else 1)
 PY
 else
   echo "== (no model: the real-model comparison is skipped; ./scripts/fetch-assets.sh fetches it)"

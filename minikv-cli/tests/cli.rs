@@ -1509,6 +1509,26 @@ fn cuda_backend_under_emulation_on_the_real_model() {
     assert_eq!(gpu["memory"]["kv_bytes"], cpu["memory"]["kv_bytes"]);
     assert!(gpu["memory"]["quant_codes"].as_u64().unwrap() > 0, "{gpu}");
     assert_eq!(gpu["provenance"]["config"]["backend"], "cuda-emulated");
+    // The staged decode kernel (MINIKV_CUDA_DECODE=staged): the same tokens;
+    // an unknown kernel name is a clear error.
+    let emulated = dir.join("cuda-emulated.toml");
+    let with_kernel = |kernel: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_minikv"))
+            .current_dir(minikv_test_support::root())
+            .env("MINIKV_CUDA_DECODE", kernel)
+            .args(["generate", "--config", emulated.to_str().unwrap()])
+            .args(["--prompt", "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: once or twice she had peeped into the book her sister was reading"])
+            .args(["--max-tokens", "8", "--json"])
+            .output()
+            .unwrap()
+    };
+    let o = with_kernel("staged");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let staged: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(staged["tokens"], cpu["tokens"]);
+    let o = with_kernel("stagged");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && e.contains("\"stagged\""), "{e}");
     let b = ok_json(&[
         "bench",
         "attention",

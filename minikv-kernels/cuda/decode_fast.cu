@@ -122,6 +122,57 @@ __device__ __forceinline__ float mk_codef(unsigned code) {
   return __uint_as_float(0x4B000000u | code) - 8388608.0f;
 }
 
+// Where a quantized store's words, scales and minimums are read from: the
+// store in global memory, or a block's copy in shared memory of the part its
+// chunk reads (mk_decode_staged): word i of the store at words[i - wofs]
+// (key words with their 16-byte units swizzled, mk_swz, when swz), scale or
+// minimum i at [i - sofs].
+struct MkQSrc {
+  const unsigned* words;
+  const void* scale;
+  const void* minv;
+  mk_size wofs, sofs;
+  int swz;
+};
+
+__device__ __forceinline__ MkQSrc mk_global_src(const MkQuant& z) {
+  return MkQSrc{z.words, z.scale, z.minv, 0, 0, 0};
+}
+
+// The two ways the tiles and value loops read a source: the fast kernel
+// reads the store in place, its pointers loaded from the head's entry in
+// shared memory where used (held in registers they would crowd out the
+// loads in flight); the staged kernel reads an MkQSrc in shared memory.
+struct MkInPlace {
+  const MkQuant& z;
+  __device__ __forceinline__ const unsigned* words() const { return z.words; }
+  __device__ __forceinline__ const void* scale() const { return z.scale; }
+  __device__ __forceinline__ const void* minv() const { return z.minv; }
+  __device__ __forceinline__ mk_size wofs() const { return 0; }
+  __device__ __forceinline__ mk_size sofs() const { return 0; }
+  __device__ __forceinline__ bool swz() const { return false; }
+};
+struct MkStaged {
+  const MkQSrc& s;
+  __device__ __forceinline__ const unsigned* words() const { return s.words; }
+  __device__ __forceinline__ const void* scale() const { return s.scale; }
+  __device__ __forceinline__ const void* minv() const { return s.minv; }
+  __device__ __forceinline__ mk_size wofs() const { return s.wofs; }
+  __device__ __forceinline__ mk_size sofs() const { return s.sofs; }
+  __device__ __forceinline__ bool swz() const { return s.swz != 0; }
+};
+
+// A staged key region's word i: 16-byte unit u is stored at unit
+// u ^ ((u / 8) % 8), so that the 8 lanes of a key tile's quarter warp, each
+// reading 16 bytes of its own block of channels (D / 8 channels apart,
+// the same bank quad unswizzled), hit 8 different bank quads. A bijection
+// on every aligned run of 64 units: the region is reserved in whole runs of
+// 8 units.
+__device__ __forceinline__ mk_size mk_swz(mk_size i) {
+  mk_size u = i >> 2;
+  return ((u ^ ((u >> 3) & 7)) << 2) | (i & 3);
+}
+
 __device__ __forceinline__ float mk_scale_at(const void* p, mk_size i, int f16) {
   return f16 ? mk_h2f_fast(((const unsigned short*)p)[i]) : ((const float*)p)[i];
 }
@@ -153,8 +204,8 @@ __device__ __forceinline__ void mk_halve(float* r, int lane, int o) {
 // j0 + 4 tq + cb / 2, heads 2 (cb % 2) and + 1, in r2. Lanes whose tokens
 // are past the quantized ones read nothing (their words may not exist) and
 // their sums are not used.
-template <int D, int BITS>
-__device__ __forceinline__ void mk_key_tile(const MkQuant& z, int j0, int lane,
+template <int D, int BITS, class S>
+__device__ __forceinline__ void mk_key_tile(const MkQuant& z, const S& src, int j0, int lane,
                                            const mk_f4* sq, float* r2) {
   constexpr int P = 32 / BITS, CPL = D / 8, VW = CPL < 4 ? CPL : 4;
   const unsigned mask = (1u << BITS) - 1u;
@@ -165,16 +216,16 @@ __device__ __forceinline__ void mk_key_tile(const MkQuant& z, int j0, int lane,
   if (jt < z.n) {
     float bias[MK_G];
     for (int g = 0; g < MK_G; ++g) bias[g] = 0.f;
-    const unsigned* w = z.words + (mk_size)(jt / P) * D + cb * CPL;
-    mk_size s0 = (mk_size)(jt / z.group) * D + cb * CPL;
+    mk_size w0 = (mk_size)(jt / P) * D + cb * CPL - src.wofs();
+    mk_size s0 = (mk_size)(jt / z.group) * D + cb * CPL - src.sofs();
     int sh = BITS * (jt % P);
 #pragma unroll 2
     for (int c4 = 0; c4 < CPL; c4 += VW) {
       unsigned wv[VW];
       float sc[VW], mn[VW];
-      mk_ldn<VW>(w + c4, wv);
-      mk_ld_scales<VW>(z.scale, s0 + c4, z.f16, sc);
-      mk_ld_scales<VW>(z.minv, s0 + c4, z.f16, mn);
+      mk_ldn<VW>(src.words() + (src.swz() ? mk_swz(w0 + c4) : w0 + c4), wv);
+      mk_ld_scales<VW>(src.scale(), s0 + c4, z.f16, sc);
+      mk_ld_scales<VW>(src.minv(), s0 + c4, z.f16, mn);
 #pragma unroll
       for (int i = 0; i < VW; ++i) {
         const mk_f4 qc = sq[mk_sqr<D>(cb * CPL + c4 + i)];
@@ -234,8 +285,9 @@ __device__ __forceinline__ int mk_stored_in(int n, int begin, int end) {
 // bits; a column lies in one scale group and, at 2 and 4 bits, in one word)
 // of the chunk's tokens jl = tl, tl + lanes, ... < cnt: MK_UNROLL tokens'
 // codes and scales loaded before their sums.
-template <int D, int BITS>
-__device__ __forceinline__ void mk_values_quant(const MkQuant& z, int begin, int cnt, int tl,
+template <int D, int BITS, class S>
+__device__ __forceinline__ void mk_values_quant(const MkQuant& z, const S& src, int begin,
+                                               int cnt, int tl,
                                                int lanes, int c0, const float (*sp)[MK_G],
                                                float (*acc)[MK_G], float* macc) {
   constexpr int P = 32 / BITS, NW = P >= MK_COL ? 1 : MK_COL / P, PE = P >= MK_COL ? MK_COL : P;
@@ -250,11 +302,11 @@ __device__ __forceinline__ void mk_values_quant(const MkQuant& z, int begin, int
       int jl = jl0 + u * lanes;
       if (jl < cnt) {
         int j = begin + jl;
-        const unsigned* w = z.words + (mk_size)j * (D / P) + c0 / P;
+        const unsigned* w = src.words() + ((mk_size)j * (D / P) + c0 / P - src.wofs());
         for (int i = 0; i < NW; ++i) x[u][i] = w[i];
-        mk_size si = (mk_size)j * gpt + cg;
-        sc[u] = mk_scale_at(z.scale, si, z.f16);
-        mn[u] = mk_scale_at(z.minv, si, z.f16);
+        mk_size si = (mk_size)j * gpt + cg - src.sofs();
+        sc[u] = mk_scale_at(src.scale(), si, z.f16);
+        mn[u] = mk_scale_at(src.minv(), si, z.f16);
       }
     }
 #pragma unroll
@@ -321,15 +373,145 @@ __device__ __forceinline__ void mk_values_fp(const MkHead& hd, int begin, int fr
   }
 }
 
-// The kernel's body for head dim D (the kernel below picks it).
+// 4d. The staged form (mk_decode_staged): a block first issues asynchronous
+// copies (cp.async, sm_80 and later) of everything its chunk reads from the
+// quantized keys and values into shared memory, keys and values as two
+// groups, then computes from there: the whole chunk's loads are in flight
+// at once, the values' under the scores' arithmetic, where the fast kernel's
+// warps load a tile, wait, compute it and load the next. Same arithmetic in
+// the same order as mk_decode_fast: the same bits.
+#define MK_STAGE_BYTES 32768
+struct alignas(16) MkStageBuf {
+  unsigned char b[MK_STAGE_BYTES];
+};
+
+// One 16-byte asynchronous copy, global to shared (both 16-byte aligned);
+// the emulation copies at once.
+__device__ __forceinline__ void mk_cp16(void* dst, const void* src) {
+#ifdef MK_EMULATED
+  std::memcpy(dst, src, 16);
+#else
+  unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+#endif
+}
+__device__ __forceinline__ void mk_cp_commit() {
+#ifndef MK_EMULATED
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's committed groups are in flight
+// (a __syncthreads after it makes every thread's copies visible).
+template <int N>
+__device__ __forceinline__ void mk_cp_wait() {
+#ifndef MK_EMULATED
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Copies `bytes` (a multiple of 2) from src to dst, both 16-byte aligned,
+// by the block's threads: whole 16-byte units asynchronously (unit u to
+// unit u ^ ((u / 8) % 8) when swz: mk_swz), the tail by plain loads.
+__device__ __forceinline__ void mk_stage(unsigned char* dst, const void* src, mk_size bytes,
+                                        int swz, int tid, int nt) {
+  const unsigned char* s = (const unsigned char*)src;
+  mk_size units = bytes / 16;
+  for (mk_size u = tid; u < units; u += nt) mk_cp16(dst + (swz ? (u ^ ((u >> 3) & 7)) : u) * 16, s + u * 16);
+  mk_size tail = bytes - units * 16;
+  if ((mk_size)tid < tail / 2)
+    ((unsigned short*)(dst + units * 16))[tid] = ((const unsigned short*)(s + units * 16))[tid];
+}
+
+__device__ __forceinline__ bool mk_aligned16(const void* p) { return ((mk_size)p & 15) == 0; }
+__device__ __forceinline__ mk_size mk_round(mk_size x, mk_size m) { return (x + m - 1) / m * m; }
+
+// Issues the copies of what the chunk [begin, begin + kq) of quantized keys
+// and [begin, begin + vq) of quantized values read (key words by rows of
+// 32 / bits tokens, their scales and minimums by groups; value words,
+// scales and minimums per token), each part when it fits what is left of
+// MK_STAGE_BYTES and its arrays are 16-byte aligned, and returns in ks / vs
+// where each is then read from (the global store when it is not staged).
+// Two commit groups: keys, then values. Every thread computes the same plan;
+// thread 0 writes the two sources to shared memory (read where used: in
+// registers they would push the kernel into spills), visible after the
+// caller's next __syncthreads.
 template <int D>
+__device__ __forceinline__ void mk_stage_chunk(const MkHead& hd, int begin, int kq, int vq,
+                                              unsigned char* stage, int tid, int nt,
+                                              MkQSrc* srcs) {
+  MkQSrc ks = mk_global_src(hd.k), vs = mk_global_src(hd.v);
+  mk_size used = 0;
+  if (kq > 0 && mk_aligned16(hd.k.words) && mk_aligned16(hd.k.scale) && mk_aligned16(hd.k.minv)) {
+    const MkQuant& z = hd.k;
+    int p = 32 / z.bits, last = begin + kq - 1;
+    mk_size w0 = (mk_size)(begin / p) * D, s0 = (mk_size)(begin / z.group) * D;
+    mk_size wb = (mk_size)(last / p + 1 - begin / p) * D * 4;
+    mk_size sb = (mk_size)(last / z.group + 1 - begin / z.group) * D * (z.f16 ? 2 : 4);
+    mk_size wr = mk_round(wb, 128), sr = mk_round(sb, 16);
+    if (wr + 2 * sr <= MK_STAGE_BYTES) {
+      mk_stage(stage, z.words + w0, wb, 1, tid, nt);
+      mk_stage(stage + wr, (const unsigned char*)z.scale + s0 * (z.f16 ? 2 : 4), sb, 0, tid, nt);
+      mk_stage(stage + wr + sr, (const unsigned char*)z.minv + s0 * (z.f16 ? 2 : 4), sb, 0, tid, nt);
+      ks = MkQSrc{(const unsigned*)stage, stage + wr, stage + wr + sr, w0, s0, 1};
+      used = wr + 2 * sr;
+    }
+  }
+  mk_cp_commit();
+  if (vq > 0 && mk_aligned16(hd.v.words) && mk_aligned16(hd.v.scale) && mk_aligned16(hd.v.minv)) {
+    const MkQuant& z = hd.v;
+    int es = z.f16 ? 2 : 4, gpt = D / z.group;
+    mk_size w0 = (mk_size)begin * (D / (32 / z.bits)), s0 = (mk_size)begin * gpt;
+    mk_size wb = (mk_size)vq * (D / (32 / z.bits)) * 4, sb = (mk_size)vq * gpt * es;
+    mk_size wr = mk_round(wb, 16), sr = mk_round(sb, 16);
+    if (used + wr + 2 * sr <= MK_STAGE_BYTES) {
+      unsigned char* b = stage + used;
+      mk_stage(b, z.words + w0, wb, 0, tid, nt);
+      mk_stage(b + wr, (const unsigned char*)z.scale + s0 * es, sb, 0, tid, nt);
+      mk_stage(b + wr + sr, (const unsigned char*)z.minv + s0 * es, sb, 0, tid, nt);
+      vs = MkQSrc{(const unsigned*)b, b + wr, b + wr + sr, w0, s0, 0};
+    }
+  }
+  mk_cp_commit();
+  if (tid == 0) {
+    srcs[0] = ks;
+    srcs[1] = vs;
+#ifdef MK_EMULATED
+    if (ks.words != hd.k.words) ++emu::staged_keys;
+    if (vs.words != hd.v.words) ++emu::staged_values;
+#endif
+  }
+}
+
+// mk_key_tile and mk_values_quant at the store's bits (2, 4, else 8).
+template <int D, class S>
+__device__ __forceinline__ void mk_key_tile_bits(const MkQuant& z, const S& src, int j0, int lane,
+                                                const mk_f4* sq, float* r2) {
+  if (z.bits == 2) mk_key_tile<D, 2>(z, src, j0, lane, sq, r2);
+  else if (z.bits == 4) mk_key_tile<D, 4>(z, src, j0, lane, sq, r2);
+  else mk_key_tile<D, 8>(z, src, j0, lane, sq, r2);
+}
+template <int D, class S>
+__device__ __forceinline__ void mk_values_bits(const MkQuant& z, const S& src, int begin, int cnt,
+                                              int tl, int lanes, int c0,
+                                              const float (*sp)[MK_G], float (*acc)[MK_G],
+                                              float* macc) {
+  if (z.bits == 2) mk_values_quant<D, 2>(z, src, begin, cnt, tl, lanes, c0, sp, acc, macc);
+  else if (z.bits == 4) mk_values_quant<D, 4>(z, src, begin, cnt, tl, lanes, c0, sp, acc, macc);
+  else mk_values_quant<D, 8>(z, src, begin, cnt, tl, lanes, c0, sp, acc, macc);
+}
+
+// The kernel's body for head dim D (the kernels below pick it): with STAGED
+// (mk_decode_staged), the quantized parts are first copied to `stage`,
+// which `red` then reuses once the values are summed.
+template <int D, bool STAGED>
 __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, const MkHead& hd,
                                                 int group, float scale, int chunk,
                                                 float* __restrict__ pm, float* __restrict__ pl,
                                                 float* __restrict__ pacc,
                                                 float* __restrict__ logits, int lstride,
                                                 mk_f4* sq, float (*sp)[MK_G],
-                                                float (*red)[MK_RED], float* sm, float* sl) {
+                                                float (*red)[MK_RED], float* sm, float* sl,
+                                                unsigned char* stage, MkQSrc* srcs) {
   int s = blockIdx.x, ns = gridDim.x, tid = threadIdx.x, nt = blockDim.x;
   int slices = (group + MK_G - 1) / MK_G;
   int kvh = blockIdx.y / slices, g0 = (int)(blockIdx.y % slices) * MK_G;
@@ -337,10 +519,16 @@ __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, co
   int total = hd.len + hd.n_extra;
   int begin = s * chunk, end = begin + chunk < total ? begin + chunk : total;
   int h0 = kvh * group + g0;  // the block's first query head
+  // The fast kernel reads hd's pointers where used (mk_global_src at each
+  // call): held in registers from here they would crowd out the loads.
+  if constexpr (STAGED)
+    mk_stage_chunk<D>(hd, begin, mk_stored_in(hd.k.n, begin, end),
+                      mk_stored_in(hd.v.n, begin, end), stage, tid, nt, srcs);
   for (int i = tid; i < D * MK_G; i += nt) {
     int c = i / MK_G, g = i % MK_G;
     sq[mk_sqr<D>(c)].v[g] = g < gn ? q[(mk_size)(h0 + g) * D + c] * scale : 0.f;
   }
+  if constexpr (STAGED) mk_cp_wait<1>();  // the keys' group
   __syncthreads();
 
   // 1. Scores: the quantized keys [begin, begin + kq) by warp tiles, then
@@ -349,9 +537,8 @@ __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, co
   int kq = mk_stored_in(hd.k.n, begin, end);
   for (int t0 = warp * MK_TILE; t0 < kq; t0 += (nt / 32) * MK_TILE) {
     float r2[2];
-    if (hd.k.bits == 2) mk_key_tile<D, 2>(hd.k, begin + t0, lane, sq, r2);
-    else if (hd.k.bits == 4) mk_key_tile<D, 4>(hd.k, begin + t0, lane, sq, r2);
-    else mk_key_tile<D, 8>(hd.k, begin + t0, lane, sq, r2);
+    if constexpr (STAGED) mk_key_tile_bits<D>(hd.k, MkStaged{srcs[0]}, begin + t0, lane, sq, r2);
+    else mk_key_tile_bits<D>(hd.k, MkInPlace{hd.k}, begin + t0, lane, sq, r2);
     int jl = t0 + 4 * (lane / 8) + (lane % 8) / 2, g = 2 * (lane % 2);
     if (jl < kq) {
       for (int e = 0; e < 2; ++e) {
@@ -396,6 +583,7 @@ __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, co
       sl[warp] = sum;
     }
   }
+  if constexpr (STAGED) mk_cp_wait<0>();  // the values' group
   __syncthreads();
 
   // 3. Values: the quantized ones [begin, begin + vq), then fp16 rows.
@@ -408,11 +596,12 @@ __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, co
   int cnt = end - begin > 0 ? end - begin : 0;
   int vq = mk_stored_in(hd.v.n, begin, end);
   if (vq > 0) {
-    if (hd.v.bits == 2) mk_values_quant<D, 2>(hd.v, begin, vq, tl, lanes, c0, sp, acc, macc);
-    else if (hd.v.bits == 4) mk_values_quant<D, 4>(hd.v, begin, vq, tl, lanes, c0, sp, acc, macc);
-    else mk_values_quant<D, 8>(hd.v, begin, vq, tl, lanes, c0, sp, acc, macc);
+    if constexpr (STAGED)
+      mk_values_bits<D>(hd.v, MkStaged{srcs[1]}, begin, vq, tl, lanes, c0, sp, acc, macc);
+    else mk_values_bits<D>(hd.v, MkInPlace{hd.v}, begin, vq, tl, lanes, c0, sp, acc, macc);
   }
   mk_values_fp<D>(hd, begin, vq, cnt, tl, lanes, c0, sp, acc);
+  if constexpr (STAGED) __syncthreads();  // `red` reuses the staged values
   for (int e = 0; e < MK_COL; ++e)
     for (int g = 0; g < MK_G; ++g) red[tid][e * MK_G + g] = acc[e][g];
   for (int g = 0; g < MK_G; ++g) red[tid][MK_COL * MK_G + g] = macc[g];
@@ -433,6 +622,21 @@ __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, co
   }
 }
 
+// Picks the body for head dim d (16, 32, 64, 128, else 256).
+#define MK_FAST_SWITCH(STAGED, RED, STAGE, SRCS)                                               \
+  switch (d) {                                                                               \
+    case 16: mk_decode_fast_d<16, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,   \
+                                          lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;        \
+    case 32: mk_decode_fast_d<32, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,   \
+                                          lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;        \
+    case 64: mk_decode_fast_d<64, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,   \
+                                          lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;        \
+    case 128: mk_decode_fast_d<128, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits, \
+                                            lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;      \
+    default: mk_decode_fast_d<256, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,  \
+                                           lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;       \
+  }
+
 // Launch bounds: 5 resident blocks of 128 threads per SM (at most 102
 // registers; tests/nvrtc.rs holds ptxas to 96 without spills).
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 5)
@@ -448,14 +652,27 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 5)
   __shared__ MkHead hd;
   if (threadIdx.x == 0) hd = heads[blockIdx.y / ((group + MK_G - 1) / MK_G)];
   __syncthreads();
-#define MK_FAST_D(D) \
-  mk_decode_fast_d<D>(q, hd, group, scale, chunk, pm, pl, pacc, logits, lstride, sq, sp, red, sm, sl)
-  switch (d) {
-    case 16: MK_FAST_D(16); break;
-    case 32: MK_FAST_D(32); break;
-    case 64: MK_FAST_D(64); break;
-    case 128: MK_FAST_D(128); break;
-    default: MK_FAST_D(256); break;
-  }
-#undef MK_FAST_D
+  MK_FAST_SWITCH(false, red, (unsigned char*)nullptr, (MkQSrc*)nullptr)
 }
+
+// mk_decode_fast with the chunk's quantized parts staged in shared memory
+// first (4d): the same arguments, grid and bits. Its 32 KB of staging, which
+// the final sums reuse, brings a block to about 41 KB of shared memory:
+// still 5 blocks per SM on an H100 or H200 (228 KB), 3 on an A100.
+extern "C" __global__ void __launch_bounds__(MK_THREADS, 5)
+    mk_decode_staged(const float* __restrict__ q, const MkHead* heads, int d, int group,
+                     float scale, int chunk, float* __restrict__ pm, float* __restrict__ pl,
+                     float* __restrict__ pacc, float* __restrict__ logits, int lstride) {
+  __shared__ mk_f4 sq[MK_MAX_D + 8];
+  __shared__ float sp[MK_CHUNK][MK_G];
+  __shared__ MkStageBuf st;
+  __shared__ MkQSrc srcs[2];
+  unsigned char* stage = st.b;
+  __shared__ float sm[MK_G], sl[MK_G];
+  __shared__ MkHead hd;
+  static_assert(sizeof(float) * MK_THREADS * MK_RED <= MK_STAGE_BYTES, "red fits the staging");
+  if (threadIdx.x == 0) hd = heads[blockIdx.y / ((group + MK_G - 1) / MK_G)];
+  __syncthreads();
+  MK_FAST_SWITCH(true, (float(*)[MK_RED])stage, stage, srcs)
+}
+#undef MK_FAST_SWITCH

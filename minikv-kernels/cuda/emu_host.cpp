@@ -45,6 +45,7 @@ int mk_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsig
     MK_KERNEL(mk_quant_values_token)
     MK_KERNEL(mk_decode_partial)
     MK_KERNEL(mk_decode_fast)
+    MK_KERNEL(mk_decode_staged)
     MK_KERNEL(mk_decode_combine)
     MK_KERNEL(mk_scatter)
     MK_KERNEL(mk_prefill_mma64)
@@ -56,6 +57,12 @@ int mk_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsig
     return 3;
   }
   return 1;
+}
+
+// Blocks of mk_decode_staged so far that staged their keys / values.
+void mk_emu_staged(unsigned long long* keys, unsigned long long* values) {
+  *keys = emu::staged_keys;
+  *values = emu::staged_values;
 }
 
 // fp16 conversions of the kernels, for tests against `half`.

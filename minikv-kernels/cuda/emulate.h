@@ -50,6 +50,8 @@ struct dim3 {
 };
 
 namespace emu {
+// Blocks of mk_decode_staged that staged their keys / values (for tests).
+inline std::atomic<unsigned long> staged_keys{0}, staged_values{0};
 inline int mode = 0;  // 0: fibers, 1: OS threads
 
 // Fiber scheduling state (one launch at a time, on the launching thread).

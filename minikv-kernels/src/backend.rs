@@ -2,7 +2,7 @@
 //! through minikv.cu's kernels on any [`Device`], with device-resident
 //! stores created by its storage factory.
 
-use crate::decode::decode_plan;
+use crate::decode::{DecodeKernel, decode_plan};
 use crate::device::{Arg, Batched, Calls, Device, Launch, Scratch, err, int};
 pub use crate::prefill::PrefillPath;
 use crate::prefill::{Rows, f16_rows};
@@ -144,6 +144,19 @@ pub struct CudaBackend {
     scratch: Mutex<Scratch>,
     histories: Mutex<Histories>,
     prefill_path: PrefillPath,
+    decode_kernel: DecodeKernel,
+    last_plan: Mutex<Option<DecodePlan>>,
+}
+
+/// How the last fused decode ran (for reports and tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct DecodePlan {
+    /// The kernel launched.
+    pub kernel: &'static str,
+    /// Tokens per split.
+    pub chunk: usize,
+    /// Splits per head.
+    pub splits: usize,
 }
 
 impl CudaBackend {
@@ -162,6 +175,8 @@ impl CudaBackend {
             scratch: Mutex::default(),
             histories: Mutex::default(),
             prefill_path: PrefillPath::default(),
+            decode_kernel: DecodeKernel::default(),
+            last_plan: Mutex::default(),
         }
     }
     /// The backend with prefill and `A_cumul` on `path` (the default:
@@ -169,6 +184,20 @@ impl CudaBackend {
     pub fn with_prefill_path(mut self, path: PrefillPath) -> Self {
         self.prefill_path = path;
         self
+    }
+    /// The backend with fused decode on `kernel` where the layout allows
+    /// (the default: [`DecodeKernel::Fast`]).
+    pub fn with_decode_kernel(mut self, kernel: DecodeKernel) -> Self {
+        self.decode_kernel = kernel;
+        self
+    }
+    /// Which fused decode kernel the common layouts take.
+    pub fn decode_kernel(&self) -> DecodeKernel {
+        self.decode_kernel
+    }
+    /// The kernel and splits of the last decode call (`None` before one).
+    pub fn last_decode_plan(&self) -> Option<DecodePlan> {
+        *self.last_plan.lock().unwrap_or_else(|p| p.into_inner())
     }
     /// Which kernels compute prefill attention and `A_cumul`.
     pub fn prefill_path(&self) -> PrefillPath {
@@ -475,8 +504,13 @@ impl AttentionBackend for CudaBackend {
             .map(|h| h.len() + h.n_extra())
             .max()
             .unwrap_or(0);
-        let (kernel, rows, chunk) = decode_plan(&heads, d, group, hq, longest);
+        let (kernel, rows, chunk) = decode_plan(self.decode_kernel, &heads, d, group, hq, longest);
         let splits = longest.div_ceil(chunk).max(1);
+        *self.last_plan.lock().unwrap_or_else(|p| p.into_inner()) = Some(DecodePlan {
+            kernel,
+            chunk,
+            splits,
+        });
         let hp = s.put(dev, 11, &heads)?;
         let qp = s.put(dev, 12, a.q)?;
         let pm = s.get(dev, 13, hq * splits * 4)?.ptr();

@@ -31,6 +31,7 @@ unsafe extern "C" {
         os_threads: c_int,
     ) -> c_int;
     fn mk_emu_f2h(f: f32) -> u16;
+    fn mk_emu_staged(keys: *mut u64, values: *mut u64);
     fn mk_emu_h2f(h: u16) -> f32;
 }
 
@@ -207,7 +208,9 @@ impl Device for EmuDevice {
 
 /// The CUDA backend on an emulated device.
 pub fn emulated_backend() -> Result<Arc<dyn AttentionBackend>> {
-    Ok(Arc::new(CudaBackend::new(EmuDevice::new())))
+    Ok(Arc::new(
+        CudaBackend::new(EmuDevice::new()).with_decode_kernel(crate::DecodeKernel::from_env()?),
+    ))
 }
 
 minikv_core::register_backend!(
@@ -233,4 +236,15 @@ pub fn f32_to_f16_bits(x: f32) -> u16 {
 pub fn f16_bits_to_f32(h: u16) -> f32 {
     // SAFETY: a pure function.
     unsafe { mk_emu_h2f(h) }
+}
+
+/// Blocks of `mk_decode_staged` run so far in this process (every emulated
+/// device) that staged their chunk's quantized keys, and that staged its
+/// quantized values (the rest read the stores in place: a part too large
+/// for the block's staging memory, or not 16-byte aligned).
+pub fn staged_blocks() -> (u64, u64) {
+    let (mut k, mut v) = (0, 0);
+    // SAFETY: writes the two counters.
+    unsafe { mk_emu_staged(&mut k, &mut v) };
+    (k, v)
 }

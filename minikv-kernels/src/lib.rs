@@ -41,7 +41,16 @@
 //!    trick, fp16 converted by the hardware), and short caches take smaller
 //!    splits to fill the GPU; `mk_decode_partial` (one block per query head,
 //!    per-element dequantization) takes every other layout.
-//!    `MINIKV_CUDA_DECODE=general` forces the general kernel;
+//!    `mk_decode_staged` is `mk_decode_fast` after a block's asynchronous
+//!    copy (`cp.async`) of everything its chunk reads from the quantized
+//!    keys and values into 32 KB of shared memory (key words swizzled
+//!    against bank conflicts; a part that does not fit is read in place):
+//!    the chunk's loads all in flight at once, the values' under the
+//!    scores' arithmetic, where the fast kernel's warps load a tile, wait,
+//!    then compute it (what held 2-bit decode to 14% of the bandwidth on
+//!    the H200). Same arithmetic in the same order: the same bits.
+//!    [`DecodeKernel`] picks (`MINIKV_CUDA_DECODE=fast|staged|general`;
+//!    fast stays the default until a GPU run times the staged one);
 //! 5. `mk_scatter`: many small queued uploads and device moves applied by
 //!    one launch ([`Batched`]: a decode step makes about two synchronous
 //!    host-device calls per layer, whatever the number of heads).
@@ -54,8 +63,7 @@
 //! the CUDA driver through cudarc ([`cuda::CudaDevice`]: a CUBIN for the
 //! device's exact architecture, prebuilt by `minikv-kernels-check
 //! --cubin-out` or compiled by NVRTC at first use, cached per device; never
-//! PTX, which an older driver may be unable to JIT), or
-//! the CPU emulation of the same kernels (`emulated::EmuDevice`, feature
+//! PTX, which an older driver may be unable to JIT), or the CPU emulation of the same kernels (`emulated::EmuDevice`, feature
 //! `emulate`, registered as `backend = "cuda-emulated"`).
 //!
 //! What is verified where:
@@ -74,7 +82,8 @@
 //!   bounds; codes bit-exact with the CPU quantizer (2/4/8 bits, both
 //!   axes); fused decode (both kernels: 2/4/8 bits, head dims 16-256, one
 //!   to five query heads per KV head, splits of 32-256 tokens) within 1e-4
-//!   over ragged heads with extra entries, and a whole cache (MiniKV, KIVI, H2O with decode-time
+//!   over ragged heads with extra entries, the staged form bitwise equal to
+//!   the fast one with some blocks staging keys and values (counted), and a whole cache (MiniKV, KIVI, H2O with decode-time
 //!   probabilities) built on the backend against the same cache on the CPU;
 //!   from the CLI, the real model generates with `backend = "cuda-emulated"`.
 //!   The emulated checks also cover a model's shapes (32 query / 8 KV heads,
@@ -91,7 +100,7 @@
 //!   compiles every kernel for sm_80 and sm_90 and `ptxas` assembles them
 //!   with no spills, at most 64 registers (the tensor-core prefill: at most
 //!   255 for its fragments in registers; the fast decode: 96, its launch
-//!   bounds' five blocks per SM); CUBINs for sm_80, sm_86, sm_89,
+//!   bounds' five blocks per SM, both forms); CUBINs for sm_80, sm_86, sm_89,
 //!   sm_90 and sm_100 are made and found by name ([`nvrtc`], the
 //!   `minikv-kernels-check` binary, `tests/nvrtc.rs`).
 //! * **On a GPU: an NVIDIA H200, in two sessions** (driver 580, CUDA 13.0;
@@ -111,7 +120,10 @@
 //!   host round trip), 2- and 4-bit at 14% (the 2-bit kernel takes as long
 //!   as fp16: instruction- and latency-bound), 12-23 times the general
 //!   kernel; prefill with `A_cumul` at 32K tokens 16-17.5 attention
-//!   TFLOP/s on tensor cores, host uploads included.
+//!   TFLOP/s on tensor cores, host uploads included. `mk_decode_staged`
+//!   was written after the second session and has not met a GPU yet:
+//!   `scripts/gpu-check.sh` checks its parity and times it beside the fast
+//!   and the general kernel.
 //!
 //! Not implemented by the kernels (clear errors, never a silent CPU
 //! fallback): key-channel pruning (store wrappers), gated extra entries,
@@ -125,7 +137,7 @@
 //!     let err = minikv_kernels::cuda_backend().unwrap_err();
 //!     assert!(err.to_string().contains("CUDA driver"));
 //! }
-//! assert_eq!(minikv_kernels::nvrtc::KERNELS.len(), 13);
+//! assert_eq!(minikv_kernels::nvrtc::KERNELS.len(), 14);
 //! ```
 
 #![warn(missing_docs)]
@@ -142,6 +154,7 @@ mod resident;
 mod store;
 
 pub use backend::{CudaBackend, DeviceStorage, PrefillPath};
+pub use decode::DecodeKernel;
 pub use device::{Arg, Batched, Calls, DevBuf, Device, Launch};
 pub use store::{DeviceFpStore, DeviceQuantStore};
 
@@ -174,5 +187,7 @@ pub fn cuda_backend() -> Result<Arc<dyn AttentionBackend>> {
         Err(_) => 0,
     };
     let dev = cuda::CudaDevice::open(ordinal)?;
-    Ok(Arc::new(CudaBackend::new(dev)))
+    Ok(Arc::new(
+        CudaBackend::new(dev).with_decode_kernel(DecodeKernel::from_env()?),
+    ))
 }

@@ -21,7 +21,7 @@ pub const SOURCE: &str = concat!(
 );
 
 /// The kernels in [`SOURCE`].
-pub const KERNELS: [&str; 13] = [
+pub const KERNELS: [&str; 14] = [
     "mk_prefill_fwd",
     "mk_column_sums",
     "mk_pool1d",
@@ -29,6 +29,7 @@ pub const KERNELS: [&str; 13] = [
     "mk_quant_values_token",
     "mk_decode_partial",
     "mk_decode_fast",
+    "mk_decode_staged",
     "mk_decode_combine",
     "mk_scatter",
     "mk_prefill_mma64",

@@ -57,12 +57,16 @@ fn the_backend_matches_the_cpu_reference_under_emulation() {
     }
     // prefill 9 (6 cases, 3 of them also on tensor cores), window scores 3
     // (both shapes on the scalar kernels, d = 64 on tensor cores),
-    // quantization 7, decode 6, decode with f32 scales 2.
-    assert_eq!(r.rows.len(), 27);
-    // Keys per token take the general decode kernel; the other seven cases
-    // the fast one (each case decodes once).
-    assert_eq!(dev.launches("mk_decode_partial"), 1);
-    assert_eq!(dev.launches("mk_decode_fast"), 7);
+    // quantization 7, decode 6, decode with f32 scales 2 and with key
+    // groups of 128 tokens 1, each on the fast and the staged kernel.
+    assert_eq!(r.rows.len(), 37);
+    // Keys per token take the general decode kernel (on both backends); the
+    // other eight cases the fast one and the staged one (each case decodes
+    // once on each).
+    assert_eq!(dev.launches("mk_decode_partial"), 2);
+    assert_eq!(dev.launches("mk_decode_fast"), 8);
+    assert_eq!(dev.launches("mk_decode_staged"), 8);
+    staged_like_fast(&r.rows);
     let mma = r
         .rows
         .iter()
@@ -85,7 +89,39 @@ fn the_backend_matches_the_cpu_reference_at_32k_tokens() {
     for row in &r.rows {
         assert_eq!(row["ok"], true, "{row}");
     }
-    assert_eq!(r.rows.len(), 3);
+    assert_eq!(r.rows.len(), 5);
+    staged_like_fast(&r.rows);
+}
+
+/// The staged decode kernel computes what the fast one does, in the same
+/// order: with the same split size its outputs have the same bits (the
+/// host compiler contracts no multiply-add here; on a GPU the two may
+/// differ in the last bit and the parity bound is what counts); a smaller
+/// split (4-bit codes at 256 tokens do not fit its staging memory) sums in
+/// another order, within the parity bound. Some of its blocks did stage
+/// keys and values (so the copies were exercised, not skipped).
+fn staged_like_fast(rows: &[serde_json::Value]) {
+    // A case's rows come in order: the fast kernel's, then the staged one's.
+    let pairs: Vec<_> = rows
+        .windows(2)
+        .filter(|w| w[1]["kernel"] == "staged")
+        .collect();
+    assert!(!pairs.is_empty());
+    for w in pairs {
+        let (fast, row) = (&w[0], &w[1]);
+        assert_eq!(fast["kernel"], "fast", "{fast}");
+        assert_eq!(fast["tokens"], row["tokens"]);
+        if row["split"] == fast["split"] {
+            assert_eq!(row["same_bits_as_first"], true, "{row}");
+        } else {
+            assert!(row["split"].as_u64() < fast["split"].as_u64(), "{row}");
+        }
+    }
+    let (keys, values) = emulated::staged_blocks();
+    assert!(
+        keys > 0 && values > 0,
+        "staged blocks: {keys} keys, {values} values"
+    );
 }
 
 /// The same checks with every block's threads as OS threads (real
@@ -142,6 +178,7 @@ fn the_parity_checks_catch_a_missing_kernel() {
         ("mk_pool1d", "window scores"),
         ("mk_quant_values_token", "quantize and pack"),
         ("mk_decode_combine", "fused decode"),
+        ("mk_decode_staged", "fused decode"),
     ] {
         let dev = Arc::new(Skipping {
             inner: EmuDevice::new(),

@@ -54,7 +54,7 @@ fn kernels_compile_with_nvrtc_and_assemble_within_limits() {
                 .unwrap_or_else(|| panic!("{arch} {k}: {e}"));
             let limit = if k.contains("_mma") {
                 MAX_REGISTERS_MMA
-            } else if k == "mk_decode_fast" {
+            } else if k == "mk_decode_fast" || k == "mk_decode_staged" {
                 MAX_REGISTERS_DECODE
             } else {
                 MAX_REGISTERS

@@ -17,7 +17,10 @@
 //! * fused decode over ragged heads (quantized keys and values split
 //!   differently, fp16 residuals, extra entries with a logit bias), with
 //!   decode-time probabilities, against [`TiledBackend`] over CPU stores
-//!   holding the same data, within 1e-4.
+//!   holding the same data, within 1e-4, on each fused kernel a case is
+//!   given (`mk_decode_fast` and `mk_decode_staged`), each row also saying
+//!   whether its outputs have the same bits as the first kernel's and the
+//!   kernel and split size that ran.
 
 #![allow(dead_code)] // each includer uses part of it
 
@@ -26,8 +29,8 @@ use minikv_core::attention::{
 };
 use minikv_core::storage::{FpStore, StorageFactory};
 use minikv_core::{Axis, QuantStore, Quantizer, Result};
-use minikv_kernels::Device;
 use minikv_kernels::backend::{CudaBackend, PrefillPath, WindowPooling};
+use minikv_kernels::{DecodeKernel, Device};
 use minikv_quant::{MinMax, ScaleDtype, pack, quantize_row};
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -113,6 +116,7 @@ impl Report {
 /// Runs every check on `dev` (small shapes: a few blocks per launch).
 pub fn run_all(dev: Arc<dyn Device>) -> Result<Report> {
     let scalar = CudaBackend::new(dev.clone()).with_prefill_path(PrefillPath::Scalar);
+    let staged = CudaBackend::new(dev.clone()).with_decode_kernel(DecodeKernel::Staged);
     let be = CudaBackend::new(dev);
     let mut r = Report::default();
     let mut seed = 7u64;
@@ -135,7 +139,7 @@ pub fn run_all(dev: Arc<dyn Device>) -> Result<Report> {
     r.stage("window scores", |r| window_scores(&be, &mut seed, r));
     r.stage("quantization", |r| quantization(&be, &mut seed, r));
     r.stage("decode", |r| {
-        decode(&be, &mut seed, r, small_decode_cases())
+        decode(&[&be, &staged], &mut seed, r, small_decode_cases())
     });
     // f32 scales and key scale groups of 32 tokens (another scale load, a
     // group spanning two key tiles), at d = 64 and at d = 16 (two channels
@@ -151,7 +155,13 @@ pub fn run_all(dev: Arc<dyn Device>) -> Result<Report> {
             ),
             (16, 4, vec![(130, 96, 128, 1)], 8, Axis::Channel),
         ];
-        decode_scaled(&be, &mut seed, r, cases, 32, ScaleDtype::F32)
+        decode_scaled(&[&be, &staged], &mut seed, r, cases, 32, ScaleDtype::F32)
+    });
+    // Key scale groups of 128 tokens, longer than the 32-token splits a
+    // short cache gets: a split reads part of one group.
+    r.stage("decode (key groups of 128)", |r| {
+        let cases = vec![(64, 4, vec![(600, 512, 590, 1)], 2, Axis::Channel)];
+        decode_scaled(&[&be, &staged], &mut seed, r, cases, 128, ScaleDtype::F16)
     });
     Ok(r)
 }
@@ -164,6 +174,7 @@ pub fn run_all(dev: Arc<dyn Device>) -> Result<Report> {
 /// millions of warp-wide products: hours under the emulation).
 pub fn run_large(dev: Arc<dyn Device>, tokens: usize, paths: &[PrefillPath]) -> Result<Report> {
     let be = CudaBackend::new(dev.clone());
+    let staged = CudaBackend::new(dev.clone()).with_decode_kernel(DecodeKernel::Staged);
     let mut r = Report::default();
     let mut seed = 17u64;
     let on: Vec<CudaBackend> = paths
@@ -185,7 +196,7 @@ pub fn run_large(dev: Arc<dyn Device>, tokens: usize, paths: &[PrefillPath]) -> 
         .collect();
     r.stage("decode (large)", |r| {
         decode(
-            &be,
+            &[&be, &staged],
             &mut seed,
             r,
             vec![
@@ -536,14 +547,19 @@ fn small_decode_cases() -> Vec<DecodeCase> {
     ]
 }
 
-fn decode(be: &CudaBackend, seed: &mut u64, r: &mut Report, cases: Vec<DecodeCase>) -> Result<()> {
-    decode_scaled(be, seed, r, cases, 16, ScaleDtype::F16)
+fn decode(
+    bes: &[&CudaBackend],
+    seed: &mut u64,
+    r: &mut Report,
+    cases: Vec<DecodeCase>,
+) -> Result<()> {
+    decode_scaled(bes, seed, r, cases, 16, ScaleDtype::F16)
 }
 
 /// [`decode`] with keys quantized in scale groups of `key_group` tokens and
-/// scales (keys and values) stored as `dtype`.
+/// scales (keys and values) stored as `dtype`: a row per case and backend.
 fn decode_scaled(
-    be: &CudaBackend,
+    bes: &[&CudaBackend],
     seed: &mut u64,
     r: &mut Report,
     cases: Vec<DecodeCase>,
@@ -595,14 +611,7 @@ fn decode_scaled(
             })?;
             Ok((out, probs))
         };
-        let (go, gp) = run(be)?;
         let (ro, rp) = run(&TiledBackend::default())?;
-        let eo = max_rel_err(&go, &ro);
-        let ep = gp
-            .iter()
-            .zip(&rp)
-            .map(|(a, b)| max_rel_err(a, b))
-            .fold(0.0f32, f32::max);
         // An output is a convex combination of values: with many tokens it
         // cancels to a small fraction of them, and its rounding error is
         // then measured against the values' scale (`TOL_V`).
@@ -611,20 +620,36 @@ fn decode_scaled(
             .flat_map(|h| h.v.iter().chain(&h.ev))
             .fold(0.0f32, |m, x| m.max(x.abs()))
             .max(1e-6);
-        let ev = go
-            .iter()
-            .zip(&ro)
-            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
-            / vmax;
-        let finite = go.iter().all(|x| x.is_finite());
         let tokens = heads.iter().map(|h| h.0).max().unwrap_or(0);
-        r.push(
-            (eo <= TOL || ev <= TOL_V) && ep <= TOL && finite,
-            json!({"check": "fused decode", "d": d, "hq": hq, "heads": heads.len(), "bits": bits,
-                   "key_group": key_group, "scales": format!("{dtype:?}"),
-                   "tokens": tokens, "key_axis": format!("{kaxis:?}"), "out_err": eo, "out_err_of_values": ev,
-                   "probs_err": ep, "finite": finite}),
-        );
+        let mut first: Option<Vec<f32>> = None;
+        for be in bes {
+            let (go, gp) = run(*be)?;
+            let plan = be.last_decode_plan();
+            let eo = max_rel_err(&go, &ro);
+            let ep = gp
+                .iter()
+                .zip(&rp)
+                .map(|(a, b)| max_rel_err(a, b))
+                .fold(0.0f32, f32::max);
+            let ev = go
+                .iter()
+                .zip(&ro)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+                / vmax;
+            let finite = go.iter().all(|x| x.is_finite());
+            let raw = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let same_bits = first.as_deref().is_none_or(|f| raw(f) == raw(&go));
+            r.push(
+                (eo <= TOL || ev <= TOL_V) && ep <= TOL && finite,
+                json!({"check": "fused decode", "kernel": be.decode_kernel().name(), "d": d,
+                       "hq": hq, "heads": heads.len(), "bits": bits, "key_group": key_group,
+                       "scales": format!("{dtype:?}"), "tokens": tokens,
+                       "key_axis": format!("{kaxis:?}"), "out_err": eo, "out_err_of_values": ev,
+                       "probs_err": ep, "finite": finite, "same_bits_as_first": same_bits,
+                       "launched": plan.map(|p| p.kernel), "split": plan.map(|p| p.chunk)}),
+            );
+            first.get_or_insert(go);
+        }
     }
     Ok(())
 }
