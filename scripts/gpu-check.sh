@@ -20,7 +20,8 @@
 #   3. ptxas registers and spills (from the bundle, computed at build);
 #   4. decode attention (bench attention, 32/8 heads, d = 128) at 16K and
 #      128K tokens on cuda (the fast decode kernel, its staged form and the
-#      general kernel: MINIKV_CUDA_DECODE) and on the CPU: us/token and
+#      general kernel: MINIKV_CUDA_DECODE; the fast one also with synchronous
+#      copies, MINIKV_CUDA_PINNED=0) and on the CPU: us/token and
 #      achieved bandwidth
 #      (bytes read per token / time) against the device's bound and the
 #      measured copy, and the marginal bandwidth from 16K to 128K (the
@@ -121,12 +122,14 @@ for tl in 16384:8 131072:2; do
   # cuda-staged: the fast kernel's staged form (MINIKV_CUDA_DECODE=staged);
   # cuda-general: the general decode kernel (MINIKV_CUDA_DECODE=general),
   # the fast one's baseline.
-  backends="cuda cuda-staged cuda-general tiled"
+  # cuda-sync: the fast kernel with synchronous copies from pageable memory
+  # (MINIKV_CUDA_PINNED=0), the host path before the pinned one.
+  backends="cuda cuda-staged cuda-sync cuda-general tiled"
   [ "$QUICK" = 1 ] && backends="cuda cuda-staged"
   for be in $backends; do
-    kernel=fast
-    case $be in cuda-*) kernel=${be#cuda-} ;; esac
-    MINIKV_CUDA_DECODE=$kernel timeout 150 \
+    kernel=fast pinned=1
+    case $be in cuda-sync) pinned=0 ;; cuda-*) kernel=${be#cuda-} ;; esac
+    MINIKV_CUDA_DECODE=$kernel MINIKV_CUDA_PINNED=$pinned timeout 150 \
       "$BIN/minikv" bench attention --tokens "$t" --q-heads 32 --kv-heads 8 --head-dim 128 \
       --layers "$layers" --backend "${be%%-*}" --seconds 1 --json > "$OUTDIR/bench-attention-$be-$t.json" 2>> "$OUTDIR/bench.log" \
       || fail "bench attention $be $t (exit $?)"

@@ -3,11 +3,21 @@
 //! exact architecture, prebuilt or compiled by NVRTC at first use
 //! ([`crate::nvrtc`]), once per device for the process.
 //!
-//! With `MINIKV_CUDA_CHECK=1` every launch is followed by a synchronization
-//! and an error check, so that a faulting kernel is named at its launch
-//! rather than at a later, unrelated copy (`scripts/gpu-check.sh` sets it).
+//! Copies are asynchronous on the device's one stream (the legacy default
+//! stream, where every launch goes): uploads of up to 8 MB through pinned
+//! host buffers (`src/pinned.rs`), device-to-device copies in stream
+//! order, and a download waits once for everything queued before it. So a
+//! decode step's host thread waits once per layer, for its result.
+//! `MINIKV_CUDA_PINNED=0` makes every copy synchronous from pageable
+//! memory (the path measured on the H200 before; to compare the two).
+//!
+//! With `MINIKV_CUDA_CHECK=1` every launch and copy is followed by a
+//! synchronization and an error check, so that a faulting kernel is named
+//! at its launch rather than at a later, unrelated copy
+//! (`scripts/gpu-check.sh` sets it).
 
 use crate::device::{Arg, DevPtr, Device, Launch, err};
+use crate::pinned::{ASYNC_UPLOAD_MAX, Pinned};
 use cudarc::driver::result as cu;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use minikv_core::{Error, Result};
@@ -47,6 +57,9 @@ pub struct CudaDevice {
     image: String,
     check: bool,
     functions: HashMap<&'static str, CudaFunction>,
+    /// Pinned buffers for asynchronous copies (`None`: synchronous copies,
+    /// `MINIKV_CUDA_PINNED=0`).
+    pinned: Option<Mutex<Pinned>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -110,6 +123,18 @@ impl CudaDevice {
             functions.insert(k, module.load_function(k).map_err(drv(k))?);
         }
         let check = std::env::var("MINIKV_CUDA_CHECK").is_ok_and(|v| v != "0" && !v.is_empty());
+        let pinned = match std::env::var("MINIKV_CUDA_PINNED")
+            .as_deref()
+            .map(str::trim)
+        {
+            Err(_) | Ok("" | "1") => Some(Mutex::new(Pinned::new())),
+            Ok("0") => None,
+            Ok(v) => {
+                return Err(err(format!(
+                    "MINIKV_CUDA_PINNED={v:?}: expected 1 (asynchronous copies through pinned memory, the default) or 0 (synchronous copies)"
+                )));
+            }
+        };
         let dev = Arc::new(CudaDevice {
             stream: ctx.default_stream(),
             ctx,
@@ -118,6 +143,7 @@ impl CudaDevice {
             image,
             check,
             functions,
+            pinned,
         });
         map.insert(ordinal, dev.clone());
         Ok(dev)
@@ -159,6 +185,11 @@ impl CudaDevice {
             "sms": attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
             "peak_bandwidth_gb_s": bw,
             "check_every_launch": self.check,
+            "copies": if self.pinned.is_some() {
+                "asynchronous, pinned host buffers"
+            } else {
+                "synchronous, pageable host memory (MINIKV_CUDA_PINNED=0)"
+            },
             "kernels": kernels,
         })
     }
@@ -166,6 +197,21 @@ impl CudaDevice {
         self.ctx
             .bind_to_thread()
             .map_err(drv("binding the context"))
+    }
+    fn pinned(&self) -> Option<std::sync::MutexGuard<'_, Pinned>> {
+        self.pinned
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+    /// In the check mode, waits for the stream and names `what` in the
+    /// error of anything that failed.
+    fn checked(&self, what: &str) -> Result<()> {
+        if self.check {
+            self.stream
+                .synchronize()
+                .map_err(|e| err(format!("{what} failed on {}: {e:?}", self.name())))?;
+        }
+        Ok(())
     }
 }
 
@@ -189,25 +235,52 @@ impl Device for CudaDevice {
     }
     fn free(&self, ptr: DevPtr) {
         if self.bind().is_ok() {
+            // Queued copies and launches may still use the memory.
+            if self.pinned.is_some() {
+                let _ = self.stream.synchronize();
+            }
             // SAFETY: `ptr` came from `alloc` and is freed once (DevBuf's drop).
             let _ = unsafe { cu::free_sync(ptr) };
         }
     }
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()> {
         self.bind()?;
-        // SAFETY: DevBuf checked that the range lies in the allocation.
-        unsafe { cu::memcpy_htod_sync(dst, src) }.map_err(drv("cuMemcpyHtoD"))
+        match self.pinned() {
+            Some(mut p) if src.len() <= ASYNC_UPLOAD_MAX => {
+                // SAFETY: DevBuf checked that the range lies in the
+                // allocation, which `free` keeps until the stream passes.
+                unsafe { p.upload(dst, src, self.stream.cu_stream()) }
+                    .map_err(drv("cuMemcpyHtoDAsync"))?;
+            }
+            // SAFETY: as above.
+            _ => unsafe { cu::memcpy_htod_sync(dst, src) }.map_err(drv("cuMemcpyHtoD"))?,
+        }
+        self.checked("an upload")
     }
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<()> {
         self.bind()?;
-        // SAFETY: as above; the synchronous copy waits for earlier launches on
-        // the legacy default stream, where every launch goes.
-        unsafe { cu::memcpy_dtoh_sync(dst, src) }.map_err(drv("cuMemcpyDtoH"))
+        match self.pinned() {
+            // SAFETY: DevBuf checked the range; the copy is queued after
+            // everything before it on the stream and waited for.
+            Some(mut p) => unsafe { p.download(src, dst, self.stream.cu_stream()) }
+                .map_err(drv("cuMemcpyDtoHAsync")),
+            // SAFETY: as above; the synchronous copy waits for earlier
+            // launches on the legacy default stream, where every launch goes.
+            None => unsafe { cu::memcpy_dtoh_sync(dst, src) }.map_err(drv("cuMemcpyDtoH")),
+        }
     }
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<()> {
         self.bind()?;
-        // SAFETY: both ranges checked by DevBuf, not overlapping.
-        unsafe { cu::memcpy_dtod_sync(dst, src, bytes) }.map_err(drv("cuMemcpyDtoD"))
+        if self.pinned.is_some() {
+            // SAFETY: both ranges checked by DevBuf, not overlapping; in
+            // stream order with the launches and uploads around it.
+            unsafe { cu::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+                .map_err(drv("cuMemcpyDtoDAsync"))?;
+        } else {
+            // SAFETY: as above.
+            unsafe { cu::memcpy_dtod_sync(dst, src, bytes) }.map_err(drv("cuMemcpyDtoD"))?;
+        }
+        self.checked("a device copy")
     }
     fn launch(&self, kernel: &'static str, shape: Launch, args: &[Arg]) -> Result<()> {
         self.bind()?;

@@ -49,8 +49,10 @@ pub struct Launch {
 
 /// A device that holds memory and runs minikv's kernels.
 ///
-/// Copies are synchronous with respect to earlier launches (a download sees
-/// what every earlier kernel wrote).
+/// Operations take effect in the order they are called: a launch sees every
+/// earlier upload and copy, a download what every earlier kernel wrote
+/// (an upload may return before its bytes have landed: the caller's slice
+/// is copied first, so it may be reused at once).
 pub trait Device: Send + Sync + Debug {
     /// A short name for reports (`cuda:0 (sm_90)`, `emulated`).
     fn name(&self) -> String;
@@ -216,8 +218,10 @@ pub struct Calls {
 }
 
 impl Calls {
-    /// The calls a host thread waits for on a GPU: every copy, allocation
-    /// and free (launches are asynchronous).
+    /// The calls a host thread waits for on a GPU with synchronous copies
+    /// (`MINIKV_CUDA_PINNED=0`): every copy, allocation and free (launches
+    /// are asynchronous). With pinned copies, uploads and device copies are
+    /// queued too, and a step waits at its download.
     pub fn synchronous(&self) -> u64 {
         self.uploads + self.downloads + self.copies + self.allocs + self.frees
     }

@@ -63,7 +63,10 @@
 //! the CUDA driver through cudarc ([`cuda::CudaDevice`]: a CUBIN for the
 //! device's exact architecture, prebuilt by `minikv-kernels-check
 //! --cubin-out` or compiled by NVRTC at first use, cached per device; never
-//! PTX, which an older driver may be unable to JIT), or the CPU emulation of the same kernels (`emulated::EmuDevice`, feature
+//! PTX, which an older driver may be unable to JIT; copies queued on one
+//! stream, uploads through pinned host buffers, so that a decode step's
+//! host thread waits once per layer, at its download;
+//! `MINIKV_CUDA_PINNED=0`: synchronous copies), or the CPU emulation of the same kernels (`emulated::EmuDevice`, feature
 //! `emulate`, registered as `backend = "cuda-emulated"`).
 //!
 //! What is verified where:
@@ -120,10 +123,11 @@
 //!   host round trip), 2- and 4-bit at 14% (the 2-bit kernel takes as long
 //!   as fp16: instruction- and latency-bound), 12-23 times the general
 //!   kernel; prefill with `A_cumul` at 32K tokens 16-17.5 attention
-//!   TFLOP/s on tensor cores, host uploads included. `mk_decode_staged`
-//!   was written after the second session and has not met a GPU yet:
-//!   `scripts/gpu-check.sh` checks its parity and times it beside the fast
-//!   and the general kernel.
+//!   TFLOP/s on tensor cores, host uploads included. Written after the
+//!   second session and not yet run on a GPU: `mk_decode_staged` and the
+//!   pinned asynchronous copies; `scripts/gpu-check.sh` checks their parity
+//!   and times each beside what it may replace (the fast kernel,
+//!   synchronous copies).
 //!
 //! Not implemented by the kernels (clear errors, never a silent CPU
 //! fallback): key-channel pruning (store wrappers), gated extra entries,
@@ -149,6 +153,7 @@ pub mod device;
 #[cfg(feature = "emulate")]
 pub mod emulated;
 pub mod nvrtc;
+mod pinned;
 mod prefill;
 mod resident;
 mod store;
