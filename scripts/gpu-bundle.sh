@@ -2,20 +2,21 @@
 # Prebuilt binaries for scripts/gpu-check.sh on a GPU machine that has no
 # network and may have no Rust toolchain, written to gpu-bundle/ (git-ignored;
 # it travels with the working tree, under 60 MB):
-#   bin/minikv                   the CLI (bench attention, generate)
-#   bin/minikv-kernels-gpucheck  parity checks, device info, prefill timing
+#   bin.tar.gz                   bin/minikv, the CLI (bench attention,
+#                                generate), and bin/minikv-kernels-gpucheck
+#                                (parity checks, device info, prefill
+#                                timing), gzipped (22 MB to about 7:
+#                                scripts/gpu-check.sh unpacks them)
 #   cubin/minikv-<hash>.sm_XY.cubin  the kernels compiled here by NVRTC for
 #                                sm_80/86/89/90/100 (the GPU needs no NVRTC
 #                                and no PTX JIT; the hash is the source's, so
 #                                a stale CUBIN is never loaded)
 #   ptxas.json                   registers/spills per kernel (ptxas, here)
 #   model.gguf                   when assets/ has the real model: its first
-#                                MODEL_BLOCKS (default 1) blocks, by
+#                                MODEL_BLOCKS (default 2) blocks, by
 #                                scripts/gguf-truncate.py (the whole model,
 #                                98 MB, is more than a device run carries;
-#                                with two blocks, 2.3 MB more, the bundle
-#                                passes 60 MB since the decode kernel is
-#                                compiled per head dim)
+#                                the embedding table is most of the 36 MB)
 #   MANIFEST.json                git revision, source hash, CPU baseline,
 #                                newest glibc symbol needed, sizes
 # Portable code: x86-64-v3 (AVX2, FMA, F16C: every x86 server CPU since
@@ -43,17 +44,21 @@ LD_LIBRARY_PATH="$PWD/$TOOLS/lib" "$R/minikv-kernels-check" --ptxas "$TOOLS/bin/
 rm -rf "$OUT.tmp/ptx"
 MODEL=assets/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -f "$MODEL" ]; then
-  python3 scripts/gguf-truncate.py "$MODEL" "$OUT.tmp/model.gguf" "${MODEL_BLOCKS:-1}" >&2
+  python3 scripts/gguf-truncate.py "$MODEL" "$OUT.tmp/model.gguf" "${MODEL_BLOCKS:-2}" >&2
 fi
 python3 - "$OUT.tmp" "$CPU" "$(git rev-parse HEAD)$(git diff --quiet HEAD || echo -dirty)" <<'PY'
 import json, os, re, subprocess, sys
 out, cpu, rev = sys.argv[1:4]
+import shutil, tarfile
 glibc = "0"
 for b in ("bin/minikv", "bin/minikv-kernels-gpucheck"):
     syms = subprocess.run(["objdump", "-T", os.path.join(out, b)], capture_output=True, text=True).stdout
     for v in re.findall(r"GLIBC_([0-9.]+)", syms):
         if tuple(map(int, v.split("."))) > tuple(map(int, glibc.split("."))):
             glibc = v
+with tarfile.open(os.path.join(out, "bin.tar.gz"), "w:gz", compresslevel=9) as t:
+    t.add(os.path.join(out, "bin"), arcname="bin")
+shutil.rmtree(os.path.join(out, "bin"))
 files = {}
 for root, _, names in os.walk(out):
     for n in names:

@@ -44,6 +44,10 @@ OUTDIR=${OUT:-results/gpu-check}
 mkdir -p "$OUTDIR"
 status=0
 fail() { echo "  FAILED: $*"; status=1; }
+# The bundle carries its binaries gzipped (scripts/gpu-bundle.sh).
+if [ -f gpu-bundle/bin.tar.gz ] && [ ! -x gpu-bundle/bin/minikv ]; then
+  tar xzf gpu-bundle/bin.tar.gz -C gpu-bundle || { echo "gpu-check: cannot unpack gpu-bundle/bin.tar.gz" >&2; exit 1; }
+fi
 if [ -x gpu-bundle/bin/minikv ] && [ -x gpu-bundle/bin/minikv-kernels-gpucheck ]; then
   BIN=gpu-bundle/bin
   CHECK=$BIN/minikv-kernels-gpucheck
