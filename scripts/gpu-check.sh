@@ -32,7 +32,8 @@
 #      it): MiniKV 2-bit generation with backend = "cuda" (fast and staged
 #      decode) against backend = "tiled" (same greedy tokens);
 #   6. last, the small shapes again under compute-sanitizer (memcheck) when
-#      the machine has it and it can attach (gVisor refuses it).
+#      the machine has it and it can attach (gVisor refuses it), and the
+#      small decode cases under its racecheck (shared-memory hazards).
 # Writes $OUT (or results/gpu-check/): one file per step and summary.json,
 # and prints a short report. Budget: under 8 minutes. GPUCHECK_QUICK=1
 # (a rerun after a kernel change, when device time is short): steps 4 and
@@ -303,6 +304,21 @@ if [ -n "$SANITIZER" ]; then
       echo "-- compute-sanitizer cannot attach on this machine (exit $rc): skipped"
     else
       fail "compute-sanitizer (exit $rc; $OUTDIR/sanitizer.log)"
+    fi
+  fi
+  # The fused decode kernels again under the race checker: shared memory
+  # that mk_decode_staged fills by asynchronous copies and reuses for its
+  # final sums (only the small decode cases: racecheck is slow).
+  echo "== small decode cases under compute-sanitizer --tool racecheck"
+  GPUCHECK_ONLY=decode timeout 120 "$SANITIZER" --tool racecheck \
+    --error-exitcode 9 "$CHECK" > "$OUTDIR/racecheck.json" 2> "$OUTDIR/racecheck.log"
+  rc=$?
+  tail -3 "$OUTDIR/racecheck.log"
+  if [ "$rc" != 0 ]; then
+    if grep -q -i "device not supported" "$OUTDIR/racecheck.log"; then
+      echo "-- compute-sanitizer cannot attach on this machine (exit $rc): skipped"
+    else
+      fail "racecheck (exit $rc; $OUTDIR/racecheck.log)"
     fi
   fi
 else

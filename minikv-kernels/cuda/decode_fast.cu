@@ -164,10 +164,11 @@ struct MkStaged {
 
 // A staged key region's word i: 16-byte unit u is stored at unit
 // u ^ ((u / 8) % 8), so that the 8 lanes of a key tile's quarter warp, each
-// reading 16 bytes of its own block of channels (D / 8 channels apart,
-// the same bank quad unswizzled), hit 8 different bank quads. A bijection
-// on every aligned run of 64 units: the region is reserved in whole runs of
-// 8 units.
+// reading 16 bytes of its own block of channels in one row (D / 8 channels
+// apart: on 2 bank quads unswizzled at d = 64 and 128, on 1 at 256), hit 8
+// different bank quads. The XOR is constant on each aligned run of 8 units,
+// so it maps every such run onto itself: the region is reserved in whole
+// runs of 8 units.
 __device__ __forceinline__ mk_size mk_swz(mk_size i) {
   mk_size u = i >> 2;
   return ((u ^ ((u >> 3) & 7)) << 2) | (i & 3);
@@ -416,7 +417,8 @@ __device__ __forceinline__ void mk_stage(unsigned char* dst, const void* src, mk
                                         int swz, int tid, int nt) {
   const unsigned char* s = (const unsigned char*)src;
   mk_size units = bytes / 16;
-  for (mk_size u = tid; u < units; u += nt) mk_cp16(dst + (swz ? (u ^ ((u >> 3) & 7)) : u) * 16, s + u * 16);
+  for (mk_size u = tid; u < units; u += nt)
+    mk_cp16(dst + (swz ? (u ^ ((u >> 3) & 7)) : u) * 16, s + u * 16);
   mk_size tail = bytes - units * 16;
   if ((mk_size)tid < tail / 2)
     ((unsigned short*)(dst + units * 16))[tid] = ((const unsigned short*)(s + units * 16))[tid];
@@ -429,12 +431,12 @@ __device__ __forceinline__ mk_size mk_round(mk_size x, mk_size m) { return (x + 
 // and [begin, begin + vq) of quantized values read (key words by rows of
 // 32 / bits tokens, their scales and minimums by groups; value words,
 // scales and minimums per token), each part when it fits what is left of
-// MK_STAGE_BYTES and its arrays are 16-byte aligned, and returns in ks / vs
-// where each is then read from (the global store when it is not staged).
-// Two commit groups: keys, then values. Every thread computes the same plan;
-// thread 0 writes the two sources to shared memory (read where used: in
-// registers they would push the kernel into spills), visible after the
-// caller's next __syncthreads.
+// MK_STAGE_BYTES and its arrays are 16-byte aligned. Two commit groups:
+// keys, then values. Every thread computes the same plan; thread 0 writes
+// where each part is then read from (its staged copy, else the store in
+// place) to srcs[0] (keys) and srcs[1] (values), in shared memory and read
+// where used (in registers they would push the kernel into spills), visible
+// after the caller's next __syncthreads.
 template <int D>
 __device__ __forceinline__ void mk_stage_chunk(const MkHead& hd, int begin, int kq, int vq,
                                               unsigned char* stage, int tid, int nt,
@@ -451,7 +453,8 @@ __device__ __forceinline__ void mk_stage_chunk(const MkHead& hd, int begin, int 
     if (wr + 2 * sr <= MK_STAGE_BYTES) {
       mk_stage(stage, z.words + w0, wb, 1, tid, nt);
       mk_stage(stage + wr, (const unsigned char*)z.scale + s0 * (z.f16 ? 2 : 4), sb, 0, tid, nt);
-      mk_stage(stage + wr + sr, (const unsigned char*)z.minv + s0 * (z.f16 ? 2 : 4), sb, 0, tid, nt);
+      mk_stage(stage + wr + sr, (const unsigned char*)z.minv + s0 * (z.f16 ? 2 : 4), sb, 0, tid,
+               nt);
       ks = MkQSrc{(const unsigned*)stage, stage + wr, stage + wr + sr, w0, s0, 1};
       used = wr + 2 * sr;
     }
@@ -519,8 +522,8 @@ __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, co
   int total = hd.len + hd.n_extra;
   int begin = s * chunk, end = begin + chunk < total ? begin + chunk : total;
   int h0 = kvh * group + g0;  // the block's first query head
-  // The fast kernel reads hd's pointers where used (mk_global_src at each
-  // call): held in registers from here they would crowd out the loads.
+  // The fast kernel reads hd's pointers where used (MkInPlace): held in
+  // registers from here they would crowd out the loads.
   if constexpr (STAGED)
     mk_stage_chunk<D>(hd, begin, mk_stored_in(hd.k.n, begin, end),
                       mk_stored_in(hd.v.n, begin, end), stage, tid, nt, srcs);
@@ -623,18 +626,18 @@ __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, co
 }
 
 // Picks the body for head dim d (16, 32, 64, 128, else 256).
-#define MK_FAST_SWITCH(STAGED, RED, STAGE, SRCS)                                               \
-  switch (d) {                                                                               \
-    case 16: mk_decode_fast_d<16, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,   \
-                                          lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;        \
-    case 32: mk_decode_fast_d<32, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,   \
-                                          lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;        \
-    case 64: mk_decode_fast_d<64, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,   \
-                                          lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;        \
-    case 128: mk_decode_fast_d<128, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits, \
-                                            lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;      \
-    default: mk_decode_fast_d<256, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,  \
-                                           lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;       \
+#define MK_FAST_SWITCH(STAGED, RED, STAGE, SRCS)                                                   \
+  switch (d) {                                                                                     \
+    case 16: mk_decode_fast_d<16, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,        \
+                                          lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;       \
+    case 32: mk_decode_fast_d<32, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,        \
+                                          lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;       \
+    case 64: mk_decode_fast_d<64, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,        \
+                                          lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;       \
+    case 128: mk_decode_fast_d<128, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,      \
+                                            lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;     \
+    default: mk_decode_fast_d<256, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,       \
+                                           lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;      \
   }
 
 // Launch bounds: 5 resident blocks of 128 threads per SM (at most 102

@@ -12,6 +12,9 @@
 //! exits 1 on a mismatch or when no driver or device is present
 //! (`scripts/gpu-check.sh` runs it). Not run in CI: there is no GPU there;
 //! `GPUCHECK_DEVICE=emulated` rehearses it on the CPU emulation.
+//! `GPUCHECK_ONLY=decode` runs only the small fused decode checks (both
+//! fused kernels), for compute-sanitizer's racecheck, which is too slow for
+//! the rest.
 
 #[path = "../tests/parity/mod.rs"]
 mod parity;
@@ -117,6 +120,10 @@ fn main() {
                 (d, info)
             };
         let name = dev.name();
+        if std::env::var("GPUCHECK_ONLY").as_deref() == Ok("decode") {
+            let r = parity::run_decode(dev)?;
+            return Ok(json!({"device": name, "info": info, "ok": r.ok(), "checks": r.rows}));
+        }
         let copy = copy_bandwidth(&dev).unwrap_or_else(|e| json!({"error": e.to_string()}));
         let small = parity::run_all(dev.clone())?;
         let paths = [PrefillPath::TensorCores, PrefillPath::Scalar];

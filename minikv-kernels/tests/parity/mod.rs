@@ -138,8 +138,24 @@ pub fn run_all(dev: Arc<dyn Device>) -> Result<Report> {
     });
     r.stage("window scores", |r| window_scores(&be, &mut seed, r));
     r.stage("quantization", |r| quantization(&be, &mut seed, r));
+    decode_stages(&be, &staged, &mut seed, &mut r);
+    Ok(r)
+}
+
+/// Only the fused decode checks of [`run_all`], on both fused kernels (for
+/// a slow checker such as compute-sanitizer's racecheck).
+pub fn run_decode(dev: Arc<dyn Device>) -> Result<Report> {
+    let staged = CudaBackend::new(dev.clone()).with_decode_kernel(DecodeKernel::Staged);
+    let be = CudaBackend::new(dev);
+    let mut r = Report::default();
+    decode_stages(&be, &staged, &mut 7u64, &mut r);
+    Ok(r)
+}
+
+/// The small fused decode cases on `be` (the fast kernel) and `staged`.
+fn decode_stages(be: &CudaBackend, staged: &CudaBackend, seed: &mut u64, r: &mut Report) {
     r.stage("decode", |r| {
-        decode(&[&be, &staged], &mut seed, r, small_decode_cases())
+        decode(&[be, staged], seed, r, small_decode_cases())
     });
     // f32 scales and key scale groups of 32 tokens (another scale load, a
     // group spanning two key tiles), at d = 64 and at d = 16 (two channels
@@ -155,15 +171,14 @@ pub fn run_all(dev: Arc<dyn Device>) -> Result<Report> {
             ),
             (16, 4, vec![(130, 96, 128, 1)], 8, Axis::Channel),
         ];
-        decode_scaled(&[&be, &staged], &mut seed, r, cases, 32, ScaleDtype::F32)
+        decode_scaled(&[be, staged], seed, r, cases, 32, ScaleDtype::F32)
     });
     // Key scale groups of 128 tokens, longer than the 32-token splits a
     // short cache gets: a split reads part of one group.
     r.stage("decode (key groups of 128)", |r| {
         let cases = vec![(64, 4, vec![(600, 512, 590, 1)], 2, Axis::Channel)];
-        decode_scaled(&[&be, &staged], &mut seed, r, cases, 128, ScaleDtype::F16)
+        decode_scaled(&[be, staged], seed, r, cases, 128, ScaleDtype::F16)
     });
-    Ok(r)
 }
 
 /// The checks at a real model's shapes: 32 query and 8 KV heads of
