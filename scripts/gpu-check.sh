@@ -292,35 +292,32 @@ fi
 # (every launch checked for out-of-bounds and misaligned accesses).
 export MINIKV_CUDA_CHECK=1
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer 2>/dev/null | head -1)
-if [ -n "$SANITIZER" ]; then
-  echo "== small shapes under compute-sanitizer --tool memcheck ($SANITIZER)"
-  GPUCHECK_TOKENS=2048 GPUCHECK_PREFILL=1024 timeout 150 "$SANITIZER" --tool memcheck \
-    --error-exitcode 9 "$CHECK" > "$OUTDIR/sanitizer.json" 2> "$OUTDIR/sanitizer.log"
+# sanitize NAME TOOL TIMEOUT [VAR=VALUE...]: the check binary under the
+# sanitizer's TOOL, its report in NAME.json / NAME.log.
+sanitize() {
+  local name=$1 tool=$2 limit=$3 rc
+  shift 3
+  env "$@" timeout "$limit" "$SANITIZER" --tool "$tool" --error-exitcode 9 "$CHECK" \
+    > "$OUTDIR/$name.json" 2> "$OUTDIR/$name.log"
   rc=$?
-  tail -3 "$OUTDIR/sanitizer.log"
+  tail -3 "$OUTDIR/$name.log"
   if [ "$rc" != 0 ]; then
     # Some virtualized machines (gVisor) refuse the sanitizer: no verdict.
-    if grep -q -i "device not supported" "$OUTDIR/sanitizer.log"; then
+    if grep -q -i "device not supported" "$OUTDIR/$name.log"; then
       echo "-- compute-sanitizer cannot attach on this machine (exit $rc): skipped"
     else
-      fail "compute-sanitizer (exit $rc; $OUTDIR/sanitizer.log)"
+      fail "compute-sanitizer $tool (exit $rc; $OUTDIR/$name.log)"
     fi
   fi
+}
+if [ -n "$SANITIZER" ]; then
+  echo "== small shapes under compute-sanitizer --tool memcheck ($SANITIZER)"
+  sanitize sanitizer memcheck 150 GPUCHECK_TOKENS=2048 GPUCHECK_PREFILL=1024
   # The fused decode kernels again under the race checker: shared memory
   # that mk_decode_staged fills by asynchronous copies and reuses for its
   # final sums (only the small decode cases: racecheck is slow).
   echo "== small decode cases under compute-sanitizer --tool racecheck"
-  GPUCHECK_ONLY=decode timeout 120 "$SANITIZER" --tool racecheck \
-    --error-exitcode 9 "$CHECK" > "$OUTDIR/racecheck.json" 2> "$OUTDIR/racecheck.log"
-  rc=$?
-  tail -3 "$OUTDIR/racecheck.log"
-  if [ "$rc" != 0 ]; then
-    if grep -q -i "device not supported" "$OUTDIR/racecheck.log"; then
-      echo "-- compute-sanitizer cannot attach on this machine (exit $rc): skipped"
-    else
-      fail "racecheck (exit $rc; $OUTDIR/racecheck.log)"
-    fi
-  fi
+  sanitize racecheck racecheck 120 GPUCHECK_ONLY=decode
 else
   echo "== (compute-sanitizer not on this machine: skipped)"
 fi

@@ -1489,6 +1489,7 @@ fn cuda_backend_under_emulation_on_the_real_model() {
     let dir = std::env::temp_dir().join(format!("minikv-cuda-emu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let body = "seed = 0\n[cache]\nheavy = 0.25\nrecent = 0.25\nscorer = { type = \"cumulative_attention\" }\npolicy = { type = \"uniform\" }\n[cache.quant]\nresidual = 16\nresidual_mode = \"minikv\"\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }\nvalues = { type = \"minmax\", bits = 2, group = 16, axis = \"token\" }\n";
+    let prompt = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: once or twice she had peeped into the book her sister was reading";
     let mut runs = Vec::new();
     for backend in ["cuda-emulated", "tiled"] {
         let p = dir.join(format!("{backend}.toml"));
@@ -1498,7 +1499,7 @@ fn cuda_backend_under_emulation_on_the_real_model() {
             "--config",
             p.to_str().unwrap(),
             "--prompt",
-            "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: once or twice she had peeped into the book her sister was reading",
+            prompt,
             "--max-tokens",
             "8",
             "--json",
@@ -1517,7 +1518,7 @@ fn cuda_backend_under_emulation_on_the_real_model() {
             .current_dir(minikv_test_support::root())
             .env("MINIKV_CUDA_DECODE", kernel)
             .args(["generate", "--config", emulated.to_str().unwrap()])
-            .args(["--prompt", "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: once or twice she had peeped into the book her sister was reading"])
+            .args(["--prompt", prompt])
             .args(["--max-tokens", "8", "--json"])
             .output()
             .unwrap()
