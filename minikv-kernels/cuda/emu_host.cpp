@@ -59,10 +59,11 @@ int mk_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsig
   return 1;
 }
 
-// Blocks of mk_decode_staged so far that staged their keys / values.
+// Blocks of the calling thread's last launch (of mk_decode_staged) that
+// staged their keys / values.
 void mk_emu_staged(unsigned long long* keys, unsigned long long* values) {
-  *keys = emu::staged_keys;
-  *values = emu::staged_values;
+  *keys = emu::last_staged_keys;
+  *values = emu::last_staged_values;
 }
 
 // fp16 conversions of the kernels, for tests against `half`.

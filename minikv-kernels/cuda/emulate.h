@@ -50,8 +50,11 @@ struct dim3 {
 };
 
 namespace emu {
-// Blocks of mk_decode_staged that staged their keys / values (for tests).
-inline std::atomic<unsigned long> staged_keys{0}, staged_values{0};
+// Blocks of mk_decode_staged that staged their keys / values in the launch
+// that runs (counted by its threads), and, per launching thread, in its last
+// launch (for tests: launches are serialized, so the counts are exact).
+inline std::atomic<unsigned long long> staged_keys{0}, staged_values{0};
+inline thread_local unsigned long long last_staged_keys = 0, last_staged_values = 0;
 inline int mode = 0;  // 0: fibers, 1: OS threads
 
 // Fiber scheduling state (one launch at a time, on the launching thread).
@@ -197,6 +200,9 @@ inline std::mutex launch_lock;
 template <class K, class... A>
 void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
   std::lock_guard<std::mutex> guard(launch_lock);
+  staged_keys = 0;
+  staged_values = 0;
+  last_staged_keys = last_staged_values = 0;
   mode = how;
   unsigned n = blk.x * blk.y * blk.z;
   if (n == 0 || n % 32 != 0) throw std::runtime_error("emulated blocks hold whole warps");
@@ -257,6 +263,8 @@ void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
         }
         block = nullptr;
       }
+  last_staged_keys = staged_keys;
+  last_staged_values = staged_values;
 }
 
 template <class K, class... A>

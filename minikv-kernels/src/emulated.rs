@@ -57,6 +57,8 @@ pub struct EmuDevice {
     os_threads: bool,
     /// Launches per kernel name.
     launched: Mutex<BTreeMap<&'static str, u64>>,
+    /// Blocks of `mk_decode_staged` that staged keys, and values.
+    staged: Mutex<(u64, u64)>,
 }
 
 impl Drop for EmuDevice {
@@ -82,6 +84,7 @@ impl EmuDevice {
             mem: Mutex::default(),
             os_threads: true,
             launched: Mutex::default(),
+            staged: Mutex::default(),
         })
     }
     /// How many times `kernel` was launched on this device (tests check
@@ -89,6 +92,13 @@ impl EmuDevice {
     pub fn launches(&self, kernel: &str) -> u64 {
         let l = self.launched.lock().unwrap_or_else(|p| p.into_inner());
         l.get(kernel).copied().unwrap_or(0)
+    }
+    /// Blocks of `mk_decode_staged` launched on this device that staged
+    /// their split's quantized keys, and that staged its quantized values
+    /// (the rest read the stores in place: a part too large for the
+    /// block's staging memory, or not 16-byte aligned).
+    pub fn staged_blocks(&self) -> (u64, u64) {
+        *self.staged.lock().unwrap_or_else(|p| p.into_inner())
     }
     /// Bytes currently allocated.
     pub fn allocated(&self) -> usize {
@@ -194,6 +204,14 @@ impl Device for EmuDevice {
                 c_int::from(self.os_threads),
             )
         };
+        if rc == 0 && kernel == "mk_decode_staged" {
+            let (mut k, mut v) = (0, 0);
+            // SAFETY: writes the two counts of this thread's last launch.
+            unsafe { mk_emu_staged(&mut k, &mut v) };
+            let mut st = self.staged.lock().unwrap_or_else(|p| p.into_inner());
+            st.0 += k;
+            st.1 += v;
+        }
         match rc {
             0 => Ok(()),
             1 => Err(err(format!("unknown kernel {kernel}"))),
@@ -236,15 +254,4 @@ pub fn f32_to_f16_bits(x: f32) -> u16 {
 pub fn f16_bits_to_f32(h: u16) -> f32 {
     // SAFETY: a pure function.
     unsafe { mk_emu_h2f(h) }
-}
-
-/// Blocks of `mk_decode_staged` run so far in this process (every emulated
-/// device) that staged their chunk's quantized keys, and that staged its
-/// quantized values (the rest read the stores in place: a part too large
-/// for the block's staging memory, or not 16-byte aligned).
-pub fn staged_blocks() -> (u64, u64) {
-    let (mut k, mut v) = (0, 0);
-    // SAFETY: writes the two counters.
-    unsafe { mk_emu_staged(&mut k, &mut v) };
-    (k, v)
 }

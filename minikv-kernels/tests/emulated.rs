@@ -66,7 +66,7 @@ fn the_backend_matches_the_cpu_reference_under_emulation() {
     assert_eq!(dev.launches("mk_decode_partial"), 2);
     assert_eq!(dev.launches("mk_decode_fast"), 8);
     assert_eq!(dev.launches("mk_decode_staged"), 8);
-    staged_like_fast(&r.rows);
+    staged_like_fast(&r.rows, &dev);
     let mma = r
         .rows
         .iter()
@@ -85,12 +85,13 @@ fn the_backend_matches_the_cpu_reference_under_emulation() {
 /// under the emulation (the GPU check runs both paths at this shape).
 #[test]
 fn the_backend_matches_the_cpu_reference_at_32k_tokens() {
-    let r = parity::run_large(EmuDevice::new(), 32768, &[PrefillPath::Scalar]).unwrap();
+    let dev = EmuDevice::new();
+    let r = parity::run_large(dev.clone(), 32768, &[PrefillPath::Scalar]).unwrap();
     for row in &r.rows {
         assert_eq!(row["ok"], true, "{row}");
     }
     assert_eq!(r.rows.len(), 5);
-    staged_like_fast(&r.rows);
+    staged_like_fast(&r.rows, &dev);
 }
 
 /// The staged decode kernel computes what the fast one does, in the same
@@ -98,9 +99,9 @@ fn the_backend_matches_the_cpu_reference_at_32k_tokens() {
 /// host compiler contracts no multiply-add here; on a GPU the two may
 /// differ in the last bit and the parity bound is what counts); a smaller
 /// split (4-bit codes at 256 tokens do not fit its staging memory) sums in
-/// another order, within the parity bound. Some of its blocks did stage
-/// keys and values (so the copies were exercised, not skipped).
-fn staged_like_fast(rows: &[serde_json::Value]) {
+/// another order, within the parity bound. Some of its blocks on `dev` did
+/// stage keys and values (so the copies were exercised, not skipped).
+fn staged_like_fast(rows: &[serde_json::Value], dev: &EmuDevice) {
     // A case's rows come in order: the fast kernel's, then the staged one's.
     let pairs: Vec<_> = rows
         .windows(2)
@@ -117,7 +118,7 @@ fn staged_like_fast(rows: &[serde_json::Value]) {
             assert!(row["split"].as_u64() < fast["split"].as_u64(), "{row}");
         }
     }
-    let (keys, values) = emulated::staged_blocks();
+    let (keys, values) = dev.staged_blocks();
     assert!(
         keys > 0 && values > 0,
         "staged blocks: {keys} keys, {values} values"
