@@ -387,17 +387,19 @@ struct alignas(16) MkStageBuf {
 };
 
 // One 16-byte asynchronous copy, global to shared (both 16-byte aligned);
-// the emulation copies at once.
+// the emulation lands it at the wait that retires its group (emulate.h).
 __device__ __forceinline__ void mk_cp16(void* dst, const void* src) {
 #ifdef MK_EMULATED
-  std::memcpy(dst, src, 16);
+  emu::cp_async16(dst, src);
 #else
   unsigned d = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
 #endif
 }
 __device__ __forceinline__ void mk_cp_commit() {
-#ifndef MK_EMULATED
+#ifdef MK_EMULATED
+  emu::cp_commit();
+#else
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
@@ -405,7 +407,9 @@ __device__ __forceinline__ void mk_cp_commit() {
 // (a __syncthreads after it makes every thread's copies visible).
 template <int N>
 __device__ __forceinline__ void mk_cp_wait() {
-#ifndef MK_EMULATED
+#ifdef MK_EMULATED
+  emu::cp_wait(N);
+#else
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }

@@ -6,6 +6,7 @@
 // `emulate` feature.
 #include <cstring>
 #include <exception>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -15,6 +16,29 @@
 #include "decode_fast.cu"
 
 namespace {
+// Why the calling thread's last launch failed (mk_emu_last_error).
+thread_local std::string last_error;
+
+// A kernel of the emulation's own tests (not of minikv.cu): each thread
+// stages 16 bytes of `src` into shared memory by an asynchronous copy and
+// then, as `order` says, 0: waits, syncs and writes its neighbour's 16
+// bytes to `out`; 1: does the same with the wait only after every thread
+// has read (a race the emulation must show: `out` gets the 0xff fill);
+// 2: commits and ends without a wait (the launch must fail).
+__global__ void mk_emu_selftest_cp(const unsigned char* src, unsigned char* out, int order) {
+  __shared__ MkStageBuf stage_buf;
+  unsigned char* stage = stage_buf.b;
+  int t = threadIdx.x, n = blockDim.x;
+  emu::cp_async16(stage + t * 16, src + t * 16);
+  emu::cp_commit();
+  if (order == 2) return;
+  if (order == 0) emu::cp_wait(0);
+  __syncthreads();
+  std::memcpy(out + t * 16, stage + ((t + 1) % n) * 16, 16);
+  __syncthreads();
+  if (order == 1) emu::cp_wait(0);
+}
+
 template <class... A, std::size_t... I>
 void call(int how, dim3 g, dim3 b, void (*k)(A...), void** p, std::index_sequence<I...>) {
   emu::launch_mode(how, g, b, k, *static_cast<std::remove_cv_t<A>*>(p[I])...);
@@ -31,7 +55,8 @@ extern "C" {
 
 // Threads as fibers (`os_threads` 0) or OS threads (1). Returns 0: launched;
 // 1: unknown kernel; 2: wrong argument count; 3: the emulation failed (a
-// block that is not whole warps, a barrier that can never complete).
+// block that is not whole warps, a barrier that can never complete,
+// asynchronous copies never waited for: mk_emu_last_error says which).
 int mk_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                   unsigned by, unsigned bz, void** params, int n_params, int os_threads) {
   dim3 g(gx, gy, gz), b(bx, by, bz);
@@ -52,11 +77,22 @@ int mk_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsig
     MK_KERNEL(mk_column_sums_mma64)
     MK_KERNEL(mk_prefill_mma128)
     MK_KERNEL(mk_column_sums_mma128)
+    MK_KERNEL(mk_emu_selftest_cp)
 #undef MK_KERNEL
-  } catch (const std::exception&) {
+  } catch (const std::exception& e) {
+    last_error = e.what();
     return 3;
   }
   return 1;
+}
+
+// Why the calling thread's last failed launch failed: at most n - 1 bytes
+// and a NUL into buf.
+void mk_emu_last_error(char* buf, unsigned long n) {
+  if (n == 0) return;
+  unsigned long k = last_error.size() < n - 1 ? last_error.size() : n - 1;
+  std::memcpy(buf, last_error.data(), k);
+  buf[k] = 0;
 }
 
 // Blocks of the calling thread's last launch (of mk_decode_staged) that

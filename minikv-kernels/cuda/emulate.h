@@ -16,6 +16,10 @@
 //   read). As on a GPU, every lane of the warp must take part (full mask).
 //   A barrier that can never complete (threads that returned while others
 //   wait) is detected in fiber mode and fails the launch.
+// * an asynchronous copy (cp.async) reads its source when issued and lands
+//   at the wait that retires its group; its destination holds 0xff bytes
+//   until then (a read too early gives NaN or wrong codes, not the data), and
+//   a thread that ends with copies no wait retired fails the launch.
 //
 // Only what the kernels need is here; anything else fails to compile.
 #pragma once
@@ -95,11 +99,27 @@ struct Barrier {
   }
 };
 
+// One thread's asynchronous copies (cp.async): those issued since its last
+// commit, and its committed groups, oldest first. A copy's source is read
+// when it is issued and its 16 bytes land at the wait that retires its
+// group; until then the destination holds 0xff bytes (NaN as fp16 or f32),
+// so that a read before the wait, or before the barrier that makes other
+// threads' copies visible, gives wrong numbers instead of the right ones.
+struct Copy16 {
+  unsigned char* dst;
+  unsigned char bytes[16];
+};
+struct AsyncCopies {
+  std::vector<Copy16> open;
+  std::vector<std::vector<Copy16>> groups;
+};
+
 struct Block {
   std::unique_ptr<Barrier> all;
   std::vector<std::unique_ptr<Barrier>> warps;
   std::vector<uint64_t> slots;  // one exchange slot per thread
   std::vector<uint32_t> wide;   // kWide words per thread (warp_gather)
+  std::vector<AsyncCopies> copies;  // per thread
 };
 inline Block* block = nullptr;
 inline dim3 grid_dim, block_dim, block_idx;
@@ -149,6 +169,39 @@ inline void warp_gather(const unsigned* in, unsigned n, unsigned* out) {
   b->warps[warp]->arrive_and_wait();
   for (unsigned l = 0; l < 32; ++l) std::memcpy(out + l * n, &b->wide[(base + l) * kWide], n * 4);
   b->warps[warp]->arrive_and_wait();
+}
+}  // namespace emu
+
+namespace emu {
+// cp.async.cg.shared.global of 16 bytes: issued now, landing at a later wait.
+inline void cp_async16(void* dst, const void* src) {
+  Copy16 c;
+  c.dst = static_cast<unsigned char*>(dst);
+  std::memcpy(c.bytes, src, 16);
+  std::memset(dst, 0xff, 16);
+  block->copies[flat()].open.push_back(c);
+}
+// cp.async.commit_group: the copies issued since the last commit become a group.
+inline void cp_commit() {
+  AsyncCopies& a = block->copies[flat()];
+  a.groups.push_back(std::move(a.open));
+  a.open.clear();
+}
+// cp.async.wait_group n: all but the newest n committed groups have landed.
+inline void cp_wait(unsigned n) {
+  AsyncCopies& a = block->copies[flat()];
+  while (a.groups.size() > n) {
+    for (const Copy16& c : a.groups.front()) std::memcpy(c.dst, c.bytes, 16);
+    a.groups.erase(a.groups.begin());
+  }
+}
+// Fails the launch when a thread of the block that just ran left copies
+// that no wait retired (on a GPU they would land at an unknown time, over
+// whatever the memory holds by then).
+inline void check_copies_retired() {
+  for (const AsyncCopies& a : block->copies)
+    if (!a.open.empty() || !a.groups.empty())
+      throw std::runtime_error("a thread ended with asynchronous copies (cp.async) no wait retired");
 }
 }  // namespace emu
 
@@ -224,6 +277,7 @@ void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
         for (unsigned w = 0; w < n / 32; ++w) b.warps.push_back(std::make_unique<Barrier>(32));
         b.slots.assign(n, 0);
         b.wide.assign(n * kWide, 0);
+        b.copies.assign(n, AsyncCopies{});
         block = &b;
         block_idx = dim3(bx, by, bz);
         if (mode == 1) {
@@ -260,6 +314,12 @@ void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
               throw std::runtime_error("a barrier can never complete (deadlock)");
             }
           }
+        }
+        try {
+          check_copies_retired();
+        } catch (...) {
+          block = nullptr;
+          throw;
         }
         block = nullptr;
       }

@@ -33,6 +33,7 @@ unsafe extern "C" {
     fn mk_emu_f2h(f: f32) -> u16;
     fn mk_emu_staged(keys: *mut u64, values: *mut u64);
     fn mk_emu_h2f(h: u16) -> f32;
+    fn mk_emu_last_error(buf: *mut c_char, n: std::os::raw::c_ulong);
 }
 
 fn err(reason: impl Into<String>) -> Error {
@@ -219,7 +220,14 @@ impl Device for EmuDevice {
                 "{kernel}: {} arguments do not match its parameter list",
                 args.len()
             ))),
-            _ => Err(err(format!("{kernel}: the emulated launch failed"))),
+            _ => {
+                let mut buf = [0 as c_char; 256];
+                // SAFETY: writes at most 255 bytes and a NUL into `buf`.
+                unsafe { mk_emu_last_error(buf.as_mut_ptr(), buf.len() as _) };
+                // SAFETY: NUL-terminated (above).
+                let why = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy();
+                Err(err(format!("{kernel}: the emulated launch failed: {why}")))
+            }
         }
     }
 }

@@ -224,6 +224,50 @@ fn device_copies_are_bounds_checked() {
     assert!(e.contains("do not match its parameter list"), "{e}");
 }
 
+/// The emulation's asynchronous copies land at the wait that retires them,
+/// not when issued: a read before the wait sees the 0xff fill (so a kernel
+/// that forgot its `cp.async.wait_group` fails its parity checks here, as
+/// it would race on a GPU), and a thread that never waits fails the launch.
+#[test]
+fn asynchronous_copies_land_at_their_wait() {
+    for os_threads in [false, true] {
+        let emu = if os_threads {
+            EmuDevice::with_os_threads()
+        } else {
+            EmuDevice::new()
+        };
+        let dev: Arc<dyn Device> = emu.clone();
+        let src: Vec<u8> = (0..64 * 16).map(|i| (i * 7 % 251) as u8).collect();
+        let sb = DevBuf::zeroed(&dev, src.len()).unwrap();
+        sb.write(0, &src).unwrap();
+        let out = DevBuf::zeroed(&dev, src.len()).unwrap();
+        let run = |order: i32| {
+            dev.launch(
+                "mk_emu_selftest_cp",
+                Launch {
+                    grid: (1, 1, 1),
+                    block: (64, 1, 1),
+                },
+                &[Arg::Ptr(sb.ptr()), Arg::Ptr(out.ptr()), Arg::I32(order)],
+            )
+        };
+        // Waited for, then a barrier: each thread reads its neighbour's bytes.
+        run(0).unwrap();
+        let got = out.to_vec::<u8>(0, src.len()).unwrap();
+        let want: Vec<u8> = (0..64)
+            .flat_map(|t| src[((t + 1) % 64) * 16..][..16].to_vec())
+            .collect();
+        assert_eq!(got, want, "os threads: {os_threads}");
+        // Read before the wait: the fill, not the data.
+        run(1).unwrap();
+        let got = out.to_vec::<u8>(0, src.len()).unwrap();
+        assert!(got.iter().all(|&b| b == 0xff), "os threads: {os_threads}");
+        // Never waited for: the launch fails and says why.
+        let e = run(2).unwrap_err().to_string();
+        assert!(e.contains("no wait retired"), "{e}");
+    }
+}
+
 /// SnapKV window scores on the backend against `minikv-policies`' own
 /// pooling of the reference column sums (an implementation independent of
 /// the parity module's).
