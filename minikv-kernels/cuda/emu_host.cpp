@@ -4,6 +4,10 @@
 // `emulated` device of the Rust crate launches through this, so the backend's
 // host code is the same on a GPU and here. Built by build.rs with the
 // `emulate` feature.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -84,6 +88,39 @@ int mk_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsig
     return 3;
   }
   return 1;
+}
+
+// Device memory of the emulation: `bytes` (a multiple of 16) of zeros that
+// end where an inaccessible guard page begins (another guard page sits
+// before the first page), so a kernel's access past the end of a device
+// buffer faults at once, as compute-sanitizer's memcheck would flag it on
+// a GPU, instead of reading a neighbour's bytes. With
+// MINIKV_EMU_GUARD=before the buffer starts right after the first guard
+// page instead (an access before its start faults). Null when out of memory.
+void* mk_emu_alloc(unsigned long bytes) {
+  static const bool before = [] {
+    const char* v = std::getenv("MINIKV_EMU_GUARD");
+    return v && std::strcmp(v, "before") == 0;
+  }();
+  unsigned long page = (unsigned long)sysconf(_SC_PAGESIZE);
+  unsigned long data = (bytes + page - 1) / page * page;
+  void* base = mmap(nullptr, data + 2 * page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return nullptr;
+  char* d = static_cast<char*>(base) + page;
+  if (mprotect(d, data, PROT_READ | PROT_WRITE) != 0) {
+    munmap(base, data + 2 * page);
+    return nullptr;
+  }
+  return before ? d : d + (data - bytes);
+}
+
+// Frees what mk_emu_alloc(bytes) returned.
+void mk_emu_free(void* p, unsigned long bytes) {
+  unsigned long page = (unsigned long)sysconf(_SC_PAGESIZE);
+  unsigned long data = (bytes + page - 1) / page * page;
+  // The page-aligned start of the data pages, wherever the buffer sits.
+  char* d = reinterpret_cast<char*>(reinterpret_cast<unsigned long>(p) / page * page);
+  munmap(d - page, data + 2 * page);
 }
 
 // Why the calling thread's last failed launch failed: at most n - 1 bytes

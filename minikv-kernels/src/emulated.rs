@@ -7,7 +7,10 @@
 //! backend on it.
 //!
 //! Every copy is checked against the live allocations, so a backend bug that
-//! would read or write past a device buffer fails loudly here.
+//! would read or write past a device buffer fails loudly here; and every
+//! allocation ends where an inaccessible guard page begins, so a kernel that
+//! reads or writes past the end of a buffer faults (the test process dies
+//! with SIGSEGV) instead of touching a neighbour's bytes.
 
 use crate::backend::CudaBackend;
 use crate::device::{Arg, DevPtr, Device, Launch};
@@ -34,6 +37,8 @@ unsafe extern "C" {
     fn mk_emu_staged(keys: *mut u64, values: *mut u64);
     fn mk_emu_h2f(h: u16) -> f32;
     fn mk_emu_last_error(buf: *mut c_char, n: std::os::raw::c_ulong);
+    fn mk_emu_alloc(bytes: std::os::raw::c_ulong) -> *mut c_void;
+    fn mk_emu_free(p: *mut c_void, bytes: std::os::raw::c_ulong);
 }
 
 fn err(reason: impl Into<String>) -> Error {
@@ -45,14 +50,14 @@ fn err(reason: impl Into<String>) -> Error {
 
 /// The unit of emulated allocations: 16 bytes, so that every allocation is
 /// aligned as the kernels' 16-byte loads need (`cuMemAlloc` aligns to 256).
-type Word = u128;
-const WORD: usize = std::mem::size_of::<Word>();
+const WORD: usize = 16;
 
 /// Host memory standing in for device memory; launches through the emulator.
 #[derive(Debug, Default)]
 pub struct EmuDevice {
-    /// Live allocations: base address -> length in 16-byte words (owned
-    /// through raw pointers from `Box::into_raw`, freed by `free` or drop).
+    /// Live allocations: base address -> length in 16-byte words (from
+    /// `mk_emu_alloc`, each followed by a guard page; freed by `free` or
+    /// drop).
     mem: Mutex<BTreeMap<u64, usize>>,
     /// Run a block's threads as OS threads (else as fibers).
     os_threads: bool,
@@ -66,8 +71,8 @@ impl Drop for EmuDevice {
     fn drop(&mut self) {
         let m = std::mem::take(self.mem.get_mut().unwrap_or_else(|p| p.into_inner()));
         for (p, n) in m {
-            // SAFETY: each entry is a live `Box<[Word]>` of `n` words.
-            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p as *mut Word, n)) });
+            // SAFETY: each entry is a live allocation of `n` words.
+            unsafe { mk_emu_free(p as *mut c_void, (n * WORD) as _) };
         }
     }
 }
@@ -124,7 +129,11 @@ impl Device for EmuDevice {
     }
     fn alloc(&self, bytes: usize) -> Result<DevPtr> {
         let n = bytes.div_ceil(WORD).max(1);
-        let p = Box::into_raw(vec![0 as Word; n].into_boxed_slice()) as *mut Word as u64;
+        // SAFETY: allocates (zeroed) or returns null.
+        let p = unsafe { mk_emu_alloc((n * WORD) as _) } as u64;
+        if p == 0 {
+            return Err(err(format!("out of host memory for {bytes} bytes")));
+        }
         self.mem
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -138,8 +147,8 @@ impl Device for EmuDevice {
             .unwrap_or_else(|p| p.into_inner())
             .remove(&ptr);
         if let Some(n) = n {
-            // SAFETY: `ptr` was a live `Box<[Word]>` of `n` words, now unlisted.
-            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr as *mut Word, n)) });
+            // SAFETY: `ptr` was a live allocation of `n` words, now unlisted.
+            unsafe { mk_emu_free(ptr as *mut c_void, (n * WORD) as _) };
         }
     }
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<()> {

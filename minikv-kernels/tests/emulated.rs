@@ -268,6 +268,54 @@ fn asynchronous_copies_land_at_their_wait() {
     }
 }
 
+/// A kernel that reads past the end of a device buffer faults at the
+/// guard page after it, and with `MINIKV_EMU_GUARD=before` one that reads
+/// before its start faults at the guard page before it (each run in a child
+/// process, which must die by SIGSEGV), where either would otherwise read
+/// a neighbour's bytes unnoticed.
+#[test]
+fn a_kernel_reading_past_a_buffer_faults() {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(side) = std::env::var_os("MINIKV_EMU_GUARD_CHILD") {
+        let dev: Arc<dyn Device> = EmuDevice::new();
+        let buf = DevBuf::zeroed(&dev, 16 * 63).unwrap();
+        let out = DevBuf::zeroed(&dev, 16 * 64).unwrap();
+        // 64 threads copy 16 bytes each: from a buffer of 63 x 16 bytes
+        // (past its end), or from 16 bytes before its start.
+        let src = if side == "before" {
+            buf.ptr() - 16
+        } else {
+            buf.ptr()
+        };
+        let r = dev.launch(
+            "mk_emu_selftest_cp",
+            Launch {
+                grid: (1, 1, 1),
+                block: (64, 1, 1),
+            },
+            &[Arg::Ptr(src), Arg::Ptr(out.ptr()), Arg::I32(0)],
+        );
+        panic!("the read outside the buffer did not fault: {r:?}");
+    }
+    for (side, guard) in [("after", None), ("before", Some("before"))] {
+        let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+        cmd.args([
+            "--exact",
+            "a_kernel_reading_past_a_buffer_faults",
+            "--test-threads=1",
+        ])
+        .env("MINIKV_EMU_GUARD_CHILD", side)
+        .env_remove("MINIKV_EMU_GUARD")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+        if let Some(g) = guard {
+            cmd.env("MINIKV_EMU_GUARD", g);
+        }
+        let status = cmd.status().unwrap();
+        assert_eq!(status.signal(), Some(11), "{side}: {status:?}");
+    }
+}
+
 /// SnapKV window scores on the backend against `minikv-policies`' own
 /// pooling of the reference column sums (an implementation independent of
 /// the parity module's).
