@@ -17,7 +17,7 @@
 #      on tensor cores and on the scalar f32 kernels (tokens/s, attention
 #      TFLOP/s; every prefill check runs on both); a failing group of checks
 #      is reported and the others still run;
-#   3. ptxas registers and spills (from the bundle, computed at build);
+#   3. ptxas registers, static shared memory and spills (from the bundle, computed at build);
 #   4. decode attention (bench attention, 32/8 heads, d = 128) at 16K and
 #      128K tokens on cuda (the fast decode kernel, its staged form and the
 #      general kernel: MINIKV_CUDA_DECODE; the fast one also with synchronous
@@ -114,7 +114,7 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 for arch in ("sm_80", "sm_90"):
     ks = r.get(arch, {})
-    print(arch, ", ".join(f"{k}: {v.get('registers')} regs, {v.get('spill_stores')} B spilled" for k, v in ks.items()))
+    print(arch, ", ".join(f"{k}: {v.get('registers')} regs, {v.get('shared_bytes')} B smem, {v.get('spill_stores')} B spilled" for k, v in ks.items()))
 PY
 
 echo "== decode attention (32/8 heads, d = 128): cuda and the CPU"

@@ -19,6 +19,13 @@ const MAX_REGISTERS_MMA: u64 = 255;
 /// and its launch bounds ask for 5 resident blocks per SM (65536 / (5 x 128)
 /// = 102 registers): at most 96, no spills.
 const MAX_REGISTERS_DECODE: u64 = 96;
+/// ... and 5 blocks per SM fit in shared memory on an H100 / H200 (228 KB
+/// per SM, of which 1 KB per block is the system's): at most 44.6 KB of
+/// static shared memory per block (the staged kernel's 32 KB stage, reused
+/// for the final sums, and the queries and scores).
+const MAX_SHARED_DECODE: u64 = (228 * 1024) / 5 - 1024;
+/// Static shared memory of any block: the 48 KB that needs no opt-in.
+const MAX_SHARED: u64 = 48 * 1024;
 
 #[test]
 fn kernels_compile_with_nvrtc_and_assemble_within_limits() {
@@ -60,6 +67,16 @@ fn kernels_compile_with_nvrtc_and_assemble_within_limits() {
                 MAX_REGISTERS
             };
             assert!(regs <= limit, "{arch} {k}: {regs} registers");
+            let smem = e["shared_bytes"].as_u64().unwrap();
+            let smem_limit = if k == "mk_decode_fast" || k == "mk_decode_staged" {
+                MAX_SHARED_DECODE
+            } else {
+                MAX_SHARED
+            };
+            assert!(
+                smem <= smem_limit,
+                "{arch} {k}: {smem} bytes of shared memory"
+            );
             assert_eq!(e["spill_stores"], 0, "{arch} {k}: {e}");
             assert_eq!(e["spill_loads"], 0, "{arch} {k}: {e}");
             assert!(

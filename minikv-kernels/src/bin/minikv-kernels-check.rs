@@ -1,6 +1,6 @@
 //! Compiles every kernel with NVRTC for each architecture of
 //! `minikv_kernels::nvrtc::ARCHS` and, given `ptxas`, assembles the PTX and
-//! reports registers, stack and spills per kernel as JSON on stdout. With
+//! reports registers, static shared memory, stack and spills per kernel as JSON on stdout. With
 //! `--cubin-out DIR`, also writes a CUBIN per architecture of
 //! `CUBIN_ARCHS` under the name the CUDA backend looks for (a GPU machine
 //! then needs no NVRTC).
@@ -82,8 +82,9 @@ fn run() -> Result<(), String> {
     Ok(())
 }
 
-/// Reads `ptxas -v`'s "Compiling entry function 'k'" / "Used N registers" /
-/// "N bytes stack frame, N bytes spill stores, N bytes spill loads" lines.
+/// Reads `ptxas -v`'s "Compiling entry function 'k'" / "Used N registers,
+/// M bytes smem" / "N bytes stack frame, N bytes spill stores, N bytes spill
+/// loads" lines.
 fn parse_ptxas(log: &str, kernels: &mut serde_json::Map<String, Value>) {
     let mut current: Option<String> = None;
     let num = |s: &str, before: &str| -> Option<u64> {
@@ -97,6 +98,7 @@ fn parse_ptxas(log: &str, kernels: &mut serde_json::Map<String, Value>) {
         } else if let Some(k) = current.as_ref().and_then(|k| kernels.get_mut(k)) {
             if let Some(r) = num(line, "registers") {
                 k["registers"] = json!(r);
+                k["shared_bytes"] = json!(num(line, "bytes smem").unwrap_or(0));
             }
             if let Some(s) = num(line, "bytes spill stores") {
                 k["spill_stores"] = json!(s);
