@@ -28,11 +28,19 @@ thread_local std::string last_error;
 // then, as `order` says, 0: waits, syncs and writes its neighbour's 16
 // bytes to `out`; 1: does the same with the wait only after every thread
 // has read (a race the emulation must show: `out` gets the 0xff fill);
-// 2: commits and ends without a wait (the launch must fail).
+// 2: commits and ends without a wait (the launch must fail); 3: stores its
+// 16 bytes and reads its predecessor's with no barrier between (in the
+// fibers' order, first to last, it gets the predecessor's new bytes; in
+// reverse order what the previous launch left).
 __global__ void mk_emu_selftest_cp(const unsigned char* src, unsigned char* out, int order) {
   __shared__ MkStageBuf stage_buf;
   unsigned char* stage = stage_buf.b;
   int t = threadIdx.x, n = blockDim.x;
+  if (order == 3) {
+    std::memcpy(stage + t * 16, src + t * 16, 16);
+    std::memcpy(out + t * 16, stage + ((t + n - 1) % n) * 16, 16);
+    return;
+  }
   emu::cp_async16(stage + t * 16, src + t * 16);
   emu::cp_commit();
   if (order == 2) return;
@@ -57,16 +65,17 @@ int run(int how, dim3 g, dim3 b, void (*k)(A...), void** p, int n_params) {
 
 extern "C" {
 
-// Threads as fibers (`os_threads` 0) or OS threads (1). Returns 0: launched;
+// Threads as fibers (`how` 0), OS threads (1) or fibers in reverse order
+// (2). Returns 0: launched;
 // 1: unknown kernel; 2: wrong argument count; 3: the emulation failed (a
 // block that is not whole warps, a barrier that can never complete,
 // asynchronous copies never waited for: mk_emu_last_error says which).
 int mk_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                  unsigned by, unsigned bz, void** params, int n_params, int os_threads) {
+                  unsigned by, unsigned bz, void** params, int n_params, int how) {
   dim3 g(gx, gy, gz), b(bx, by, bz);
   try {
 #define MK_KERNEL(f) \
-  if (std::strcmp(name, #f) == 0) return run(os_threads, g, b, f, params, n_params);
+  if (std::strcmp(name, #f) == 0) return run(how, g, b, f, params, n_params);
     MK_KERNEL(mk_prefill_fwd)
     MK_KERNEL(mk_column_sums)
     MK_KERNEL(mk_pool1d)

@@ -4,9 +4,12 @@
 // * a launch runs the grid's blocks one at a time;
 // * a block's threads run either as fibers (the default: ucontext stacks on
 //   the calling OS thread, switched only where a thread waits, so a barrier
-//   costs a few context switches and runs are deterministic) or as OS
-//   threads (`mk_emu_set_mode(1)`: real concurrency, to shake out races the
-//   fixed fiber order would hide);
+//   costs a few context switches and runs are deterministic; launch_mode 0
+//   runs them first to last between waits, 2 last to first, so that a read
+//   of another thread's write without a barrier between them sees the
+//   write's absence in one of the two orders whichever thread it is) or as
+//   OS threads (launch_mode 1: real concurrency, to shake out races the
+//   fixed fiber orders would hide);
 // * `__syncthreads()` is a barrier over the block's threads;
 // * `__shared__` variables are function statics: one copy, shared by the
 //   threads of the block that is running (blocks never overlap);
@@ -59,7 +62,7 @@ namespace emu {
 // launch (for tests: launches are serialized, so the counts are exact).
 inline std::atomic<unsigned long long> staged_keys{0}, staged_values{0};
 inline thread_local unsigned long long last_staged_keys = 0, last_staged_values = 0;
-inline int mode = 0;  // 0: fibers, 1: OS threads
+inline int mode = 0;  // 0: fibers, 1: OS threads, 2: fibers in reverse order
 
 // Fiber scheduling state (one launch at a time, on the launching thread).
 struct Fiber {
@@ -247,7 +250,7 @@ inline void trampoline() {
 }
 
 // Runs `kernel(args...)` over `grid` x `block` threads, blocks in order,
-// the threads as fibers (`how` 0) or OS threads (1). Launches are serialized: `__shared__` statics and the globals above belong
+// the threads as fibers (`how` 0; 2: in reverse order) or OS threads (1). Launches are serialized: `__shared__` statics and the globals above belong
 // to the one block that runs.
 inline std::mutex launch_lock;
 template <class K, class... A>
@@ -261,7 +264,7 @@ void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
   if (n == 0 || n % 32 != 0) throw std::runtime_error("emulated blocks hold whole warps");
   grid_dim = grid;
   block_dim = blk;
-  if (mode == 0) {
+  if (mode != 1) {
     while (stacks.size() < n) stacks.emplace_back(new char[kStack]);
     fibers.assign(n, Fiber{});
     fiber_idx.resize(n);
@@ -303,7 +306,8 @@ void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
           unsigned left = n;
           while (left > 0) {
             unsigned long before = progress;
-            for (unsigned i = 0; i < n; ++i) {
+            for (unsigned k = 0; k < n; ++k) {
+              unsigned i = mode == 2 ? n - 1 - k : k;
               if (fibers[i].done) continue;
               current = i;
               swapcontext(&scheduler, &fibers[i].ctx);

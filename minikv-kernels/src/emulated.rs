@@ -2,7 +2,8 @@
 //! (feature `emulate`): [`EmuDevice`] is a [`Device`] whose memory is host
 //! memory and whose launches run the same kernel source, with the same
 //! geometry and argument lists, blocks one at a time with their threads as
-//! fibers (or OS threads, [`EmuDevice::with_os_threads`]). Slow, exact, and
+//! fibers (in reverse order, [`EmuDevice::with_reversed_fibers`], or as OS
+//! threads, [`EmuDevice::with_os_threads`]). Slow, exact, and
 //! meant for tests on small shapes; [`emulated_backend`] is the whole CUDA
 //! backend on it.
 //!
@@ -31,7 +32,7 @@ unsafe extern "C" {
         bz: u32,
         params: *mut *mut c_void,
         n_params: c_int,
-        os_threads: c_int,
+        how: c_int,
     ) -> c_int;
     fn mk_emu_f2h(f: f32) -> u16;
     fn mk_emu_staged(keys: *mut u64, values: *mut u64);
@@ -59,8 +60,9 @@ pub struct EmuDevice {
     /// `mk_emu_alloc`, each followed by a guard page; freed by `free` or
     /// drop).
     mem: Mutex<BTreeMap<u64, usize>>,
-    /// Run a block's threads as OS threads (else as fibers).
-    os_threads: bool,
+    /// How a block's threads run: 0 fibers, 1 OS threads, 2 fibers in
+    /// reverse order (`launch_mode` of `cuda/emulate.h`).
+    how: c_int,
     /// Launches per kernel name.
     launched: Mutex<BTreeMap<&'static str, u64>>,
     /// Blocks of `mk_decode_staged` that staged keys, and values.
@@ -86,12 +88,18 @@ impl EmuDevice {
     /// A new emulated device whose blocks' threads are OS threads (real
     /// concurrency; much slower).
     pub fn with_os_threads() -> Arc<Self> {
-        Arc::new(Self {
-            mem: Mutex::default(),
-            os_threads: true,
-            launched: Mutex::default(),
-            staged: Mutex::default(),
-        })
+        let mut d = Self::default();
+        d.how = 1;
+        Arc::new(d)
+    }
+    /// A new emulated device whose blocks' threads run as fibers from the
+    /// last to the first between waits (where the default runs them first
+    /// to last): a thread that reads another's write without a barrier
+    /// between them misses it in one of the two orders.
+    pub fn with_reversed_fibers() -> Arc<Self> {
+        let mut d = Self::default();
+        d.how = 2;
+        Arc::new(d)
     }
     /// How many times `kernel` was launched on this device (tests check
     /// which kernel a backend path takes).
@@ -211,7 +219,7 @@ impl Device for EmuDevice {
                 b.2,
                 params.as_mut_ptr(),
                 params.len() as c_int,
-                c_int::from(self.os_threads),
+                self.how,
             )
         };
         if rc == 0 && kernel == "mk_decode_staged" {

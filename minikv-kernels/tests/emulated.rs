@@ -135,6 +135,17 @@ fn the_backend_matches_the_cpu_reference_with_os_threads() {
     }
 }
 
+/// The same checks with every block's threads run as fibers from the last
+/// to the first: a read of another thread's write that lacks a barrier
+/// misses the write in this order or in the default one.
+#[test]
+fn the_backend_matches_the_cpu_reference_with_reversed_fibers() {
+    let r = parity::run_all(EmuDevice::with_reversed_fibers()).unwrap();
+    for row in &r.rows {
+        assert_eq!(row["ok"], true, "{row}");
+    }
+}
+
 /// A device that skips one kernel: the checks must notice (they are not
 /// vacuous), naming what broke.
 #[derive(Debug)]
@@ -265,6 +276,40 @@ fn asynchronous_copies_land_at_their_wait() {
         // Never waited for: the launch fails and says why.
         let e = run(2).unwrap_err().to_string();
         assert!(e.contains("no wait retired"), "{e}");
+    }
+}
+
+/// Fibers run first to last between waits by default and last to first on
+/// a device made `with_reversed_fibers`: a thread that reads its
+/// predecessor's store without a barrier gets it in the first order and
+/// misses it in the second.
+#[test]
+fn fiber_orders_are_first_to_last_and_reversed() {
+    for reversed in [false, true] {
+        let emu = if reversed {
+            EmuDevice::with_reversed_fibers()
+        } else {
+            EmuDevice::new()
+        };
+        let dev: Arc<dyn Device> = emu.clone();
+        let out = DevBuf::zeroed(&dev, 64 * 16).unwrap();
+        let mut got = Vec::new();
+        for fill in [1u8, 2] {
+            let src = DevBuf::zeroed(&dev, 64 * 16).unwrap();
+            src.write(0, &[fill; 64 * 16]).unwrap();
+            let launch = Launch {
+                grid: (1, 1, 1),
+                block: (64, 1, 1),
+            };
+            let args = [Arg::Ptr(src.ptr()), Arg::Ptr(out.ptr()), Arg::I32(3)];
+            dev.launch("mk_emu_selftest_cp", launch, &args).unwrap();
+            got = out.to_vec::<u8>(0, 64 * 16).unwrap();
+        }
+        // Thread 1's read of thread 0's bytes, in the second launch: the
+        // new ones, or (reversed) what an earlier launch left (this test's
+        // first, or another test's).
+        let seen = got[16..32].iter().all(|&b| b == 2);
+        assert_eq!(seen, !reversed, "reversed {reversed}: {:?}", &got[16..32]);
     }
 }
 
