@@ -11,7 +11,9 @@
 //! would read or write past a device buffer fails loudly here; and every
 //! allocation ends where an inaccessible guard page begins, so a kernel that
 //! reads or writes past the end of a buffer faults (the test process dies
-//! with SIGSEGV) instead of touching a neighbour's bytes.
+//! with SIGSEGV) instead of touching a neighbour's bytes
+//! (`MINIKV_EMU_GUARD=before`: every allocation starts where a guard page
+//! ends, for accesses before a buffer's start).
 
 use crate::backend::CudaBackend;
 use crate::device::{Arg, DevPtr, Device, Launch};
