@@ -235,6 +235,20 @@ fn device_copies_are_bounds_checked() {
     assert!(e.contains("do not match its parameter list"), "{e}");
 }
 
+/// Launches the emulation's self-test kernel (`cuda/emu_host.cpp`) on one
+/// block of 64 threads: 16 bytes per thread from `src` to `out` by `order`.
+fn selftest(dev: &Arc<dyn Device>, src: u64, out: u64, order: i32) -> minikv_core::Result<()> {
+    let launch = Launch {
+        grid: (1, 1, 1),
+        block: (64, 1, 1),
+    };
+    dev.launch(
+        "mk_emu_selftest_cp",
+        launch,
+        &[Arg::Ptr(src), Arg::Ptr(out), Arg::I32(order)],
+    )
+}
+
 /// The emulation's asynchronous copies land at the wait that retires them,
 /// not when issued: a read before the wait sees the 0xff fill (so a kernel
 /// that forgot its `cp.async.wait_group` fails its parity checks here, as
@@ -252,16 +266,7 @@ fn asynchronous_copies_land_at_their_wait() {
         let sb = DevBuf::zeroed(&dev, src.len()).unwrap();
         sb.write(0, &src).unwrap();
         let out = DevBuf::zeroed(&dev, src.len()).unwrap();
-        let run = |order: i32| {
-            dev.launch(
-                "mk_emu_selftest_cp",
-                Launch {
-                    grid: (1, 1, 1),
-                    block: (64, 1, 1),
-                },
-                &[Arg::Ptr(sb.ptr()), Arg::Ptr(out.ptr()), Arg::I32(order)],
-            )
-        };
+        let run = |order: i32| selftest(&dev, sb.ptr(), out.ptr(), order);
         // Waited for, then a barrier: each thread reads its neighbour's bytes.
         run(0).unwrap();
         let got = out.to_vec::<u8>(0, src.len()).unwrap();
@@ -297,12 +302,7 @@ fn fiber_orders_are_first_to_last_and_reversed() {
         for fill in [1u8, 2] {
             let src = DevBuf::zeroed(&dev, 64 * 16).unwrap();
             src.write(0, &[fill; 64 * 16]).unwrap();
-            let launch = Launch {
-                grid: (1, 1, 1),
-                block: (64, 1, 1),
-            };
-            let args = [Arg::Ptr(src.ptr()), Arg::Ptr(out.ptr()), Arg::I32(3)];
-            dev.launch("mk_emu_selftest_cp", launch, &args).unwrap();
+            selftest(&dev, src.ptr(), out.ptr(), 3).unwrap();
             got = out.to_vec::<u8>(0, 64 * 16).unwrap();
         }
         // Thread 1's read of thread 0's bytes, in the second launch: the
@@ -332,14 +332,7 @@ fn a_kernel_reading_past_a_buffer_faults() {
         } else {
             buf.ptr()
         };
-        let r = dev.launch(
-            "mk_emu_selftest_cp",
-            Launch {
-                grid: (1, 1, 1),
-                block: (64, 1, 1),
-            },
-            &[Arg::Ptr(src), Arg::Ptr(out.ptr()), Arg::I32(0)],
-        );
+        let r = selftest(&dev, src, out.ptr(), 0);
         panic!("the read outside the buffer did not fault: {r:?}");
     }
     for (side, guard) in [("after", None), ("before", Some("before"))] {
