@@ -17,7 +17,8 @@
 #      on tensor cores and on the scalar f32 kernels (tokens/s, attention
 #      TFLOP/s; every prefill check runs on both); a failing group of checks
 #      is reported and the others still run;
-#   3. ptxas registers, static shared memory and spills (from the bundle, computed at build);
+#   3. ptxas registers, static shared memory and spills (from the bundle,
+#      computed at build);
 #   4. decode attention (bench attention, 32/8 heads, d = 128) at 16K and
 #      128K tokens on cuda (the fast decode kernel, its staged form and the
 #      general kernel: MINIKV_CUDA_DECODE; the fast one also with synchronous

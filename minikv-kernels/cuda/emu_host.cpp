@@ -7,7 +7,6 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -103,14 +102,10 @@ int mk_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsig
 // end where an inaccessible guard page begins (another guard page sits
 // before the first page), so a kernel's access past the end of a device
 // buffer faults at once, as compute-sanitizer's memcheck would flag it on
-// a GPU, instead of reading a neighbour's bytes. With
-// MINIKV_EMU_GUARD=before the buffer starts right after the first guard
-// page instead (an access before its start faults). Null when out of memory.
-void* mk_emu_alloc(unsigned long bytes) {
-  static const bool before = [] {
-    const char* v = std::getenv("MINIKV_EMU_GUARD");
-    return v && std::strcmp(v, "before") == 0;
-  }();
+// a GPU, instead of reading a neighbour's bytes. With `before` the buffer
+// starts right after the first guard page instead (an access before its
+// start faults). Null when out of memory.
+void* mk_emu_alloc(unsigned long bytes, int before) {
   unsigned long page = (unsigned long)sysconf(_SC_PAGESIZE);
   unsigned long data = (bytes + page - 1) / page * page;
   void* base = mmap(nullptr, data + 2 * page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

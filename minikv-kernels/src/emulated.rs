@@ -40,7 +40,7 @@ unsafe extern "C" {
     fn mk_emu_staged(keys: *mut u64, values: *mut u64);
     fn mk_emu_h2f(h: u16) -> f32;
     fn mk_emu_last_error(buf: *mut c_char, n: std::os::raw::c_ulong);
-    fn mk_emu_alloc(bytes: std::os::raw::c_ulong) -> *mut c_void;
+    fn mk_emu_alloc(bytes: std::os::raw::c_ulong, before: c_int) -> *mut c_void;
     fn mk_emu_free(p: *mut c_void, bytes: std::os::raw::c_ulong);
 }
 
@@ -55,6 +55,35 @@ fn err(reason: impl Into<String>) -> Error {
 /// aligned as the kernels' 16-byte loads need (`cuMemAlloc` aligns to 256).
 const WORD: usize = 16;
 
+/// Whether allocations start after their guard page (`MINIKV_EMU_GUARD=before`)
+/// rather than end before one (unset, empty or `after`); read once.
+fn guard_before() -> Result<bool> {
+    static GUARD: std::sync::OnceLock<std::result::Result<bool, String>> =
+        std::sync::OnceLock::new();
+    GUARD
+        .get_or_init(|| match std::env::var("MINIKV_EMU_GUARD").as_deref() {
+            Err(_) | Ok("" | "after") => Ok(false),
+            Ok("before") => Ok(true),
+            Ok(v) => Err(format!(
+                "MINIKV_EMU_GUARD={v:?}: expected after (guard pages after device buffers, the default) or before"
+            )),
+        })
+        .clone()
+        .map_err(err)
+}
+
+/// How a block's threads run (`launch_mode` of `cuda/emulate.h`).
+#[derive(Debug, Default, Clone, Copy)]
+enum Threads {
+    /// Fibers, first to last between waits.
+    #[default]
+    Fibers = 0,
+    /// OS threads.
+    Os = 1,
+    /// Fibers, last to first between waits.
+    ReversedFibers = 2,
+}
+
 /// Host memory standing in for device memory; launches through the emulator.
 #[derive(Debug, Default)]
 pub struct EmuDevice {
@@ -62,9 +91,8 @@ pub struct EmuDevice {
     /// `mk_emu_alloc`, each followed by a guard page; freed by `free` or
     /// drop).
     mem: Mutex<BTreeMap<u64, usize>>,
-    /// How a block's threads run: 0 fibers, 1 OS threads, 2 fibers in
-    /// reverse order (`launch_mode` of `cuda/emulate.h`).
-    how: c_int,
+    /// How a block's threads run.
+    threads: Threads,
     /// Launches per kernel name.
     launched: Mutex<BTreeMap<&'static str, u64>>,
     /// Blocks of `mk_decode_staged` that staged keys, and values.
@@ -90,17 +118,19 @@ impl EmuDevice {
     /// A new emulated device whose blocks' threads are OS threads (real
     /// concurrency; much slower).
     pub fn with_os_threads() -> Arc<Self> {
-        let mut d = Self::default();
-        d.how = 1;
-        Arc::new(d)
+        Self::with_threads(Threads::Os)
     }
     /// A new emulated device whose blocks' threads run as fibers from the
     /// last to the first between waits (where the default runs them first
     /// to last): a thread that reads another's write without a barrier
     /// between them misses it in one of the two orders.
     pub fn with_reversed_fibers() -> Arc<Self> {
+        Self::with_threads(Threads::ReversedFibers)
+    }
+    fn with_threads(threads: Threads) -> Arc<Self> {
+        // (Not `..Self::default()`: a type with `Drop` cannot be moved out of.)
         let mut d = Self::default();
-        d.how = 2;
+        d.threads = threads;
         Arc::new(d)
     }
     /// How many times `kernel` was launched on this device (tests check
@@ -139,8 +169,9 @@ impl Device for EmuDevice {
     }
     fn alloc(&self, bytes: usize) -> Result<DevPtr> {
         let n = bytes.div_ceil(WORD).max(1);
+        let before = c_int::from(guard_before()?);
         // SAFETY: allocates (zeroed) or returns null.
-        let p = unsafe { mk_emu_alloc((n * WORD) as _) } as u64;
+        let p = unsafe { mk_emu_alloc((n * WORD) as _, before) } as u64;
         if p == 0 {
             return Err(err(format!("out of host memory for {bytes} bytes")));
         }
@@ -221,7 +252,7 @@ impl Device for EmuDevice {
                 b.2,
                 params.as_mut_ptr(),
                 params.len() as c_int,
-                self.how,
+                self.threads as c_int,
             )
         };
         if rc == 0 && kernel == "mk_decode_staged" {

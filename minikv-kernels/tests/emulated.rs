@@ -256,12 +256,11 @@ fn selftest(dev: &Arc<dyn Device>, src: u64, out: u64, order: i32) -> minikv_cor
 #[test]
 fn asynchronous_copies_land_at_their_wait() {
     for os_threads in [false, true] {
-        let emu = if os_threads {
+        let dev: Arc<dyn Device> = if os_threads {
             EmuDevice::with_os_threads()
         } else {
             EmuDevice::new()
         };
-        let dev: Arc<dyn Device> = emu.clone();
         let src: Vec<u8> = (0..64 * 16).map(|i| (i * 7 % 251) as u8).collect();
         let sb = DevBuf::zeroed(&dev, src.len()).unwrap();
         sb.write(0, &src).unwrap();
@@ -291,12 +290,11 @@ fn asynchronous_copies_land_at_their_wait() {
 #[test]
 fn fiber_orders_are_first_to_last_and_reversed() {
     for reversed in [false, true] {
-        let emu = if reversed {
+        let dev: Arc<dyn Device> = if reversed {
             EmuDevice::with_reversed_fibers()
         } else {
             EmuDevice::new()
         };
-        let dev: Arc<dyn Device> = emu.clone();
         let out = DevBuf::zeroed(&dev, 64 * 16).unwrap();
         let mut got = Vec::new();
         for fill in [1u8, 2] {
@@ -317,7 +315,7 @@ fn fiber_orders_are_first_to_last_and_reversed() {
 /// guard page after it, and with `MINIKV_EMU_GUARD=before` one that reads
 /// before its start faults at the guard page before it (each run in a child
 /// process, which must die by SIGSEGV), where either would otherwise read
-/// a neighbour's bytes unnoticed.
+/// a neighbour's bytes unnoticed; an unknown placement is a clear error.
 #[test]
 fn a_kernel_reading_past_a_buffer_faults() {
     use std::os::unix::process::ExitStatusExt;
@@ -352,6 +350,25 @@ fn a_kernel_reading_past_a_buffer_faults() {
         let status = cmd.status().unwrap();
         assert_eq!(status.signal(), Some(11), "{side}: {status:?}");
     }
+    // An unknown placement is an error that names it, at the first allocation.
+    let o = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_kernel_reading_past_a_buffer_faults",
+            "--test-threads=1",
+        ])
+        .env("MINIKV_EMU_GUARD_CHILD", "after")
+        .env("MINIKV_EMU_GUARD", "sideways")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout) + String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.signal().is_none() && !o.status.success(),
+        "{:?}",
+        o.status
+    );
+    let named = text.contains("MINIKV_EMU_GUARD=") && text.contains("sideways");
+    assert!(named && text.contains("expected after"), "{text}");
 }
 
 /// SnapKV window scores on the backend against `minikv-policies`' own

@@ -1,9 +1,9 @@
 //! Compiles every kernel with NVRTC for each architecture of
 //! `minikv_kernels::nvrtc::ARCHS` and, given `ptxas`, assembles the PTX and
-//! reports registers, static shared memory, stack and spills per kernel as JSON on stdout. With
-//! `--cubin-out DIR`, also writes a CUBIN per architecture of
-//! `CUBIN_ARCHS` under the name the CUDA backend looks for (a GPU machine
-//! then needs no NVRTC).
+//! reports registers, static shared memory, stack and spills per kernel as
+//! JSON on stdout. With `--cubin-out DIR`, also writes a CUBIN per
+//! architecture of `CUBIN_ARCHS` under the name the CUDA backend looks for
+//! (a GPU machine then needs no NVRTC).
 //!
 //! `LD_LIBRARY_PATH=third_party/cuda/lib minikv-kernels-check [--ptxas PATH] [--out DIR] [--cubin-out DIR]`
 
