@@ -14,8 +14,10 @@
 #      the device's info (driver, image loaded, registers and local bytes
 #      per kernel as the driver reports them, memory bandwidth bound, a
 #      measured device-to-device copy); prefill with A_cumul at 32K tokens
-#      on tensor cores and on the scalar f32 kernels (tokens/s, attention
-#      TFLOP/s; every prefill check runs on both); a failing group of checks
+#      on tensor cores, their pipelined form and the scalar f32 kernels
+#      (tokens/s, attention TFLOP/s; every prefill check runs on each, the
+#      pipelined rows also saying whether they have the plain tensor-core
+#      kernel's bits); a failing group of checks
 #      is reported and the others still run;
 #   3. ptxas registers, static shared memory and spills (from the bundle,
 #      computed at build);
@@ -34,7 +36,8 @@
 #      decode) against backend = "tiled" (same greedy tokens);
 #   6. last, the small shapes again under compute-sanitizer (memcheck) when
 #      the machine has it and it can attach (gVisor refuses it), and the
-#      small decode cases under its racecheck (shared-memory hazards).
+#      small decode and pipelined prefill cases under its racecheck
+#      (shared-memory hazards).
 # Writes $OUT (or results/gpu-check/): one file per step and summary.json,
 # and prints a short report. Budget: under 8 minutes. GPUCHECK_QUICK=1
 # (a rerun after a kernel change, when device time is short): steps 4 and
@@ -91,7 +94,7 @@ r = json.load(open(sys.argv[1]))
 i = r.get("info", {})
 print(f"device: {r['device']}  image: {i.get('image')}  bound: {i.get('peak_bandwidth_gb_s')} GB/s  ok: {r['ok']}")
 for c in r["checks"]:
-    errs = {k: v for k, v in c.items() if k.endswith("err") or k.endswith("equal") or k.endswith("values") or k in ("tokens", "t", "path", "kernel", "split", "error")}
+    errs = {k: v for k, v in c.items() if k.endswith("err") or k.endswith("equal") or k.endswith("values") or k.startswith("same_bits") or k in ("tokens", "t", "path", "kernel", "split", "error")}
     print(f"  {'ok ' if c['ok'] else 'BAD'} {c['check']}: {errs}")
 print("  registers (driver):", {k: v.get("registers") for k, v in sorted(i.get("kernels", {}).items())})
 for path, p in r["prefill"].items():
@@ -314,11 +317,12 @@ sanitize() {
 if [ -n "$SANITIZER" ]; then
   echo "== small shapes under compute-sanitizer --tool memcheck ($SANITIZER)"
   sanitize sanitizer memcheck 150 GPUCHECK_TOKENS=2048 GPUCHECK_PREFILL=1024
-  # The fused decode kernels again under the race checker: shared memory
-  # that mk_decode_staged fills by asynchronous copies and reuses for its
-  # final sums (only the small decode cases: racecheck is slow).
-  echo "== small decode cases under compute-sanitizer --tool racecheck"
-  sanitize racecheck racecheck 120 GPUCHECK_ONLY=decode
+  # The kernels that fill shared memory by asynchronous copies again under
+  # the race checker: mk_decode_staged (which reuses it for its final sums)
+  # and mk_prefill_mma_pipe (two tiles, each refilled while the other is
+  # read); only the small cases: racecheck is slow.
+  echo "== small decode and pipelined prefill cases under compute-sanitizer --tool racecheck"
+  sanitize racecheck racecheck 120 GPUCHECK_ONLY=staged
 else
   echo "== (compute-sanitizer not on this machine: skipped)"
 fi

@@ -17,6 +17,7 @@
 #include "minikv.cu"
 #include "prefill_mma.cu"
 #include "decode_fast.cu"
+#include "prefill_pipe.cu"
 
 namespace {
 // Why the calling thread's last launch failed (mk_emu_last_error).
@@ -30,7 +31,12 @@ thread_local std::string last_error;
 // 2: commits and ends without a wait (the launch must fail); 3: stores its
 // 16 bytes and reads its predecessor's with no barrier between (in the
 // fibers' order, first to last, it gets the predecessor's new bytes; in
-// reverse order what the previous launch left).
+// reverse order what the previous launch left); 4: stores its 16 bytes,
+// takes part in a warp shuffle and reads those of the thread 32 ahead (the
+// next warp's) with no block barrier between (with the fibers first to
+// last it gets the new bytes, the shuffle letting every warp store first;
+// with the warps in turn, the next warp has not run yet: what the previous
+// launch left, except in the last warp, which reads the first's).
 __global__ void mk_emu_selftest_cp(const unsigned char* src, unsigned char* out, int order) {
   __shared__ MkStageBuf stage_buf;
   unsigned char* stage = stage_buf.b;
@@ -38,6 +44,12 @@ __global__ void mk_emu_selftest_cp(const unsigned char* src, unsigned char* out,
   if (order == 3) {
     std::memcpy(stage + t * 16, src + t * 16, 16);
     std::memcpy(out + t * 16, stage + ((t + n - 1) % n) * 16, 16);
+    return;
+  }
+  if (order == 4) {
+    std::memcpy(stage + t * 16, src + t * 16, 16);
+    (void)__shfl_xor_sync(0xffffffffu, t, 1);
+    std::memcpy(out + t * 16, stage + ((t + 32) % n) * 16, 16);
     return;
   }
   emu::cp_async16(stage + t * 16, src + t * 16);
@@ -89,6 +101,8 @@ int mk_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsig
     MK_KERNEL(mk_column_sums_mma64)
     MK_KERNEL(mk_prefill_mma128)
     MK_KERNEL(mk_column_sums_mma128)
+    MK_KERNEL(mk_prefill_mma_pipe64)
+    MK_KERNEL(mk_prefill_mma_pipe128)
     MK_KERNEL(mk_emu_selftest_cp)
 #undef MK_KERNEL
   } catch (const std::exception& e) {

@@ -7,9 +7,12 @@
 //   costs a few context switches and runs are deterministic; launch_mode 0
 //   runs them first to last between waits, 2 last to first, so that a read
 //   of another thread's write without a barrier between them sees the
-//   write's absence in one of the two orders whichever thread it is) or as
-//   OS threads (launch_mode 1: real concurrency, to shake out races the
-//   fixed fiber orders would hide);
+//   write's absence in one of the two orders whichever thread it is; 3 runs
+//   the warps in turn, each through a whole phase between two block
+//   barriers before the next starts, so that a warp that refills shared
+//   memory without the barrier that waits for the other warps' reads
+//   spoils what they then read) or as OS threads (launch_mode 1: real
+//   concurrency, to shake out races the fixed fiber orders would hide);
 // * `__syncthreads()` is a barrier over the block's threads;
 // * `__shared__` variables are function statics: one copy, shared by the
 //   threads of the block that is running (blocks never overlap);
@@ -62,7 +65,7 @@ namespace emu {
 // launch (for tests: launches are serialized, so the counts are exact).
 inline std::atomic<unsigned long long> staged_keys{0}, staged_values{0};
 inline thread_local unsigned long long last_staged_keys = 0, last_staged_values = 0;
-inline int mode = 0;  // 0: fibers, 1: OS threads, 2: fibers in reverse order
+inline int mode = 0;  // 0: fibers, 1: OS threads, 2: fibers in reverse order, 3: warps in turn
 
 // Fiber scheduling state (one launch at a time, on the launching thread).
 struct Fiber {
@@ -173,6 +176,32 @@ inline void warp_gather(const unsigned* in, unsigned n, unsigned* out) {
   for (unsigned l = 0; l < 32; ++l) std::memcpy(out + l * n, &b->wide[(base + l) * kWide], n * 4);
   b->warps[warp]->arrive_and_wait();
 }
+
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16, warp-wide: lane l gives
+// the address of row l % 8 of matrix l / 8 (8 fp16, 16-byte aligned, as the
+// hardware requires: a misaligned row fails the launch); out[i] is this
+// lane's word of matrix i: row lane / 4, elements 2 (lane % 4) and + 1, or
+// with `trans` column lane / 4 of rows 2 (lane % 4) and + 1, the lower index
+// in the low half. The rows are read after every lane of the warp has
+// given its address, as a warp-wide load reads them.
+inline void ldmatrix_x4(unsigned* out, const void* row, bool trans) {
+  uint64_t a = reinterpret_cast<uint64_t>(row);
+  if (a % 16 != 0) throw std::runtime_error("ldmatrix: a row address is not 16-byte aligned");
+  unsigned mine[2] = {(unsigned)a, (unsigned)(a >> 32)}, all[64];
+  warp_gather(mine, 2, all);
+  unsigned lane = flat() % 32;
+  auto at = [&](unsigned m, unsigned r, unsigned col) {
+    uint64_t p = all[(m * 8 + r) * 2] | ((uint64_t)all[(m * 8 + r) * 2 + 1] << 32);
+    unsigned short h;
+    std::memcpy(&h, reinterpret_cast<const unsigned char*>(p) + 2 * col, 2);
+    return (unsigned)h;
+  };
+  for (unsigned m = 0; m < 4; ++m) {
+    unsigned e = 2 * (lane % 4);
+    out[m] = trans ? at(m, e, lane / 4) | (at(m, e + 1, lane / 4) << 16)
+                   : at(m, lane / 4, e) | (at(m, lane / 4, e + 1) << 16);
+  }
+}
 }  // namespace emu
 
 namespace emu {
@@ -250,8 +279,9 @@ inline void trampoline() {
 }
 
 // Runs `kernel(args...)` over `grid` x `block` threads, blocks in order,
-// the threads as fibers (`how` 0; 2: in reverse order) or OS threads (1). Launches are serialized: `__shared__` statics and the globals above belong
-// to the one block that runs.
+// the threads as fibers (`how` 0; 2: in reverse order; 3: warps in turn)
+// or OS threads (1). Launches are serialized: `__shared__` statics and the
+// globals above belong to the one block that runs.
 inline std::mutex launch_lock;
 template <class K, class... A>
 void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
@@ -304,14 +334,27 @@ void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
             makecontext(&f.ctx, trampoline, 0);
           }
           unsigned left = n;
+          auto step = [&](unsigned i) {
+            if (fibers[i].done) return;
+            current = i;
+            swapcontext(&scheduler, &fibers[i].ctx);
+            if (fibers[i].done) --left;
+          };
           while (left > 0) {
             unsigned long before = progress;
-            for (unsigned k = 0; k < n; ++k) {
-              unsigned i = mode == 2 ? n - 1 - k : k;
-              if (fibers[i].done) continue;
-              current = i;
-              swapcontext(&scheduler, &fibers[i].ctx);
-              if (fibers[i].done) --left;
+            if (mode == 3) {
+              // Warps in turn: a warp's fibers run until none of them gets
+              // further (all wait at a block barrier, or are done), then the
+              // next warp's: a whole phase between two __syncthreads.
+              for (unsigned w = 0; w < n / 32; ++w) {
+                unsigned long p;
+                do {
+                  p = progress;
+                  for (unsigned k = 0; k < 32; ++k) step(w * 32 + k);
+                } while (progress != p);
+              }
+            } else {
+              for (unsigned k = 0; k < n; ++k) step(mode == 2 ? n - 1 - k : k);
             }
             if (left > 0 && progress == before) {
               block = nullptr;

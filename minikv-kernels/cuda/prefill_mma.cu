@@ -132,96 +132,95 @@ __device__ __forceinline__ bool mk_sees(int pos, int j, int window) {
   return j <= pos && (window <= 0 || j > pos - window);
 }
 
-// 5a. Tensor-core prefill: block (64 query rows, query head h); outputs and
-// each row's log-sum-exp (of the scaled scores), as mk_prefill_fwd.
+// A forward block's geometry (block (64 query rows, query head h), warp w
+// owning rows i0 = 64 x + 16 w ..): its KV head's offset in k and v, this
+// lane's two row positions, the keys [jlo, last] the block's rows see (from
+// the first row's lowest to the last row's position); qa gets the warp's
+// query rows times `scale` as A fragments. Shared by both forward kernels.
+struct MkFwdBlock {
+  int h, i0, jlo, last;
+  int pos[2];
+  mk_size kv;
+};
 template <int D>
-__device__ void mk_prefill_mma(const float* q, const unsigned short* k, const unsigned short* v,
-                               float* out, float* lse, int n, int t, int group, float scale,
-                               int window) {
-  constexpr int LK = D + MK_MMA_PAD, LV = MK_MMA_TILE + MK_MMA_PAD, NT = D / 8;
-  __shared__ unsigned short sk[MK_MMA_TILE * LK];
-  __shared__ unsigned short svt[D * LV];
-  int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
-  int h = blockIdx.y, i0 = blockIdx.x * MK_MMA_TILE + warp * 16;
-  const unsigned short* kh = k + (mk_size)(h / group) * t * D;
-  const unsigned short* vh = v + (mk_size)(h / group) * t * D;
-  unsigned qa[D / 16][4];
-  int left = n - i0;
-  mk_a_frags<D>(qa, q + ((mk_size)h * n + (i0 < n ? i0 : 0)) * D, left > 0 ? left : 0, scale);
-  float o[NT][4];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m[2] = {-MK_INF, -MK_INF}, l[2] = {0.f, 0.f};
-  int pos[2] = {t - n + i0 + g, t - n + i0 + g + 8};
-  // Keys the block's rows see: from the first row's lowest to the last row's position.
+__device__ __forceinline__ MkFwdBlock mk_fwd_block(const float* q, unsigned (*qa)[4], int n, int t,
+                                                   int group, float scale, int window) {
+  int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
+  MkFwdBlock b;
+  b.h = blockIdx.y;
+  b.i0 = blockIdx.x * MK_MMA_TILE + warp * 16;
+  b.kv = (mk_size)(b.h / group) * t * D;
+  int left = n - b.i0;
+  mk_a_frags<D>(qa, q + ((mk_size)b.h * n + (b.i0 < n ? b.i0 : 0)) * D, left > 0 ? left : 0, scale);
+  b.pos[0] = t - n + b.i0 + g;
+  b.pos[1] = b.pos[0] + 8;
   int first = t - n + blockIdx.x * MK_MMA_TILE;
-  int last = first + MK_MMA_TILE - 1 < t - 1 ? first + MK_MMA_TILE - 1 : t - 1;
-  int jlo = window > 0 && first + 1 - window > 0 ? first + 1 - window : 0;
-  for (int j0 = jlo; j0 <= last; j0 += MK_MMA_TILE) {
-    __syncthreads();  // the previous tile is no longer read
-    mk_stage<D>(sk, nullptr, kh, j0, t, 1.f);
-    mk_stage<D>(nullptr, svt, vh, j0, t, 1.f);  // V transposed: B fragments of P V
-    __syncthreads();
-    float s[MK_MMA_TILE / 8][4];
+  b.last = first + MK_MMA_TILE - 1 < t - 1 ? first + MK_MMA_TILE - 1 : t - 1;
+  b.jlo = window > 0 && first + 1 - window > 0 ? first + 1 - window : 0;
+  return b;
+}
+
+// P's accumulator tiles 2kc, 2kc + 1 as the A fragment of keys 16 kc ..
+// 16 kc + 15 for O += P V (FlashAttention-2's register reuse).
+__device__ __forceinline__ void mk_p_frag(const float (*s)[4], int kc, unsigned* pa) {
+  pa[0] = mk_pack(s[2 * kc][0], s[2 * kc][1]);
+  pa[1] = mk_pack(s[2 * kc][2], s[2 * kc][3]);
+  pa[2] = mk_pack(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+  pa[3] = mk_pack(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+}
+
+// The online softmax of one tile of 64 keys at j0 for this lane's two query
+// rows (row r: g + 8r, at position pos[r]; a row's 64 scores sit in the 4
+// lanes of its group): scores of keys the row does not see become -inf, the
+// running maximum m[r] and sum l[r] and the outputs o are rescaled, and s
+// becomes the tile's exp(s - m). Shared by mk_prefill_mma and
+// mk_prefill_mma_pipe (the same code: the same bits).
+template <int D>
+__device__ __forceinline__ void mk_tile_softmax(float (*s)[4], float (*o)[4], float* m, float* l,
+                                                int j0, int t, const int* pos, int window) {
+  constexpr int NT = D / 8;
+  int c = threadIdx.x % 4;
 #pragma unroll
-    for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+  for (int r = 0; r < 2; ++r) {
+    float mx = m[r];
 #pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) {
-        unsigned b[2] = {mk_word(sk, (nt * 8 + g) * LK + kc * 16 + 2 * c),
-                         mk_word(sk, (nt * 8 + g) * LK + kc * 16 + 2 * c + 8)};
-        mk_mma(s[nt], qa[kc], b);
+    for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        int j = j0 + nt * 8 + 2 * c + e;
+        float& x = s[nt][2 * r + e];
+        if (j >= t || !mk_sees(pos[r], j, window)) x = -MK_INF;
+        mx = fmaxf(mx, x);
       }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    float base = mx == -MK_INF ? 0.f : mx;
+    float alpha = __expf(m[r] - base);
+    l[r] *= alpha;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      o[j][2 * r] *= alpha;
+      o[j][2 * r + 1] *= alpha;
     }
-    // Online softmax per row (row r of this lane: g + 8r); a row's 64 scores
-    // sit in the 4 lanes of its group.
+    m[r] = mx;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = m[r];
+    for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          int j = j0 + nt * 8 + 2 * c + e;
-          float& x = s[nt][2 * r + e];
-          if (j >= t || !mk_sees(pos[r], j, window)) x = -MK_INF;
-          mx = fmaxf(mx, x);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      float base = mx == -MK_INF ? 0.f : mx;
-      float alpha = __expf(m[r] - base);
-      l[r] *= alpha;
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        o[j][2 * r] *= alpha;
-        o[j][2 * r + 1] *= alpha;
+      for (int e = 0; e < 2; ++e) {
+        float p = __expf(s[nt][2 * r + e] - base);
+        s[nt][2 * r + e] = p;
+        l[r] += p;
       }
-      m[r] = mx;
-#pragma unroll
-      for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float p = __expf(s[nt][2 * r + e] - base);
-          s[nt][2 * r + e] = p;
-          l[r] += p;
-        }
-    }
-    // O += P V: P's accumulator tiles 2kc, 2kc + 1 are the A fragment of keys
-    // 16 kc .. 16 kc + 15 (FlashAttention-2's register reuse).
-#pragma unroll
-    for (int kc = 0; kc < MK_MMA_TILE / 16; ++kc) {
-      unsigned pa[4] = {mk_pack(s[2 * kc][0], s[2 * kc][1]), mk_pack(s[2 * kc][2], s[2 * kc][3]),
-                        mk_pack(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                        mk_pack(s[2 * kc + 1][2], s[2 * kc + 1][3])};
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        unsigned b[2] = {mk_word(svt, (j * 8 + g) * LV + kc * 16 + 2 * c),
-                         mk_word(svt, (j * 8 + g) * LV + kc * 16 + 2 * c + 8)};
-        mk_mma(o[j], pa, b);
-      }
-    }
   }
+}
+
+// The end of a forward block: this lane's two rows of outputs (o over the
+// group's summed l) and their log-sum-exp, for rows below n.
+template <int D>
+__device__ __forceinline__ void mk_prefill_store(const float (*o)[4], float* l, const float* m,
+                                                 float* out, float* lse, int h, int n, int i0) {
+  constexpr int NT = D / 8;
+  int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -236,6 +235,58 @@ __device__ void mk_prefill_mma(const float* q, const unsigned short* k, const un
     }
     if (c == 0) lse[(mk_size)h * n + i] = m[r] + __logf(l[r]);
   }
+}
+
+// 5a. Tensor-core prefill: block (64 query rows, query head h); outputs and
+// each row's log-sum-exp (of the scaled scores), as mk_prefill_fwd.
+template <int D>
+__device__ void mk_prefill_mma(const float* q, const unsigned short* k, const unsigned short* v,
+                               float* out, float* lse, int n, int t, int group, float scale,
+                               int window) {
+  constexpr int LK = D + MK_MMA_PAD, LV = MK_MMA_TILE + MK_MMA_PAD, NT = D / 8;
+  __shared__ unsigned short sk[MK_MMA_TILE * LK];
+  __shared__ unsigned short svt[D * LV];
+  int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  unsigned qa[D / 16][4];
+  MkFwdBlock b = mk_fwd_block<D>(q, qa, n, t, group, scale, window);
+  const unsigned short* kh = k + b.kv;
+  const unsigned short* vh = v + b.kv;
+  float o[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m[2] = {-MK_INF, -MK_INF}, l[2] = {0.f, 0.f};
+  int jlo = b.jlo, last = b.last;
+  for (int j0 = jlo; j0 <= last; j0 += MK_MMA_TILE) {
+    __syncthreads();  // the previous tile is no longer read
+    mk_stage<D>(sk, nullptr, kh, j0, t, 1.f);
+    mk_stage<D>(nullptr, svt, vh, j0, t, 1.f);  // V transposed: B fragments of P V
+    __syncthreads();
+    float s[MK_MMA_TILE / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) {
+        unsigned bk[2] = {mk_word(sk, (nt * 8 + g) * LK + kc * 16 + 2 * c),
+                          mk_word(sk, (nt * 8 + g) * LK + kc * 16 + 2 * c + 8)};
+        mk_mma(s[nt], qa[kc], bk);
+      }
+    }
+    mk_tile_softmax<D>(s, o, m, l, j0, t, b.pos, window);
+    // O += P V.
+#pragma unroll
+    for (int kc = 0; kc < MK_MMA_TILE / 16; ++kc) {
+      unsigned pa[4];
+      mk_p_frag(s, kc, pa);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        unsigned bv[2] = {mk_word(svt, (j * 8 + g) * LV + kc * 16 + 2 * c),
+                          mk_word(svt, (j * 8 + g) * LV + kc * 16 + 2 * c + 8)};
+        mk_mma(o[j], pa, bv);
+      }
+    }
+  }
+  mk_prefill_store<D>(o, l, m, out, lse, b.h, n, b.i0);
 }
 
 // 5b. A_cumul on tensor cores: block (64 keys, query head h) adds to each of

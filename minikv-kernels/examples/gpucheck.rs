@@ -4,17 +4,18 @@
 //! (`tests/parity/mod.rs`) against minikv's CPU reference: the small shapes
 //! that run under emulation in every `cargo test`, then a model's shapes
 //! (32 query / 8 KV heads, d = 128) at `GPUCHECK_TOKENS` tokens (default
-//! 32768), the prefill on both paths (tensor cores and scalar f32). Then it
-//! times prefill with `A_cumul` at `GPUCHECK_PREFILL` tokens (default 32768;
-//! host transfers included) on both paths and reports tokens/s and the
-//! attention FLOP rate of each. Prints one JSON report with the device's info
+//! 32768), the prefill on its three paths (tensor cores, their pipelined
+//! form, scalar f32). Then it times prefill with `A_cumul` at
+//! `GPUCHECK_PREFILL` tokens (default 32768; host transfers included) on
+//! each path and reports tokens/s and the attention FLOP rate of each. Prints one JSON report with the device's info
 //! (driver, image loaded, registers per kernel, memory bandwidth bound);
 //! exits 1 on a mismatch or when no driver or device is present
 //! (`scripts/gpu-check.sh` runs it). Not run in CI: there is no GPU there;
 //! `GPUCHECK_DEVICE=emulated` rehearses it on the CPU emulation.
-//! `GPUCHECK_ONLY=decode` runs only the small fused decode checks (both
-//! fused kernels), for compute-sanitizer's racecheck, which is too slow for
-//! the rest.
+//! `GPUCHECK_ONLY=staged` runs only the checks of the kernels that fill
+//! shared memory by asynchronous copies (the small fused decode cases on
+//! both fused kernels, the small prefill cases on the pipelined path), for
+//! compute-sanitizer's racecheck, which is too slow for the rest.
 
 #[path = "../tests/parity/mod.rs"]
 mod parity;
@@ -120,15 +121,20 @@ fn main() {
                 (d, info)
             };
         let name = dev.name();
-        if std::env::var("GPUCHECK_ONLY").as_deref() == Ok("decode") {
-            let r = parity::run_decode(dev)?;
+        if std::env::var("GPUCHECK_ONLY").as_deref() == Ok("staged") {
+            let r = parity::run_staged(dev)?;
             return Ok(json!({"device": name, "info": info, "ok": r.ok(), "checks": r.rows}));
         }
         let copy = copy_bandwidth(&dev).unwrap_or_else(|e| json!({"error": e.to_string()}));
         let small = parity::run_all(dev.clone())?;
-        let paths = [PrefillPath::TensorCores, PrefillPath::Scalar];
+        let paths = [
+            PrefillPath::TensorCores,
+            PrefillPath::Pipelined,
+            PrefillPath::Scalar,
+        ];
         let large = parity::run_large(dev.clone(), env_usize("GPUCHECK_TOKENS", 32768), &paths)?;
         let be = CudaBackend::new(dev.clone());
+        let pipelined = CudaBackend::new(dev.clone()).with_prefill_path(PrefillPath::Pipelined);
         let scalar = CudaBackend::new(dev).with_prefill_path(PrefillPath::Scalar);
         let tokens = env_usize("GPUCHECK_PREFILL", 32768);
         // A failed timing is reported in its place (the other path and the
@@ -139,11 +145,14 @@ fn main() {
         let timed = |b: &CudaBackend, reps| {
             time_prefill(b, tokens, reps).unwrap_or_else(|e| json!({"error": e.to_string()}))
         };
-        let prefill = json!({"tensor_cores": timed(&be, 4), "scalar": timed(&scalar, 1)});
+        let prefill = json!({"tensor_cores": timed(&be, 4),
+                             "tensor_cores_pipelined": timed(&pipelined, 4),
+                             "scalar": timed(&scalar, 1)});
         let ok = small.ok()
             && large.ok()
-            && prefill["tensor_cores"]["finite"] == true
-            && prefill["scalar"]["finite"] == true;
+            && ["tensor_cores", "tensor_cores_pipelined", "scalar"]
+                .iter()
+                .all(|p| prefill[p]["finite"] == true);
         let checks: Vec<Value> = small.rows.into_iter().chain(large.rows).collect();
         Ok(
             json!({"device": name, "info": info, "copy_bandwidth": copy, "ok": ok, "checks": checks,

@@ -290,6 +290,7 @@ impl CudaBackend {
             scale: 1.0 / (d as f32).sqrt(),
             window: 0,
             mma,
+            pipe: self.prefill_path == PrefillPath::Pipelined,
         };
         rows.forward(dev, kp, outp, lsep)?;
         rows.column_sums(dev, lsep, sp, 0, rows.n)?;
@@ -473,6 +474,7 @@ impl AttentionBackend for CudaBackend {
             scale: 1.0 / (d as f32).sqrt(),
             window: int(a.window.unwrap_or(0))?,
             mma,
+            pipe: self.prefill_path == PrefillPath::Pipelined,
         };
         rows.forward(dev, vp, op, lp)?;
         if let Some(c) = a.cumulative {

@@ -2,8 +2,9 @@
 //! (feature `emulate`): [`EmuDevice`] is a [`Device`] whose memory is host
 //! memory and whose launches run the same kernel source, with the same
 //! geometry and argument lists, blocks one at a time with their threads as
-//! fibers (in reverse order, [`EmuDevice::with_reversed_fibers`], or as OS
-//! threads, [`EmuDevice::with_os_threads`]). Slow, exact, and
+//! fibers (in reverse order, [`EmuDevice::with_reversed_fibers`], with the
+//! warps in turn, [`EmuDevice::with_warps_in_turn`], or as OS threads,
+//! [`EmuDevice::with_os_threads`]). Slow, exact, and
 //! meant for tests on small shapes; [`emulated_backend`] is the whole CUDA
 //! backend on it.
 //!
@@ -82,6 +83,9 @@ enum Threads {
     Os = 1,
     /// Fibers, last to first between waits.
     ReversedFibers = 2,
+    /// Fibers, the warps in turn, each through a whole phase between two
+    /// block barriers.
+    WarpsInTurn = 3,
 }
 
 /// Host memory standing in for device memory; launches through the emulator.
@@ -126,6 +130,15 @@ impl EmuDevice {
     /// between them misses it in one of the two orders.
     pub fn with_reversed_fibers() -> Arc<Self> {
         Self::with_threads(Threads::ReversedFibers)
+    }
+    /// A new emulated device whose blocks run their warps in turn: a warp's
+    /// threads (as fibers) go through a whole phase between two block
+    /// barriers before the next warp starts it. A warp that refills shared
+    /// memory without first waiting at a barrier for the other warps to
+    /// finish reading it then spoils what they read (with the threads in
+    /// lockstep, as the other orders run them, such a race goes unseen).
+    pub fn with_warps_in_turn() -> Arc<Self> {
+        Self::with_threads(Threads::WarpsInTurn)
     }
     fn with_threads(threads: Threads) -> Arc<Self> {
         // (Not `..Self::default()`: a type with `Drop` cannot be moved out of.)
@@ -285,7 +298,9 @@ impl Device for EmuDevice {
 /// The CUDA backend on an emulated device.
 pub fn emulated_backend() -> Result<Arc<dyn AttentionBackend>> {
     Ok(Arc::new(
-        CudaBackend::new(EmuDevice::new()).with_decode_kernel(crate::DecodeKernel::from_env()?),
+        CudaBackend::new(EmuDevice::new())
+            .with_decode_kernel(crate::DecodeKernel::from_env()?)
+            .with_prefill_path(crate::PrefillPath::from_env()?),
     ))
 }
 

@@ -2,8 +2,8 @@
 //!
 //! minikv's CUDA kernels, in their own crate so that `minikv-core` and every
 //! CPU build never depend on CUDA. The source is `cuda/minikv.cu` followed by
-//! `cuda/prefill_mma.cu` and `cuda/decode_fast.cu` (one NVRTC program,
-//! [`nvrtc::SOURCE`]):
+//! `cuda/prefill_mma.cu`, `cuda/decode_fast.cu` and `cuda/prefill_pipe.cu`
+//! (one NVRTC program, [`nvrtc::SOURCE`]):
 //!
 //! 1. `mk_prefill_fwd`: prefill flash attention (online softmax over key
 //!    tiles, optional sliding window) that also writes each row's
@@ -21,6 +21,14 @@
 //!    and uploaded, and kept in prefill histories, as fp16: half the bytes
 //!    of the f32 the scalar kernels take), so results are within about 1e-3
 //!    of the f32 kernels, FlashAttention-2's precision;
+//!    `mk_prefill_mma_pipe{64,128}` (`PrefillPath::Pipelined`,
+//!    `MINIKV_CUDA_PREFILL=pipelined`) is the forward kernel with the same
+//!    products in the same order (the same bits) and its tile loads off the
+//!    critical path: key and value tiles staged row-major by asynchronous
+//!    copies (`cp.async`), each issued one phase ahead of its use, and the
+//!    B fragments loaded by `ldmatrix` (`.trans` for the values) instead of
+//!    two 16-bit shared loads each; the default stays the plain kernel until
+//!    a GPU run times it;
 //! 2. SnapKV window scores: `mk_column_sums` over the last W queries, then
 //!    `mk_pool1d` (max or average, `same` padding);
 //! 3. `mk_quant_keys_channel` / `mk_quant_values_token`: 2/4-bit min-max
@@ -73,8 +81,10 @@
 //!
 //! * **Emulated** (every `cargo test`, feature `emulate`): the same source is
 //!   compiled by the host C++ compiler under `cuda/emulate.h` (blocks in turn;
-//!   a block's threads as fibers, or as OS threads, with a barrier for
-//!   `__syncthreads`;
+//!   a block's threads as fibers, first to last, last to first or a warp at
+//!   a time through each phase between barriers, or as OS threads, with a
+//!   barrier for `__syncthreads`; `cp.async` landing only at its wait;
+//!   `ldmatrix` from the documented fragment layout;
 //!   `__shared__` as per-block statics; warp shuffles through a per-warp
 //!   exchange and barrier), and the whole backend runs on it, launch for
 //!   launch as on a GPU (`tests/parity/mod.rs`, `tests/emulated.rs`):
@@ -86,7 +96,8 @@
 //!   axes); fused decode (both kernels: 2/4/8 bits, head dims 16-256, one
 //!   to five query heads per KV head, splits of 32-256 tokens) within 1e-4
 //!   over ragged heads with extra entries, the staged form bitwise equal to
-//!   the fast one with some blocks staging keys and values (counted), and a whole cache (MiniKV, KIVI, H2O with decode-time
+//!   the fast one with some blocks staging keys and values (counted), the
+//!   pipelined prefill bitwise equal to the plain tensor-core one, and a whole cache (MiniKV, KIVI, H2O with decode-time
 //!   probabilities) built on the backend against the same cache on the CPU;
 //!   from the CLI, the real model generates with `backend = "cuda-emulated"`.
 //!   The emulated checks also cover a model's shapes (32 query / 8 KV heads,
@@ -124,10 +135,12 @@
 //!   as fp16: instruction- and latency-bound), 12-23 times the general
 //!   kernel; prefill with `A_cumul` at 32K tokens 16-17.5 attention
 //!   TFLOP/s on tensor cores, host uploads included. Written after the
-//!   second session and not yet run on a GPU: `mk_decode_staged` and the
-//!   pinned asynchronous copies; `scripts/gpu-check.sh` checks their parity
-//!   and times each beside what it may replace (the fast kernel,
-//!   synchronous copies).
+//!   second session and not yet run on a GPU: `mk_decode_staged`, the
+//!   pinned asynchronous copies and `mk_prefill_mma_pipe{64,128}`;
+//!   `scripts/gpu-check.sh` checks their parity (and racecheck the two
+//!   kernels that fill shared memory asynchronously) and times each beside
+//!   what it may replace (the fast kernel, synchronous copies, the plain
+//!   tensor-core prefill).
 //!
 //! Not implemented by the kernels (clear errors, never a silent CPU
 //! fallback): key-channel pruning (store wrappers), gated extra entries,
@@ -141,7 +154,7 @@
 //!     let err = minikv_kernels::cuda_backend().unwrap_err();
 //!     assert!(err.to_string().contains("CUDA driver"));
 //! }
-//! assert_eq!(minikv_kernels::nvrtc::KERNELS.len(), 14);
+//! assert_eq!(minikv_kernels::nvrtc::KERNELS.len(), 16);
 //! ```
 
 #![warn(missing_docs)]
@@ -193,6 +206,8 @@ pub fn cuda_backend() -> Result<Arc<dyn AttentionBackend>> {
     };
     let dev = cuda::CudaDevice::open(ordinal)?;
     Ok(Arc::new(
-        CudaBackend::new(dev).with_decode_kernel(DecodeKernel::from_env()?),
+        CudaBackend::new(dev)
+            .with_decode_kernel(DecodeKernel::from_env()?)
+            .with_prefill_path(PrefillPath::from_env()?),
     ))
 }

@@ -13,15 +13,18 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
 /// The CUDA C source of every kernel (`cuda/minikv.cu`, then the
-/// tensor-core prefill of `cuda/prefill_mma.cu`, which uses its helpers).
+/// tensor-core prefill of `cuda/prefill_mma.cu`, which uses its helpers, the
+/// fast decode of `cuda/decode_fast.cu`, and the pipelined tensor-core
+/// prefill of `cuda/prefill_pipe.cu`, which uses both files' helpers).
 pub const SOURCE: &str = concat!(
     include_str!("../cuda/minikv.cu"),
     include_str!("../cuda/prefill_mma.cu"),
-    include_str!("../cuda/decode_fast.cu")
+    include_str!("../cuda/decode_fast.cu"),
+    include_str!("../cuda/prefill_pipe.cu")
 );
 
 /// The kernels in [`SOURCE`].
-pub const KERNELS: [&str; 14] = [
+pub const KERNELS: [&str; 16] = [
     "mk_prefill_fwd",
     "mk_column_sums",
     "mk_pool1d",
@@ -36,6 +39,8 @@ pub const KERNELS: [&str; 14] = [
     "mk_column_sums_mma64",
     "mk_prefill_mma128",
     "mk_column_sums_mma128",
+    "mk_prefill_mma_pipe64",
+    "mk_prefill_mma_pipe128",
 ];
 
 /// Architectures the kernels are compiled and checked for (A100, H100/H200).

@@ -22,6 +22,10 @@ pub(crate) struct Rows {
     pub(crate) window: i32,
     /// Run the tensor-core kernels (`mk_prefill_mma{64,128}`).
     pub(crate) mma: bool,
+    /// With `mma`, run the forward pass on the pipelined form
+    /// (`mk_prefill_mma_pipe{64,128}`) where keys and values are 16-byte
+    /// aligned.
+    pub(crate) pipe: bool,
 }
 
 /// Which kernels compute prefill attention and `A_cumul`.
@@ -34,6 +38,45 @@ pub enum PrefillPath {
     TensorCores,
     /// The scalar f32 kernels for every head dim (one block per query row).
     Scalar,
+    /// [`PrefillPath::TensorCores`] with the forward pass on
+    /// `mk_prefill_mma_pipe{64,128}`: the same products in the same order
+    /// (the same bits), with key and value tiles staged by asynchronous
+    /// copies one phase ahead of their use and the B fragments loaded by
+    /// `ldmatrix`. Checked under the emulation and by ptxas; not yet timed
+    /// on a GPU. `A_cumul` runs on the tensor-core column sums.
+    Pipelined,
+}
+
+impl PrefillPath {
+    /// The path named by `MINIKV_CUDA_PREFILL` (unset:
+    /// [`PrefillPath::TensorCores`]; a value as [`PrefillPath::parse`]
+    /// takes it).
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("MINIKV_CUDA_PREFILL") {
+            Err(_) => Ok(Self::TensorCores),
+            Ok(v) => Self::parse(&v),
+        }
+    }
+    /// `tensor-cores`, `pipelined` or `scalar` (empty: `tensor-cores`); any
+    /// other name is an error that names it and the three.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name.trim() {
+            "" | "tensor-cores" => Ok(Self::TensorCores),
+            "pipelined" => Ok(Self::Pipelined),
+            "scalar" => Ok(Self::Scalar),
+            other => Err(crate::device::err(format!(
+                "MINIKV_CUDA_PREFILL={other:?}: expected \"tensor-cores\", \"pipelined\" or \"scalar\""
+            ))),
+        }
+    }
+    /// The name `MINIKV_CUDA_PREFILL` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::TensorCores => "tensor-cores",
+            Self::Pipelined => "pipelined",
+            Self::Scalar => "scalar",
+        }
+    }
 }
 
 /// Rows of f32 as fp16, one after another (keys or values `[Hkv][t][d]`
@@ -67,7 +110,7 @@ const MMA_TILE: u32 = 64;
 impl Rows {
     /// Whether `path` runs the tensor-core kernels for head dim `d`.
     pub(crate) fn use_mma(path: PrefillPath, d: usize) -> bool {
-        path == PrefillPath::TensorCores && (d == 64 || d == 128)
+        path != PrefillPath::Scalar && (d == 64 || d == 128)
     }
 
     /// Of `names` (scalar, tensor-core d = 64, d = 128), the kernel to run
@@ -95,7 +138,16 @@ impl Rows {
         out: DevPtr,
         lse: DevPtr,
     ) -> Result<()> {
-        let names = ["mk_prefill_fwd", "mk_prefill_mma64", "mk_prefill_mma128"];
+        // The pipelined kernels copy 16-byte units of the keys and values.
+        let names = if self.pipe && (self.k | v).is_multiple_of(16) {
+            [
+                "mk_prefill_fwd",
+                "mk_prefill_mma_pipe64",
+                "mk_prefill_mma_pipe128",
+            ]
+        } else {
+            ["mk_prefill_fwd", "mk_prefill_mma64", "mk_prefill_mma128"]
+        };
         // Scalar: one block per query row.
         let (name, gx) = self.kernel(names, self.n, 1);
         dev.launch(
@@ -157,5 +209,37 @@ impl Rows {
                 Arg::I32(i_end),
             ],
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefill_path_is_chosen_by_name() {
+        for p in [
+            PrefillPath::TensorCores,
+            PrefillPath::Pipelined,
+            PrefillPath::Scalar,
+        ] {
+            assert_eq!(PrefillPath::parse(p.name()).unwrap(), p);
+        }
+        assert_eq!(PrefillPath::parse(" ").unwrap(), PrefillPath::TensorCores);
+        let e = PrefillPath::parse("pipelnied").unwrap_err().to_string();
+        assert!(
+            e.contains("pipelnied") && e.contains("\"pipelined\""),
+            "{e}"
+        );
+        // Both tensor-core paths take head dims 64 and 128 only.
+        for (p, d, mma) in [
+            (PrefillPath::Pipelined, 64, true),
+            (PrefillPath::Pipelined, 128, true),
+            (PrefillPath::Pipelined, 32, false),
+            (PrefillPath::TensorCores, 128, true),
+            (PrefillPath::Scalar, 128, false),
+        ] {
+            assert_eq!(Rows::use_mma(p, d), mma, "{p:?} d = {d}");
+        }
     }
 }

@@ -55,11 +55,12 @@ fn the_backend_matches_the_cpu_reference_under_emulation() {
     for row in &r.rows {
         assert_eq!(row["ok"], true, "{row}");
     }
-    // prefill 9 (6 cases, 3 of them also on tensor cores), window scores 3
-    // (both shapes on the scalar kernels, d = 64 on tensor cores),
-    // quantization 7, decode 6, decode with f32 scales 2 and with key
-    // groups of 128 tokens 1, each on the fast and the staged kernel.
-    assert_eq!(r.rows.len(), 37);
+    // prefill 12 (6 cases, 3 of them also on tensor cores and on their
+    // pipelined form), window scores 4 (both shapes on the scalar kernels,
+    // d = 64 on tensor cores and pipelined), quantization 7, decode 6,
+    // decode with f32 scales 2 and with key groups of 128 tokens 1, each on
+    // the fast and the staged kernel.
+    assert_eq!(r.rows.len(), 41);
     // Keys per token take the general decode kernel (on both backends); the
     // other eight cases the fast one and the staged one (each case decodes
     // once on each).
@@ -76,6 +77,26 @@ fn the_backend_matches_the_cpu_reference_under_emulation() {
         mma, 4,
         "the tensor-core prefill ran on every head dim it takes"
     );
+    pipelined_like_plain(&r.rows);
+    // Its kernels ran (not the plain ones in their place): the prefill
+    // cases and window scores at d = 64 and 128.
+    let pipe = |d| dev.launches(&format!("mk_prefill_mma_pipe{d}"));
+    assert_eq!((pipe(64), pipe(128)), (3, 1));
+}
+
+/// The pipelined tensor-core prefill ran on every case the plain one did
+/// (and its window scores), each with the plain kernel's bits.
+fn pipelined_like_plain(rows: &[serde_json::Value]) {
+    let pipe: Vec<_> = rows
+        .iter()
+        .filter(|row| row["path"] == parity::PIPELINED)
+        .collect();
+    assert_eq!(pipe.len(), 4, "pipelined rows");
+    for row in pipe {
+        if row["check"] == "prefill + A_cumul" {
+            assert_eq!(row["same_bits_as_tensor_cores"], true, "{row}");
+        }
+    }
 }
 
 /// The checks at a model's shapes (32 query / 8 KV heads, d = 128) over
@@ -125,14 +146,19 @@ fn staged_like_fast(rows: &[serde_json::Value], dev: &EmuDevice) {
     );
 }
 
+/// Every parity check passes on `dev`.
+fn all_pass(dev: Arc<EmuDevice>) {
+    let r = parity::run_all(dev).unwrap();
+    for row in &r.rows {
+        assert_eq!(row["ok"], true, "{row}");
+    }
+}
+
 /// The same checks with every block's threads as OS threads (real
 /// concurrency: races that the fibers' fixed order would hide show here).
 #[test]
 fn the_backend_matches_the_cpu_reference_with_os_threads() {
-    let r = parity::run_all(EmuDevice::with_os_threads()).unwrap();
-    for row in &r.rows {
-        assert_eq!(row["ok"], true, "{row}");
-    }
+    all_pass(EmuDevice::with_os_threads());
 }
 
 /// The same checks with every block's threads run as fibers from the last
@@ -140,10 +166,16 @@ fn the_backend_matches_the_cpu_reference_with_os_threads() {
 /// misses the write in this order or in the default one.
 #[test]
 fn the_backend_matches_the_cpu_reference_with_reversed_fibers() {
-    let r = parity::run_all(EmuDevice::with_reversed_fibers()).unwrap();
-    for row in &r.rows {
-        assert_eq!(row["ok"], true, "{row}");
-    }
+    all_pass(EmuDevice::with_reversed_fibers());
+}
+
+/// The same checks with each block's warps in turn, each through a whole
+/// phase between two block barriers: a kernel that refills shared memory
+/// (the pipelined prefill's next tile, the staged decode's sums) before
+/// every warp is done reading it fails here.
+#[test]
+fn the_backend_matches_the_cpu_reference_with_warps_in_turn() {
+    all_pass(EmuDevice::with_warps_in_turn());
 }
 
 /// A device that skips one kernel: the checks must notice (they are not
@@ -187,6 +219,7 @@ fn the_parity_checks_catch_a_missing_kernel() {
         ("mk_column_sums", "prefill + A_cumul"),
         ("mk_column_sums_mma64", "prefill + A_cumul"),
         ("mk_prefill_mma128", "prefill + A_cumul"),
+        ("mk_prefill_mma_pipe64", "prefill + A_cumul"),
         ("mk_pool1d", "window scores"),
         ("mk_quant_values_token", "quantize and pack"),
         ("mk_decode_combine", "fused decode"),
@@ -308,6 +341,34 @@ fn fiber_orders_are_first_to_last_and_reversed() {
         // first, or another test's).
         let seen = got[16..32].iter().all(|&b| b == 2);
         assert_eq!(seen, !reversed, "reversed {reversed}: {:?}", &got[16..32]);
+    }
+}
+
+/// With the warps in turn, a warp runs its whole phase before the next one
+/// starts: its read of the next warp's shared memory (after a shuffle, but
+/// without a block barrier) gets what an earlier launch left, where the
+/// default order, which keeps the warps in lockstep, gets the new bytes.
+#[test]
+fn warps_in_turn_run_a_whole_phase_each() {
+    for in_turn in [false, true] {
+        let dev: Arc<dyn Device> = if in_turn {
+            EmuDevice::with_warps_in_turn()
+        } else {
+            EmuDevice::new()
+        };
+        let out = DevBuf::zeroed(&dev, 64 * 16).unwrap();
+        let mut got = Vec::new();
+        for fill in [1u8, 2] {
+            let src = DevBuf::zeroed(&dev, 64 * 16).unwrap();
+            src.write(0, &[fill; 64 * 16]).unwrap();
+            selftest(&dev, src.ptr(), out.ptr(), 4).unwrap();
+            got = out.to_vec::<u8>(0, 64 * 16).unwrap();
+        }
+        // In the second launch, thread 0 reads thread 32's bytes; thread
+        // 32 (the last warp) reads thread 0's, which ran before it.
+        let seen = got[..16].iter().all(|&b| b == 2);
+        assert_eq!(seen, !in_turn, "in turn {in_turn}: {:?}", &got[..16]);
+        assert!(got[32 * 16..33 * 16].iter().all(|&b| b == 2));
     }
 }
 

@@ -52,7 +52,11 @@ fn call(
 
 #[test]
 fn a_named_history_uploads_only_new_rows_with_the_same_results() {
-    for path in [PrefillPath::TensorCores, PrefillPath::Scalar] {
+    for path in [
+        PrefillPath::TensorCores,
+        PrefillPath::Pipelined,
+        PrefillPath::Scalar,
+    ] {
         history_on(path);
     }
 }
@@ -65,14 +69,15 @@ fn history_on(path: PrefillPath) {
     let rows: Vec<(Vec<f32>, Vec<f32>)> = (0..HKV)
         .map(|h| (data(total * D, h), data(total * D, h + 9)))
         .collect();
-    let kept = CudaBackend::new(EmuDevice::new()).with_prefill_path(path);
+    let kept_dev = EmuDevice::new();
+    let kept = CudaBackend::new(kept_dev.clone()).with_prefill_path(path);
     let whole = CudaBackend::new(EmuDevice::new()).with_prefill_path(path);
     let es = if kept.prefill_on_tensor_cores(D) {
         2
     } else {
         4
     };
-    assert_eq!(es == 2, path == PrefillPath::TensorCores);
+    assert_eq!(es == 2, path != PrefillPath::Scalar);
     let h = KvHistory::fresh();
     let mut t = 0;
     for n in [48usize, 40, 62] {
@@ -98,6 +103,10 @@ fn history_on(path: PrefillPath) {
     let (o1, c1, _) = call(&kept, &rows, 100, 30, Some(h));
     let (o2, c2, _) = call(&whole, &rows, 100, 30, None);
     assert_eq!((o1, c1), (o2, c2));
+    // The pipelined path ran its own kernel on the kept rows (they are
+    // 16-byte aligned), in each of the four calls.
+    let pipe = kept_dev.launches("mk_prefill_mma_pipe64");
+    assert_eq!(pipe, if path == PrefillPath::Pipelined { 4 } else { 0 });
     kept.release_history(h);
     assert_eq!(kept.kept_histories(), 0);
 }

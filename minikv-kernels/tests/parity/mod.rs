@@ -113,42 +113,55 @@ impl Report {
     }
 }
 
+/// The small prefill cases. Head dims 64 and 128 also run on tensor cores:
+/// several row blocks, key counts off the 64-key tile, windows, and rows =
+/// keys.
+const PREFILL_CASES: [PrefillCase; 6] = [
+    (4, 2, 5, 9, 16, 0),
+    (6, 2, 40, 170, 64, 0),
+    (4, 1, 33, 33, 256, 7),
+    (2, 2, 130, 300, 32, 64),
+    (4, 2, 70, 200, 128, 50),
+    (2, 1, 130, 130, 64, 0),
+];
+
 /// Runs every check on `dev` (small shapes: a few blocks per launch).
 pub fn run_all(dev: Arc<dyn Device>) -> Result<Report> {
     let scalar = CudaBackend::new(dev.clone()).with_prefill_path(PrefillPath::Scalar);
     let staged = CudaBackend::new(dev.clone()).with_decode_kernel(DecodeKernel::Staged);
+    let pipelined = CudaBackend::new(dev.clone()).with_prefill_path(PrefillPath::Pipelined);
     let be = CudaBackend::new(dev);
     let mut r = Report::default();
     let mut seed = 7u64;
-    // Head dims 64 and 128 also run on tensor cores: several row blocks,
-    // key counts off the 64-key tile, windows, and rows = keys.
-    let cases = [
-        (4, 2, 5, 9, 16, 0),
-        (6, 2, 40, 170, 64, 0),
-        (4, 1, 33, 33, 256, 7),
-        (2, 2, 130, 300, 32, 64),
-        (4, 2, 70, 200, 128, 50),
-        (2, 1, 130, 130, 64, 0),
-    ];
     r.stage("prefill", |r| {
-        prefill(&[&scalar, &be], &mut seed, r, &cases)
+        prefill(&[&scalar, &be, &pipelined], &mut seed, r, &PREFILL_CASES)
     });
     r.stage("window scores (scalar)", |r| {
         window_scores(&scalar, &mut seed, r)
     });
     r.stage("window scores", |r| window_scores(&be, &mut seed, r));
+    r.stage("window scores (pipelined)", |r| {
+        window_scores(&pipelined, &mut seed, r)
+    });
     r.stage("quantization", |r| quantization(&be, &mut seed, r));
     decode_stages(&be, &staged, &mut seed, &mut r);
     Ok(r)
 }
 
-/// Only the fused decode checks of [`run_all`], on both fused kernels (for
-/// a slow checker such as compute-sanitizer's racecheck).
-pub fn run_decode(dev: Arc<dyn Device>) -> Result<Report> {
+/// The checks of [`run_all`] whose kernels fill shared memory by
+/// asynchronous copies: the fused decode on both fused kernels and the
+/// small prefill cases on the pipelined path (for a slow checker such as
+/// compute-sanitizer's racecheck).
+pub fn run_staged(dev: Arc<dyn Device>) -> Result<Report> {
     let staged = CudaBackend::new(dev.clone()).with_decode_kernel(DecodeKernel::Staged);
+    let pipelined = CudaBackend::new(dev.clone()).with_prefill_path(PrefillPath::Pipelined);
     let be = CudaBackend::new(dev);
     let mut r = Report::default();
-    decode_stages(&be, &staged, &mut 7u64, &mut r);
+    let mut seed = 7u64;
+    decode_stages(&be, &staged, &mut seed, &mut r);
+    r.stage("prefill", |r| {
+        prefill(&[&pipelined], &mut seed, r, &PREFILL_CASES)
+    });
     Ok(r)
 }
 
@@ -261,28 +274,51 @@ fn prefill(
         };
         let (ro, rc) = run(&ReferenceBackend)?;
         let mut seen = Vec::new();
+        // The plain tensor-core results, which the pipelined kernels must
+        // match bit for bit (the same products in the same order).
+        let mut plain: Option<(Vec<f32>, Vec<f32>)> = None;
         for be in on {
-            let mma = be.prefill_on_tensor_cores(d);
-            if seen.contains(&mma) {
+            let path = path_name(be, d);
+            if seen.contains(&path) {
                 continue;
             }
-            seen.push(mma);
+            seen.push(path);
             let (go, gc) = run(*be)?;
             let (eo, ec) = (max_rel_err(&go, &ro), max_rel_err(&gc, &rc));
             let tol = prefill_tol(be, d);
-            r.push(
-                eo <= tol && ec <= tol,
-                json!({"check": "prefill + A_cumul", "path": path_name(mma), "hq": hq,
-                       "hkv": hkv, "n": n, "t": t, "d": d, "window": window,
-                       "out_err": eo, "cumul_err": ec, "tol": tol}),
-            );
+            let mut row = json!({"check": "prefill + A_cumul", "path": path, "hq": hq,
+                   "hkv": hkv, "n": n, "t": t, "d": d, "window": window,
+                   "out_err": eo, "cumul_err": ec, "tol": tol});
+            if path == PIPELINED {
+                let bits = |a: &[f32], b: &[f32]| {
+                    a.iter()
+                        .map(|x| x.to_bits())
+                        .eq(b.iter().map(|x| x.to_bits()))
+                };
+                row["same_bits_as_tensor_cores"] = json!(plain.as_ref().map(|(po, pc)| bits(
+                    &go, po
+                ) && bits(
+                    &gc, pc
+                )));
+            } else if path == "tensor cores" {
+                plain = Some((go, gc));
+            }
+            r.push(eo <= tol && ec <= tol, row);
         }
     }
     Ok(())
 }
 
-fn path_name(mma: bool) -> &'static str {
-    if mma { "tensor cores" } else { "scalar" }
+/// The pipelined tensor-core prefill's name in the report.
+pub const PIPELINED: &str = "tensor cores, pipelined";
+
+/// The kernels `be` runs prefill with head dim `d` on.
+fn path_name(be: &CudaBackend, d: usize) -> &'static str {
+    match (be.prefill_on_tensor_cores(d), be.prefill_path()) {
+        (false, _) => "scalar",
+        (true, PrefillPath::Pipelined) => PIPELINED,
+        (true, _) => "tensor cores",
+    }
 }
 
 /// Pooling with `same` padding (max: -inf padding; average: zeros counted).
@@ -338,7 +374,7 @@ fn window_scores(be: &CudaBackend, seed: &mut u64, r: &mut Report) -> Result<()>
         (4usize, 2usize, 100usize, 32usize, 8usize, 5usize, true),
         (3, 1, 300, 64, 32, 7, false),
     ] {
-        if be.prefill_path() == PrefillPath::TensorCores && !be.prefill_on_tensor_cores(d) {
+        if be.prefill_path() != PrefillPath::Scalar && !be.prefill_on_tensor_cores(d) {
             continue;
         }
         let qw = rand_vec(seed, hq * w * d, 2.0);
@@ -354,7 +390,7 @@ fn window_scores(be: &CudaBackend, seed: &mut u64, r: &mut Report) -> Result<()>
         let tol = prefill_tol(be, d);
         r.push(
             e <= tol,
-            json!({"check": "window scores", "path": path_name(be.prefill_on_tensor_cores(d)), "hq": hq, "t": t, "d": d, "w": w, "kernel": kernel,
+            json!({"check": "window scores", "path": path_name(be, d), "hq": hq, "t": t, "d": d, "w": w, "kernel": kernel,
                    "pooling": if max { "max" } else { "avg" }, "err": e}),
         );
     }
