@@ -201,9 +201,11 @@ PY
 
 # The decode kernels alone, from the hardware counters where Nsight Compute
 # can read them (not on gVisor): duration and DRAM bytes of each launch of
-# the fp16 row (8 launches: 3 warm-up steps, 5 timed) and then the 2-bit
-# row at 128K tokens, for the fast kernel, its staged form and the general
-# one.
+# the fp16 row (8 steps: 3 warm-up, 5 timed) and then the 2-bit row at 128K
+# tokens, for the fast kernel, its staged form and the general one; with
+# them each step's combination of the splits (mk_decode_combine), so that a
+# call's time outside the decode kernel splits into that kernel and the
+# host's share.
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 if [ -n "$NCU" ]; then
   echo "== decode kernels under Nsight Compute (128K tokens, 32/8 heads, d = 128)"
@@ -211,47 +213,13 @@ if [ -n "$NCU" ]; then
   [ "$QUICK" = 1 ] && kinds="fast staged"
   for k in $kinds; do
     MINIKV_CUDA_DECODE=$k timeout 150 "$NCU" --clock-control none \
-      --kernel-name regex:'mk_decode_(fast|staged|partial)' --launch-count 16 --csv \
+      --kernel-name regex:'mk_decode_(fast|staged|partial|combine)' --launch-count 32 --csv \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       "$BIN/minikv" bench attention --tokens 131072 --q-heads 32 --kv-heads 8 --head-dim 128 \
       --backend cuda --bits 2 --arithmetic exact --seconds 0.001 > "$OUTDIR/ncu-$k.csv" 2> "$OUTDIR/ncu-$k.log" \
       || echo "  (ncu $k: exit $?; $(tail -1 "$OUTDIR/ncu-$k.log"))"
   done
-  python3 - "$OUTDIR" <<'PY'
-import csv, io, os, statistics, sys
-out = sys.argv[1]
-for k in ("fast", "staged", "general"):
-    try:
-        lines = [l for l in open(os.path.join(out, f"ncu-{k}.csv")) if l.startswith('"')]
-    except OSError:
-        continue
-    launches = {}
-    for r in csv.DictReader(io.StringIO("".join(lines))):
-        try:
-            v = float(r["Metric Value"].replace(",", ""))
-        except (KeyError, ValueError):
-            continue
-        unit = r.get("Metric Unit", "")
-        name = r["Metric Name"]
-        if name == "gpu__time_duration.sum":
-            # Nsight Compute spells units "nsecond" or "ns" by version.
-            v *= {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3,
-                  "ms": 1e3, "second": 1e6, "s": 1e6}.get(unit, 1.0)
-        if name == "dram__bytes_read.sum":
-            v *= {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "B": 1, "KB": 1e3,
-                  "MB": 1e6, "GB": 1e9}.get(unit, 1.0)
-        launches.setdefault(int(r["ID"]), {})[name] = v
-    ids = sorted(launches)
-    for label, part in (("fp16", ids[:8]), ("2-bit exact", ids[8:16])):
-        rows = [launches[i] for i in part if "gpu__time_duration.sum" in launches[i]]
-        if not rows:
-            continue
-        us = statistics.median(r["gpu__time_duration.sum"] for r in rows)
-        gb = statistics.median(r.get("dram__bytes_read.sum", 0) for r in rows)
-        pct = statistics.median(r.get("dram__throughput.avg.pct_of_peak_sustained_elapsed", 0) for r in rows)
-        print(f"  {k:<8} {label:<12} kernel {us:9.1f} us, DRAM read {gb / 1e6:8.1f} MB "
-              f"({gb / us / 1e3:7.1f} GB/s), DRAM throughput {pct:5.1f}% of peak ({len(rows)} launches)")
-PY
+  python3 "$(dirname "$0")/ncu-summary.py" "$OUTDIR"
 else
   echo "== (Nsight Compute not on this machine: kernel counters skipped)"
 fi

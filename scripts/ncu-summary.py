@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Summarizes scripts/gpu-check.sh's Nsight Compute runs (OUTDIR/ncu-KIND.csv,
+KIND = fast, staged, general): per kernel, the median duration, DRAM bytes
+read and DRAM throughput of its launches in the fp16 row (its first 8
+launches) and in the 2-bit row (the next 8); a kernel launched another
+number of times is summarized over all its launches."""
+import csv
+import io
+import os
+import statistics
+import sys
+
+# Nsight Compute spells units differently by version.
+TIME = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
+        "second": 1e6, "s": 1e6}
+BYTES = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "B": 1, "KB": 1e3, "MB": 1e6,
+         "GB": 1e9}
+
+
+def launches(path):
+    """{launch id: (kernel name, {metric: value in us or bytes})}."""
+    lines = [line for line in open(path) if line.startswith('"')]
+    out = {}
+    for r in csv.DictReader(io.StringIO("".join(lines))):
+        try:
+            v = float(r["Metric Value"].replace(",", ""))
+        except (KeyError, ValueError):
+            continue
+        unit, name = r.get("Metric Unit", ""), r["Metric Name"]
+        if name == "gpu__time_duration.sum":
+            v *= TIME.get(unit, 1.0)
+        if name == "dram__bytes_read.sum":
+            v *= BYTES.get(unit, 1.0)
+        kernel = r.get("Kernel Name", "?").split("(")[0]
+        out.setdefault(int(r["ID"]), (kernel, {}))[1][name] = v
+    return out
+
+
+def summary(kind, rows):
+    """One line per kernel and row of the bench."""
+    by_kernel = {}
+    for i in sorted(rows):
+        kernel, metrics = rows[i]
+        if "gpu__time_duration.sum" in metrics:
+            by_kernel.setdefault(kernel, []).append(metrics)
+    for kernel, ms in by_kernel.items():
+        parts = [("fp16", ms[:8]), ("2-bit exact", ms[8:16])] if len(ms) == 16 else [
+            (f"all {len(ms)}", ms)]
+        for label, part in parts:
+            us = statistics.median(m["gpu__time_duration.sum"] for m in part)
+            gb = statistics.median(m.get("dram__bytes_read.sum", 0) for m in part)
+            pct = statistics.median(
+                m.get("dram__throughput.avg.pct_of_peak_sustained_elapsed", 0) for m in part)
+            rate = gb / us / 1e3 if us > 0 else 0.0
+            print(f"  {kind:<8} {kernel:<18} {label:<12} {us:9.1f} us, DRAM read "
+                  f"{gb / 1e6:8.1f} MB ({rate:7.1f} GB/s), {pct:5.1f}% of peak "
+                  f"({len(part)} launches)")
+
+
+def main():
+    out = sys.argv[1]
+    for kind in ("fast", "staged", "general"):
+        path = os.path.join(out, f"ncu-{kind}.csv")
+        if os.path.exists(path):
+            summary(kind, launches(path))
+
+
+if __name__ == "__main__":
+    main()
