@@ -103,6 +103,8 @@ int mk_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsig
     MK_KERNEL(mk_column_sums_mma128)
     MK_KERNEL(mk_prefill_mma_pipe64)
     MK_KERNEL(mk_prefill_mma_pipe128)
+    MK_KERNEL(mk_column_sums_mma_pipe64)
+    MK_KERNEL(mk_column_sums_mma_pipe128)
     MK_KERNEL(mk_emu_selftest_cp)
 #undef MK_KERNEL
   } catch (const std::exception& e) {

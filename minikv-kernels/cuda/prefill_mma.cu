@@ -136,14 +136,15 @@ __device__ __forceinline__ bool mk_sees(int pos, int j, int window) {
 // owning rows i0 = 64 x + 16 w ..): its KV head's offset in k and v, this
 // lane's two row positions, the keys [jlo, last] the block's rows see (from
 // the first row's lowest to the last row's position); qa gets the warp's
-// query rows times `scale` as A fragments. Shared by both forward kernels.
+// query rows as A fragments: f32 times `scale`, rounded, or fp16 bits
+// already so (the pipelined kernels'). Shared by both forward kernels.
 struct MkFwdBlock {
   int h, i0, jlo, last;
   int pos[2];
   mk_size kv;
 };
-template <int D>
-__device__ __forceinline__ MkFwdBlock mk_fwd_block(const float* q, unsigned (*qa)[4], int n, int t,
+template <int D, class T>
+__device__ __forceinline__ MkFwdBlock mk_fwd_block(const T* q, unsigned (*qa)[4], int n, int t,
                                                    int group, float scale, int window) {
   int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
   MkFwdBlock b;

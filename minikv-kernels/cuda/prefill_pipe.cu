@@ -1,5 +1,5 @@
-// 5c. The pipelined tensor-core prefill (mk_prefill_mma_pipe{64,128},
-// PrefillPath::Pipelined). Appended after decode_fast.cu (one source for
+// 5c. The pipelined tensor-core prefill (mk_prefill_mma_pipe{64,128} and
+// mk_column_sums_mma_pipe{64,128}, PrefillPath::Pipelined). Appended after decode_fast.cu (one source for
 // NVRTC; emu_host.cpp includes it), whose asynchronous copies it uses.
 //
 // mk_prefill_mma's products in the same order on the same fp16 operands, so
@@ -19,7 +19,9 @@
 //     the 8 rows of a matrix on 8 different bank quads.
 // Two commit groups per tile (keys, then values), always committed, also
 // empty ones after the last tile, so that `wait_group 1` retires exactly the
-// group a phase needs.
+// group a phase needs. The queries are fp16 bits of q / sqrt(d), rounded by
+// the host as mk_a_frags rounds f32 queries (the same operands); 5d, the
+// column sums, stages their tiles the same way.
 
 // Keys and values of one tile, row-major with rows padded by 8 halves (row
 // stride (D + 8) x 2 bytes, a multiple of 16: every 16-byte unit aligned).
@@ -79,7 +81,7 @@ __device__ __forceinline__ void mk_pipe_stage(unsigned short* dst, const unsigne
 }
 
 template <int D>
-__device__ void mk_prefill_pipe(const float* q, const unsigned short* k, const unsigned short* v,
+__device__ void mk_prefill_pipe(const unsigned short* q, const unsigned short* k, const unsigned short* v,
                                 float* out, float* lse, int n, int t, int group, float scale,
                                 int window) {
   constexpr int LD = D + MK_MMA_PAD, NT = D / 8;
@@ -146,17 +148,105 @@ __device__ void mk_prefill_pipe(const float* q, const unsigned short* k, const u
   mk_prefill_store<D>(o, l, m, out, lse, b.h, n, b.i0);
 }
 
+// 5d. A_cumul, pipelined (mk_column_sums_mma_pipe{64,128}): mk_column_sums_mma's
+// products and sums in the same order (the same bits), its query tiles
+// (fp16, times 1/sqrt(d) already: the host rounds them as mk_a_frags would)
+// staged by asynchronous copies into two buffers, the next tile's copy
+// issued before this tile's products, and the B fragments loaded by
+// ldmatrix; each tile's log-sum-exp entries beside it (plain loads: a head's
+// rows start anywhere in lse, not on 16 bytes).
+template <int D>
+struct alignas(16) MkPipeRows {
+  unsigned short q[2][MK_MMA_TILE * (D + MK_MMA_PAD)];
+  float l[2][MK_MMA_TILE];
+};
+
+template <int D>
+__device__ void mk_column_sums_pipe(const unsigned short* q, const unsigned short* k,
+                                    const float* lse, float* cumul, int n, int t, int group,
+                                    int window, int i_begin, int i_end) {
+  constexpr int LD = D + MK_MMA_PAD;
+  __shared__ MkPipeRows<D> st;
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
+  int h = blockIdx.y, kb = blockIdx.x * MK_MMA_TILE, j0 = kb + warp * 16;
+  const unsigned short* qh = q + (mk_size)h * n * D;
+  const float* lh = lse + (mk_size)h * n;
+  unsigned ka[D / 16][4];
+  int left = t - j0;
+  mk_a_frags<D>(ka, k + ((mk_size)(h / group) * t + (j0 < t ? j0 : 0)) * D, left > 0 ? left : 0, 1.f);
+  float acc[2] = {0.f, 0.f};
+  int key[2] = {j0 + g, j0 + g + 8};
+  // Rows that see a key of the block, as mk_column_sums_mma.
+  int ib = kb - (t - n) > i_begin ? kb - (t - n) : i_begin;
+  int ie = i_end;
+  if (window > 0 && kb + MK_MMA_TILE - 1 + window - (t - n) < ie) ie = kb + MK_MMA_TILE - 1 + window - (t - n);
+  // Tile r0's rows (zeros from ie on) and log-sum-exps into buffer b.
+  auto stage = [&](int b, int r0) {
+    mk_pipe_stage<D>(st.q[b], qh, r0, ie);
+    for (int e = threadIdx.x; e < MK_MMA_TILE; e += blockDim.x) st.l[b][e] = r0 + e < ie ? lh[r0 + e] : 0.f;
+  };
+  if (ib < ie) stage(0, ib);
+  int mr = lane % 8, mi = lane / 8, b = 0;
+  for (int r0 = ib; r0 < ie; r0 += MK_MMA_TILE, b ^= 1) {
+    // The next tile into the other buffer, whose reads ended at the last
+    // iteration's closing barrier.
+    if (r0 + MK_MMA_TILE < ie) stage(b ^ 1, r0 + MK_MMA_TILE);
+    else mk_cp_commit();
+    mk_cp_wait<1>();  // this tile's rows
+    __syncthreads();
+    const unsigned short* sq = st.q[b];
+    const float* sl = st.l[b];
+#pragma unroll
+    for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt) {
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int kc = 0; kc < D / 16; kc += 2) {
+        unsigned bq[4];
+        mk_ldsm4<false>(bq, sq + (nt * 8 + mr) * LD + kc * 16 + mi * 8);
+        mk_mma(s, ka[kc], bq);
+        mk_mma(s, ka[kc + 1], bq + 2);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int i = r0 + nt * 8 + 2 * c + e % 2, j = key[e / 2];
+        if (i < ie && j < t && mk_sees(t - n + i, j, window))
+          acc[e / 2] += __expf(s[e] - sl[i - r0]);
+      }
+    }
+    __syncthreads();  // every warp is done with buffer b
+  }
+  mk_cp_wait<0>();  // the empty group of the last tile
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 1);
+    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 2);
+    if (c == 0 && key[r] < t) cumul[(mk_size)h * t + key[r]] += acc[r];
+  }
+}
+
 // The launchable instances (head dims 64 and 128), with mk_prefill_mma's
-// arguments and grid; keys and values must be 16-byte aligned (the host
-// takes mk_prefill_mma otherwise).
+// and mk_column_sums_mma's arguments and grids, except that the queries
+// are fp16 bits of q times `scale` (the host rounds them as the plain
+// kernels do: the same operands, half the bytes uploaded; `scale` is then
+// unused); queries, keys and values must be 16-byte aligned (the host
+// checks).
 #define MK_PREFILL_PIPE(D)                                                                       \
   extern "C" __global__ void mk_prefill_mma_pipe##D(                                             \
-      const float* __restrict__ q, const unsigned short* __restrict__ k,                          \
+      const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,                \
       const unsigned short* __restrict__ v,                                                      \
       float* __restrict__ out, float* __restrict__ lse, int n, int t, int d, int group,          \
       float scale, int window) {                                                                 \
     (void)d;                                                                                     \
     mk_prefill_pipe<D>(q, k, v, out, lse, n, t, group, scale, window);                           \
+  }                                                                                              \
+  extern "C" __global__ void mk_column_sums_mma_pipe##D(                                         \
+      const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,                \
+      const float* __restrict__ lse,                                                             \
+      float* __restrict__ cumul, int n, int t, int d, int group, float scale, int window,        \
+      int i_begin, int i_end) {                                                                  \
+    (void)d;                                                                                     \
+    (void)scale;                                                                                 \
+    mk_column_sums_pipe<D>(q, k, lse, cumul, n, t, group, window, i_begin, i_end);               \
   }
 MK_PREFILL_PIPE(64)
 MK_PREFILL_PIPE(128)

@@ -5,7 +5,7 @@
 use crate::decode::{DecodeKernel, decode_plan};
 use crate::device::{Arg, Batched, Calls, Device, Launch, Scratch, err, int};
 pub use crate::prefill::PrefillPath;
-use crate::prefill::{Rows, f16_rows};
+use crate::prefill::{Rows, f16_rows, f16_scaled};
 use crate::resident::Histories;
 use crate::store::{DeviceFpStore, DeviceQuantStore, Staging};
 use minikv_core::attention::{
@@ -265,8 +265,14 @@ impl CudaBackend {
         }
         let dev = &self.dev;
         let mut s = self.scratch();
-        let qp = s.put(dev, 0, q_window)?;
         let mma = Rows::use_mma(self.prefill_path, d);
+        let pipe = mma && self.prefill_path == PrefillPath::Pipelined;
+        let scale = 1.0 / (d as f32).sqrt();
+        let qp = if pipe {
+            s.put(dev, 0, &f16_scaled(q_window, scale))?
+        } else {
+            s.put(dev, 0, q_window)?
+        };
         let kp = if mma {
             s.put(dev, 1, &f16_rows(keys))?
         } else {
@@ -287,10 +293,10 @@ impl CudaBackend {
             t: int(t)?,
             d: int(d)?,
             group: int(hq / hkv)?,
-            scale: 1.0 / (d as f32).sqrt(),
+            scale,
             window: 0,
             mma,
-            pipe: self.prefill_path == PrefillPath::Pipelined,
+            pipe,
         };
         rows.forward(dev, kp, outp, lsep)?;
         rows.column_sums(dev, lsep, sp, 0, rows.n)?;
@@ -437,8 +443,14 @@ impl AttentionBackend for CudaBackend {
         }
         let dev = &self.dev;
         let mut s = self.scratch();
-        let qp = s.put(dev, 0, a.q)?;
         let mma = Rows::use_mma(self.prefill_path, d);
+        let pipe = mma && self.prefill_path == PrefillPath::Pipelined;
+        let scale = 1.0 / (d as f32).sqrt();
+        let qp = if pipe {
+            s.put(dev, 0, &f16_scaled(a.q, scale))?
+        } else {
+            s.put(dev, 0, a.q)?
+        };
         // Held to the end of the call: the kept rows' buffers stay alive.
         let mut hist = self.histories();
         let (kp, vp) = match a.history {
@@ -471,10 +483,10 @@ impl AttentionBackend for CudaBackend {
             t: int(t)?,
             d: int(d)?,
             group: int(group)?,
-            scale: 1.0 / (d as f32).sqrt(),
+            scale,
             window: int(a.window.unwrap_or(0))?,
             mma,
-            pipe: self.prefill_path == PrefillPath::Pipelined,
+            pipe,
         };
         rows.forward(dev, vp, op, lp)?;
         if let Some(c) = a.cumulative {

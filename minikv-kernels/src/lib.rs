@@ -21,14 +21,15 @@
 //!    and uploaded, and kept in prefill histories, as fp16: half the bytes
 //!    of the f32 the scalar kernels take), so results are within about 1e-3
 //!    of the f32 kernels, FlashAttention-2's precision;
-//!    `mk_prefill_mma_pipe{64,128}` (`PrefillPath::Pipelined`,
-//!    `MINIKV_CUDA_PREFILL=pipelined`) is the forward kernel with the same
-//!    products in the same order (the same bits) and its tile loads off the
-//!    critical path: key and value tiles staged row-major by asynchronous
-//!    copies (`cp.async`), each issued one phase ahead of its use, and the
+//!    `mk_prefill_mma_pipe{64,128}` and `mk_column_sums_mma_pipe{64,128}`
+//!    ([`PrefillPath::Pipelined`], `MINIKV_CUDA_PREFILL=pipelined`) are the
+//!    same products in the same order (the same bits) with the tile loads
+//!    off the critical path: key, value and query tiles staged row-major by
+//!    asynchronous copies (`cp.async`), each issued ahead of its use, the
 //!    B fragments loaded by `ldmatrix` (`.trans` for the values) instead of
-//!    two 16-bit shared loads each; the default stays the plain kernel until
-//!    a GPU run times it;
+//!    two 16-bit shared loads each, and the queries uploaded as fp16 (the
+//!    host rounds q / sqrt(d) as the plain kernels do on the device); the
+//!    default stays the plain kernels until a GPU run times them;
 //! 2. SnapKV window scores: `mk_column_sums` over the last W queries, then
 //!    `mk_pool1d` (max or average, `same` padding);
 //! 3. `mk_quant_keys_channel` / `mk_quant_values_token`: 2/4-bit min-max
@@ -136,7 +137,7 @@
 //!   kernel; prefill with `A_cumul` at 32K tokens 16-17.5 attention
 //!   TFLOP/s on tensor cores, host uploads included. Written after the
 //!   second session and not yet run on a GPU: `mk_decode_staged`, the
-//!   pinned asynchronous copies and `mk_prefill_mma_pipe{64,128}`;
+//!   pinned asynchronous copies and the pipelined prefill kernels;
 //!   `scripts/gpu-check.sh` checks their parity (and racecheck the two
 //!   kernels that fill shared memory asynchronously) and times each beside
 //!   what it may replace (the fast kernel, synchronous copies, the plain
@@ -154,7 +155,7 @@
 //!     let err = minikv_kernels::cuda_backend().unwrap_err();
 //!     assert!(err.to_string().contains("CUDA driver"));
 //! }
-//! assert_eq!(minikv_kernels::nvrtc::KERNELS.len(), 16);
+//! assert_eq!(minikv_kernels::nvrtc::KERNELS.len(), 18);
 //! ```
 
 #![warn(missing_docs)]

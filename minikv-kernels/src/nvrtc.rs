@@ -24,7 +24,7 @@ pub const SOURCE: &str = concat!(
 );
 
 /// The kernels in [`SOURCE`].
-pub const KERNELS: [&str; 16] = [
+pub const KERNELS: [&str; 18] = [
     "mk_prefill_fwd",
     "mk_column_sums",
     "mk_pool1d",
@@ -41,6 +41,8 @@ pub const KERNELS: [&str; 16] = [
     "mk_column_sums_mma128",
     "mk_prefill_mma_pipe64",
     "mk_prefill_mma_pipe128",
+    "mk_column_sums_mma_pipe64",
+    "mk_column_sums_mma_pipe128",
 ];
 
 /// Architectures the kernels are compiled and checked for (A100, H100/H200).

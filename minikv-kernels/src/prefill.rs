@@ -22,9 +22,10 @@ pub(crate) struct Rows {
     pub(crate) window: i32,
     /// Run the tensor-core kernels (`mk_prefill_mma{64,128}`).
     pub(crate) mma: bool,
-    /// With `mma`, run the forward pass on the pipelined form
-    /// (`mk_prefill_mma_pipe{64,128}`) where keys and values are 16-byte
-    /// aligned.
+    /// With `mma`, run their pipelined forms
+    /// (`mk_prefill_mma_pipe{64,128}`, `mk_column_sums_mma_pipe{64,128}`),
+    /// whose queries `q` are fp16 bits of the queries times `scale`
+    /// ([`f16_scaled`]).
     pub(crate) pipe: bool,
 }
 
@@ -39,11 +40,13 @@ pub enum PrefillPath {
     /// The scalar f32 kernels for every head dim (one block per query row).
     Scalar,
     /// [`PrefillPath::TensorCores`] with the forward pass on
-    /// `mk_prefill_mma_pipe{64,128}`: the same products in the same order
-    /// (the same bits), with key and value tiles staged by asynchronous
-    /// copies one phase ahead of their use and the B fragments loaded by
-    /// `ldmatrix`. Checked under the emulation and by ptxas; not yet timed
-    /// on a GPU. `A_cumul` runs on the tensor-core column sums.
+    /// `mk_prefill_mma_pipe{64,128}` and `A_cumul` on
+    /// `mk_column_sums_mma_pipe{64,128}`: the same products in the same
+    /// order (the same bits), with key, value and query tiles staged by
+    /// asynchronous copies ahead of their use, the B fragments loaded by
+    /// `ldmatrix`, and the queries uploaded as fp16 (rounded on the host as
+    /// the plain kernels round them on the device: half the bytes). Checked
+    /// under the emulation and by ptxas; not yet timed on a GPU.
     Pipelined,
 }
 
@@ -104,10 +107,33 @@ pub(crate) fn f16_rows(rows: &[&[f32]]) -> Vec<half::f16> {
     out
 }
 
+/// The queries times `scale` as fp16 bits, for the pipelined tensor-core
+/// kernels: the f32 product rounded to nearest even, the operands the plain
+/// kernels make of f32 queries on the device (the same bits), in half the
+/// bytes.
+pub(crate) fn f16_scaled(q: &[f32], scale: f32) -> Vec<half::f16> {
+    use rayon::prelude::*;
+    q.par_chunks(1 << 16)
+        .flat_map_iter(|c| c.iter().map(move |&x| half::f16::from_f32(x * scale)))
+        .collect()
+}
+
 /// Query rows (fwd) or keys (column sums) per block of the tensor-core kernels.
 const MMA_TILE: u32 = 64;
 
 impl Rows {
+    /// The pipelined kernels copy 16-byte units of their queries, keys and
+    /// values: device buffers are allocated so, and a misaligned one (which
+    /// no other kernel could read either: its queries are fp16) is an error.
+    fn check_aligned(&self, ptrs: &[DevPtr]) -> Result<()> {
+        match ptrs.iter().find(|p| !p.is_multiple_of(16)) {
+            None => Ok(()),
+            Some(p) => Err(crate::device::err(format!(
+                "pipelined prefill: device address {p:#x} is not 16-byte aligned"
+            ))),
+        }
+    }
+
     /// Whether `path` runs the tensor-core kernels for head dim `d`.
     pub(crate) fn use_mma(path: PrefillPath, d: usize) -> bool {
         path != PrefillPath::Scalar && (d == 64 || d == 128)
@@ -138,8 +164,8 @@ impl Rows {
         out: DevPtr,
         lse: DevPtr,
     ) -> Result<()> {
-        // The pipelined kernels copy 16-byte units of the keys and values.
-        let names = if self.pipe && (self.k | v).is_multiple_of(16) {
+        let names = if self.pipe {
+            self.check_aligned(&[self.q, self.k, v])?;
             [
                 "mk_prefill_fwd",
                 "mk_prefill_mma_pipe64",
@@ -181,11 +207,20 @@ impl Rows {
         i_begin: i32,
         i_end: i32,
     ) -> Result<()> {
-        let names = [
-            "mk_column_sums",
-            "mk_column_sums_mma64",
-            "mk_column_sums_mma128",
-        ];
+        let names = if self.pipe {
+            self.check_aligned(&[self.q, self.k])?;
+            [
+                "mk_column_sums",
+                "mk_column_sums_mma_pipe64",
+                "mk_column_sums_mma_pipe128",
+            ]
+        } else {
+            [
+                "mk_column_sums",
+                "mk_column_sums_mma64",
+                "mk_column_sums_mma128",
+            ]
+        };
         // Scalar: one thread per key.
         let (name, gx) = self.kernel(names, self.t, THREADS);
         dev.launch(

@@ -79,9 +79,11 @@ fn the_backend_matches_the_cpu_reference_under_emulation() {
     );
     pipelined_like_plain(&r.rows);
     // Its kernels ran (not the plain ones in their place): the prefill
-    // cases and window scores at d = 64 and 128.
-    let pipe = |d| dev.launches(&format!("mk_prefill_mma_pipe{d}"));
-    assert_eq!((pipe(64), pipe(128)), (3, 1));
+    // cases and window scores at d = 64 and 128, each with `A_cumul`.
+    for kernel in ["mk_prefill_mma_pipe", "mk_column_sums_mma_pipe"] {
+        let pipe = |d| dev.launches(&format!("{kernel}{d}"));
+        assert_eq!((pipe(64), pipe(128)), (3, 1), "{kernel}");
+    }
 }
 
 /// The pipelined tensor-core prefill ran on every case the plain one did
@@ -220,6 +222,7 @@ fn the_parity_checks_catch_a_missing_kernel() {
         ("mk_column_sums_mma64", "prefill + A_cumul"),
         ("mk_prefill_mma128", "prefill + A_cumul"),
         ("mk_prefill_mma_pipe64", "prefill + A_cumul"),
+        ("mk_column_sums_mma_pipe128", "prefill + A_cumul"),
         ("mk_pool1d", "window scores"),
         ("mk_quant_values_token", "quantize and pack"),
         ("mk_decode_combine", "fused decode"),

@@ -90,8 +90,10 @@ fn history_on(path: PrefillPath) {
         // only the chunk's (a batch's copy table aside).
         let earlier = (2 * HKV * (t - n) * D * es) as u64;
         assert!(b2 >= b1 + earlier - 1024, "t = {t}: {b1} vs {b2} bytes");
-        // And rows of `es` bytes: queries (f32), A_cumul in, keys and values.
-        let whole_bytes = ((HQ * n * D + HQ * t) * 4 + 2 * HKV * t * D * es) as u64;
+        // And rows of `es` bytes: queries (f32; fp16 on the pipelined
+        // path), A_cumul in, keys and values.
+        let qs = if path == PrefillPath::Pipelined { 2 } else { 4 };
+        let whole_bytes = (HQ * n * D * qs + HQ * t * 4 + 2 * HKV * t * D * es) as u64;
         assert!(
             (whole_bytes..whole_bytes + 1024).contains(&b2),
             "{path:?}: {b2} bytes uploaded, {whole_bytes} expected"
@@ -103,10 +105,12 @@ fn history_on(path: PrefillPath) {
     let (o1, c1, _) = call(&kept, &rows, 100, 30, Some(h));
     let (o2, c2, _) = call(&whole, &rows, 100, 30, None);
     assert_eq!((o1, c1), (o2, c2));
-    // The pipelined path ran its own kernel on the kept rows (they are
+    // The pipelined path ran its own kernels on the kept rows (they are
     // 16-byte aligned), in each of the four calls.
-    let pipe = kept_dev.launches("mk_prefill_mma_pipe64");
-    assert_eq!(pipe, if path == PrefillPath::Pipelined { 4 } else { 0 });
+    for kernel in ["mk_prefill_mma_pipe64", "mk_column_sums_mma_pipe64"] {
+        let pipe = kept_dev.launches(kernel);
+        assert_eq!(pipe, if path == PrefillPath::Pipelined { 4 } else { 0 });
+    }
     kept.release_history(h);
     assert_eq!(kept.kept_histories(), 0);
 }
