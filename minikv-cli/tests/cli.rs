@@ -1510,26 +1510,36 @@ fn cuda_backend_under_emulation_on_the_real_model() {
     assert_eq!(gpu["memory"]["kv_bytes"], cpu["memory"]["kv_bytes"]);
     assert!(gpu["memory"]["quant_codes"].as_u64().unwrap() > 0, "{gpu}");
     assert_eq!(gpu["provenance"]["config"]["backend"], "cuda-emulated");
-    // The staged decode kernel (MINIKV_CUDA_DECODE=staged): the same tokens;
-    // an unknown kernel name is a clear error.
+    // The staged decode kernel (MINIKV_CUDA_DECODE=staged) and the
+    // pipelined prefill (MINIKV_CUDA_PREFILL=pipelined, A_cumul included,
+    // so MiniKV selects the same tokens): the same tokens; an unknown
+    // kernel or path name is a clear error.
     let emulated = dir.join("cuda-emulated.toml");
-    let with_kernel = |kernel: &str| {
+    let with_env = |var: &str, value: &str| {
         std::process::Command::new(env!("CARGO_BIN_EXE_minikv"))
             .current_dir(minikv_test_support::root())
-            .env("MINIKV_CUDA_DECODE", kernel)
+            .env(var, value)
             .args(["generate", "--config", emulated.to_str().unwrap()])
             .args(["--prompt", prompt])
             .args(["--max-tokens", "8", "--json"])
             .output()
             .unwrap()
     };
-    let o = with_kernel("staged");
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let staged: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(staged["tokens"], cpu["tokens"]);
-    let o = with_kernel("stagged");
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && e.contains("\"stagged\""), "{e}");
+    for (var, value, typo) in [
+        ("MINIKV_CUDA_DECODE", "staged", "stagged"),
+        ("MINIKV_CUDA_PREFILL", "pipelined", "pipelnied"),
+    ] {
+        let o = with_env(var, value);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let run: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(run["tokens"], cpu["tokens"], "{var}={value}");
+        let o = with_env(var, typo);
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && e.contains(&format!("\"{typo}\"")),
+            "{e}"
+        );
+    }
     let b = ok_json(&[
         "bench",
         "attention",
