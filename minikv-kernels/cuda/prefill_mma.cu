@@ -161,6 +161,16 @@ __device__ __forceinline__ MkFwdBlock mk_fwd_block(const T* q, unsigned (*qa)[4]
   return b;
 }
 
+// A forward block's running state for this lane's two rows: outputs 0,
+// maxima -inf, sums 0.
+template <int NT>
+__device__ __forceinline__ void mk_fwd_init(float (*o)[4], float* m, float* l) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  m[0] = m[1] = -MK_INF;
+  l[0] = l[1] = 0.f;
+}
+
 // P's accumulator tiles 2kc, 2kc + 1 as the A fragment of keys 16 kc ..
 // 16 kc + 15 for O += P V (FlashAttention-2's register reuse).
 __device__ __forceinline__ void mk_p_frag(const float (*s)[4], int kc, unsigned* pa) {
@@ -250,17 +260,13 @@ __device__ void mk_prefill_mma(const float* q, const unsigned short* k, const un
   int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   unsigned qa[D / 16][4];
   MkFwdBlock b = mk_fwd_block<D>(q, qa, n, t, group, scale, window);
-  const unsigned short* kh = k + b.kv;
-  const unsigned short* vh = v + b.kv;
-  float o[NT][4];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m[2] = {-MK_INF, -MK_INF}, l[2] = {0.f, 0.f};
+  float o[NT][4], m[2], l[2];
+  mk_fwd_init<NT>(o, m, l);
   int jlo = b.jlo, last = b.last;
   for (int j0 = jlo; j0 <= last; j0 += MK_MMA_TILE) {
     __syncthreads();  // the previous tile is no longer read
-    mk_stage<D>(sk, nullptr, kh, j0, t, 1.f);
-    mk_stage<D>(nullptr, svt, vh, j0, t, 1.f);  // V transposed: B fragments of P V
+    mk_stage<D>(sk, nullptr, k + b.kv, j0, t, 1.f);
+    mk_stage<D>(nullptr, svt, v + b.kv, j0, t, 1.f);  // V transposed: B fragments of P V
     __syncthreads();
     float s[MK_MMA_TILE / 8][4];
 #pragma unroll
@@ -295,6 +301,58 @@ __device__ void mk_prefill_mma(const float* q, const unsigned short* k, const un
 // exp(s_ij - lse_i), as mk_column_sums. Warp w owns keys 16w .. 16w + 15 of
 // the block and computes S^T = K Q^T per tile of 64 rows; a lane sums its two
 // keys' entries, and the 4 lanes of a key are added in a fixed order at the end.
+// A column-sums block's geometry (block (64 keys from kb, query head h),
+// warp w owning keys j0 = kb + 16 w ..): this lane's two keys, the rows
+// [ib, ie) that see a key of the block (position >= kb and, with a window,
+// position < kb + 63 + window; row i sits at position t - n + i); ka gets
+// the warp's keys as A fragments. Shared by both column-sums kernels.
+struct MkColBlock {
+  int h, ib, ie;
+  int key[2];
+};
+template <int D>
+__device__ __forceinline__ MkColBlock mk_col_block(const unsigned short* k, unsigned (*ka)[4], int n,
+                                                   int t, int group, int window, int i_begin,
+                                                   int i_end) {
+  int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4;
+  MkColBlock b;
+  b.h = blockIdx.y;
+  int kb = blockIdx.x * MK_MMA_TILE, j0 = kb + warp * 16, left = t - j0;
+  mk_a_frags<D>(ka, k + ((mk_size)(b.h / group) * t + (j0 < t ? j0 : 0)) * D, left > 0 ? left : 0, 1.f);
+  b.key[0] = j0 + g;
+  b.key[1] = j0 + g + 8;
+  b.ib = kb - (t - n) > i_begin ? kb - (t - n) : i_begin;
+  b.ie = i_end;
+  if (window > 0 && kb + MK_MMA_TILE - 1 + window - (t - n) < b.ie)
+    b.ie = kb + MK_MMA_TILE - 1 + window - (t - n);
+  return b;
+}
+
+// Adds to this lane's two keys the exp(s - lse) of the 16 x 8 tile of
+// S^T = K Q^T at rows r0 + 8 nt .. (sl: the tile's log-sum-exps) that see
+// them.
+__device__ __forceinline__ void mk_cumul_tile(const float* s, const MkColBlock& b, int r0, int nt,
+                                              const float* sl, int n, int t, int window,
+                                              float* acc) {
+  int c = threadIdx.x % 4;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    int i = r0 + nt * 8 + 2 * c + e % 2, j = b.key[e / 2];
+    if (i < b.ie && j < t && mk_sees(t - n + i, j, window)) acc[e / 2] += __expf(s[e] - sl[i - r0]);
+  }
+}
+
+// The 4 lanes of a key add their sums in a fixed order into cumul [Hq][t].
+__device__ __forceinline__ void mk_cumul_store(float* acc, const MkColBlock& b, float* cumul, int t) {
+  int c = threadIdx.x % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 1);
+    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 2);
+    if (c == 0 && b.key[r] < t) cumul[(mk_size)b.h * t + b.key[r]] += acc[r];
+  }
+}
+
 template <int D>
 __device__ void mk_column_sums_mma(const float* q, const unsigned short* k, const float* lse, float* cumul,
                                    int n, int t, int group, float scale, int window, int i_begin,
@@ -302,48 +360,30 @@ __device__ void mk_column_sums_mma(const float* q, const unsigned short* k, cons
   constexpr int LK = D + MK_MMA_PAD;
   __shared__ unsigned short sq[MK_MMA_TILE * LK];
   __shared__ float sl[MK_MMA_TILE];
-  int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
-  int h = blockIdx.y, kb = blockIdx.x * MK_MMA_TILE, j0 = kb + warp * 16;
-  const float* qh = q + (mk_size)h * n * D;
-  const float* lh = lse + (mk_size)h * n;
+  int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   unsigned ka[D / 16][4];
-  int left = t - j0;
-  mk_a_frags<D>(ka, k + ((mk_size)(h / group) * t + (j0 < t ? j0 : 0)) * D, left > 0 ? left : 0, 1.f);
+  MkColBlock b = mk_col_block<D>(k, ka, n, t, group, window, i_begin, i_end);
+  const float* qh = q + (mk_size)b.h * n * D;
+  const float* lh = lse + (mk_size)b.h * n;
   float acc[2] = {0.f, 0.f};
-  int key[2] = {j0 + g, j0 + g + 8};
-  // Rows that see a key of the block: position >= kb and, with a window,
-  // position < kb + 63 + window (row i sits at position t - n + i).
-  int ib = kb - (t - n) > i_begin ? kb - (t - n) : i_begin;
-  int ie = i_end;
-  if (window > 0 && kb + MK_MMA_TILE - 1 + window - (t - n) < ie) ie = kb + MK_MMA_TILE - 1 + window - (t - n);
-  for (int r0 = ib; r0 < ie; r0 += MK_MMA_TILE) {
+  for (int r0 = b.ib; r0 < b.ie; r0 += MK_MMA_TILE) {
     __syncthreads();  // the previous tile is no longer read
-    mk_stage<D>(sq, nullptr, qh, r0, ie, scale);
-    for (int e = threadIdx.x; e < MK_MMA_TILE; e += blockDim.x) sl[e] = r0 + e < ie ? lh[r0 + e] : 0.f;
+    mk_stage<D>(sq, nullptr, qh, r0, b.ie, scale);
+    for (int e = threadIdx.x; e < MK_MMA_TILE; e += blockDim.x) sl[e] = r0 + e < b.ie ? lh[r0 + e] : 0.f;
     __syncthreads();
 #pragma unroll
     for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt) {
       float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int kc = 0; kc < D / 16; ++kc) {
-        unsigned b[2] = {mk_word(sq, (nt * 8 + g) * LK + kc * 16 + 2 * c),
-                         mk_word(sq, (nt * 8 + g) * LK + kc * 16 + 2 * c + 8)};
-        mk_mma(s, ka[kc], b);
+        unsigned bq[2] = {mk_word(sq, (nt * 8 + g) * LK + kc * 16 + 2 * c),
+                          mk_word(sq, (nt * 8 + g) * LK + kc * 16 + 2 * c + 8)};
+        mk_mma(s, ka[kc], bq);
       }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        int i = r0 + nt * 8 + 2 * c + e % 2, j = key[e / 2];
-        if (i < ie && j < t && mk_sees(t - n + i, j, window))
-          acc[e / 2] += __expf(s[e] - sl[i - r0]);
-      }
+      mk_cumul_tile(s, b, r0, nt, sl, n, t, window, acc);
     }
   }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 1);
-    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 2);
-    if (c == 0 && key[r] < t) cumul[(mk_size)h * t + key[r]] += acc[r];
-  }
+  mk_cumul_store(acc, b, cumul, t);
 }
 
 // The launchable instances (head dims 64 and 128; grid: fwd (ceil(n / 64),

@@ -89,15 +89,11 @@ __device__ void mk_prefill_pipe(const unsigned short* q, const unsigned short* k
   int lane = threadIdx.x % 32;
   unsigned qa[D / 16][4];
   MkFwdBlock b = mk_fwd_block<D>(q, qa, n, t, group, scale, window);
-  const unsigned short* kh = k + b.kv;
-  const unsigned short* vh = v + b.kv;
-  float o[NT][4];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m[2] = {-MK_INF, -MK_INF}, l[2] = {0.f, 0.f};
+  float o[NT][4], m[2], l[2];
+  mk_fwd_init<NT>(o, m, l);
   if (b.jlo <= b.last) {
-    mk_pipe_stage<D>(st.k, kh, b.jlo, t);
-    mk_pipe_stage<D>(st.v, vh, b.jlo, t);
+    mk_pipe_stage<D>(st.k, k + b.kv, b.jlo, t);
+    mk_pipe_stage<D>(st.v, v + b.kv, b.jlo, t);
   }
   // This lane's ldmatrix row: row lane % 8 of matrix lane / 8.
   int mr = lane % 8, mi = lane / 8;
@@ -121,7 +117,7 @@ __device__ void mk_prefill_pipe(const unsigned short* q, const unsigned short* k
     }
     mk_tile_softmax<D>(s, o, m, l, j0, t, b.pos, window);
     __syncthreads();  // every warp's scores are done with st.k
-    if (more) mk_pipe_stage<D>(st.k, kh, j0 + MK_MMA_TILE, t);
+    if (more) mk_pipe_stage<D>(st.k, k + b.kv, j0 + MK_MMA_TILE, t);
     else mk_cp_commit();
     mk_cp_wait<1>();  // this tile's values (the next keys may be in flight)
     __syncthreads();
@@ -141,7 +137,7 @@ __device__ void mk_prefill_pipe(const unsigned short* q, const unsigned short* k
       }
     }
     __syncthreads();  // every warp's P V is done with st.v
-    if (more) mk_pipe_stage<D>(st.v, vh, j0 + MK_MMA_TILE, t);
+    if (more) mk_pipe_stage<D>(st.v, v + b.kv, j0 + MK_MMA_TILE, t);
     else mk_cp_commit();
   }
   mk_cp_wait<0>();  // the empty groups of the last tile
@@ -167,35 +163,28 @@ __device__ void mk_column_sums_pipe(const unsigned short* q, const unsigned shor
                                     int window, int i_begin, int i_end) {
   constexpr int LD = D + MK_MMA_PAD;
   __shared__ MkPipeRows<D> st;
-  int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
-  int h = blockIdx.y, kb = blockIdx.x * MK_MMA_TILE, j0 = kb + warp * 16;
-  const unsigned short* qh = q + (mk_size)h * n * D;
-  const float* lh = lse + (mk_size)h * n;
+  int lane = threadIdx.x % 32;
   unsigned ka[D / 16][4];
-  int left = t - j0;
-  mk_a_frags<D>(ka, k + ((mk_size)(h / group) * t + (j0 < t ? j0 : 0)) * D, left > 0 ? left : 0, 1.f);
+  MkColBlock cb = mk_col_block<D>(k, ka, n, t, group, window, i_begin, i_end);
+  const unsigned short* qh = q + (mk_size)cb.h * n * D;
+  const float* lh = lse + (mk_size)cb.h * n;
   float acc[2] = {0.f, 0.f};
-  int key[2] = {j0 + g, j0 + g + 8};
-  // Rows that see a key of the block, as mk_column_sums_mma.
-  int ib = kb - (t - n) > i_begin ? kb - (t - n) : i_begin;
-  int ie = i_end;
-  if (window > 0 && kb + MK_MMA_TILE - 1 + window - (t - n) < ie) ie = kb + MK_MMA_TILE - 1 + window - (t - n);
   // Tile r0's rows (zeros from ie on) and log-sum-exps into buffer b.
   auto stage = [&](int b, int r0) {
-    mk_pipe_stage<D>(st.q[b], qh, r0, ie);
-    for (int e = threadIdx.x; e < MK_MMA_TILE; e += blockDim.x) st.l[b][e] = r0 + e < ie ? lh[r0 + e] : 0.f;
+    mk_pipe_stage<D>(st.q[b], qh, r0, cb.ie);
+    for (int e = threadIdx.x; e < MK_MMA_TILE; e += blockDim.x)
+      st.l[b][e] = r0 + e < cb.ie ? lh[r0 + e] : 0.f;
   };
-  if (ib < ie) stage(0, ib);
+  if (cb.ib < cb.ie) stage(0, cb.ib);
   int mr = lane % 8, mi = lane / 8, b = 0;
-  for (int r0 = ib; r0 < ie; r0 += MK_MMA_TILE, b ^= 1) {
+  for (int r0 = cb.ib; r0 < cb.ie; r0 += MK_MMA_TILE, b ^= 1) {
     // The next tile into the other buffer, whose reads ended at the last
     // iteration's closing barrier.
-    if (r0 + MK_MMA_TILE < ie) stage(b ^ 1, r0 + MK_MMA_TILE);
+    if (r0 + MK_MMA_TILE < cb.ie) stage(b ^ 1, r0 + MK_MMA_TILE);
     else mk_cp_commit();
     mk_cp_wait<1>();  // this tile's rows
     __syncthreads();
     const unsigned short* sq = st.q[b];
-    const float* sl = st.l[b];
 #pragma unroll
     for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt) {
       float s[4] = {0.f, 0.f, 0.f, 0.f};
@@ -206,22 +195,12 @@ __device__ void mk_column_sums_pipe(const unsigned short* q, const unsigned shor
         mk_mma(s, ka[kc], bq);
         mk_mma(s, ka[kc + 1], bq + 2);
       }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        int i = r0 + nt * 8 + 2 * c + e % 2, j = key[e / 2];
-        if (i < ie && j < t && mk_sees(t - n + i, j, window))
-          acc[e / 2] += __expf(s[e] - sl[i - r0]);
-      }
+      mk_cumul_tile(s, cb, r0, nt, st.l[b], n, t, window, acc);
     }
     __syncthreads();  // every warp is done with buffer b
   }
   mk_cp_wait<0>();  // the empty group of the last tile
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 1);
-    acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], 2);
-    if (c == 0 && key[r] < t) cumul[(mk_size)h * t + key[r]] += acc[r];
-  }
+  mk_cumul_store(acc, cb, cumul, t);
 }
 
 // The launchable instances (head dims 64 and 128), with mk_prefill_mma's

@@ -319,6 +319,19 @@ fn asynchronous_copies_land_at_their_wait() {
     }
 }
 
+/// The self-test kernel's output in `order` (3 or 4), launched twice on
+/// one device: first with every source byte 1, then 2 (its shared memory
+/// keeps what the first launch left).
+fn second_launch(dev: &Arc<dyn Device>, order: i32) -> Vec<u8> {
+    let out = DevBuf::zeroed(dev, 64 * 16).unwrap();
+    for fill in [1u8, 2] {
+        let src = DevBuf::zeroed(dev, 64 * 16).unwrap();
+        src.write(0, &[fill; 64 * 16]).unwrap();
+        selftest(dev, src.ptr(), out.ptr(), order).unwrap();
+    }
+    out.to_vec::<u8>(0, 64 * 16).unwrap()
+}
+
 /// Fibers run first to last between waits by default and last to first on
 /// a device made `with_reversed_fibers`: a thread that reads its
 /// predecessor's store without a barrier gets it in the first order and
@@ -331,14 +344,7 @@ fn fiber_orders_are_first_to_last_and_reversed() {
         } else {
             EmuDevice::new()
         };
-        let out = DevBuf::zeroed(&dev, 64 * 16).unwrap();
-        let mut got = Vec::new();
-        for fill in [1u8, 2] {
-            let src = DevBuf::zeroed(&dev, 64 * 16).unwrap();
-            src.write(0, &[fill; 64 * 16]).unwrap();
-            selftest(&dev, src.ptr(), out.ptr(), 3).unwrap();
-            got = out.to_vec::<u8>(0, 64 * 16).unwrap();
-        }
+        let got = second_launch(&dev, 3);
         // Thread 1's read of thread 0's bytes, in the second launch: the
         // new ones, or (reversed) what an earlier launch left (this test's
         // first, or another test's).
@@ -359,14 +365,7 @@ fn warps_in_turn_run_a_whole_phase_each() {
         } else {
             EmuDevice::new()
         };
-        let out = DevBuf::zeroed(&dev, 64 * 16).unwrap();
-        let mut got = Vec::new();
-        for fill in [1u8, 2] {
-            let src = DevBuf::zeroed(&dev, 64 * 16).unwrap();
-            src.write(0, &[fill; 64 * 16]).unwrap();
-            selftest(&dev, src.ptr(), out.ptr(), 4).unwrap();
-            got = out.to_vec::<u8>(0, 64 * 16).unwrap();
-        }
+        let got = second_launch(&dev, 4);
         // In the second launch, thread 0 reads thread 32's bytes; thread
         // 32 (the last warp) reads thread 0's, which ran before it.
         let seen = got[..16].iter().all(|&b| b == 2);
