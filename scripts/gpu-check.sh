@@ -105,6 +105,11 @@ for path, p in r["prefill"].items():
           f"{p['tokens_per_s']:.0f} tokens/s, {p['attention_tflop_s']:.1f} attention TFLOP/s"
           f" (without A_cumul: {p['tokens'] / p['seconds_without_cumulative']:.0f} tokens/s, "
           f"{p['attention_tflop_s_without_cumulative']:.1f} TFLOP/s)")
+plain, pipe = r["prefill"].get("tensor_cores", {}), r["prefill"].get("tensor_cores_pipelined", {})
+if "seconds" in plain and "seconds" in pipe:
+    print(f"  pipelined against plain tensor cores: x{plain['seconds'] / pipe['seconds']:.2f} with A_cumul, "
+          f"x{plain['seconds_without_cumulative'] / pipe['seconds_without_cumulative']:.2f} without "
+          f"(above 1: the pipelined kernels are faster)")
 PY
 
 echo "== ptxas (sm_80, sm_90)"
