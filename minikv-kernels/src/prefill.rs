@@ -113,8 +113,8 @@ pub(crate) fn f16_rows(rows: &[&[f32]]) -> Vec<half::f16> {
 /// bytes.
 pub(crate) fn f16_scaled(q: &[f32], scale: f32) -> Vec<half::f16> {
     use rayon::prelude::*;
-    q.par_chunks(1 << 16)
-        .flat_map_iter(|c| c.iter().map(move |&x| half::f16::from_f32(x * scale)))
+    q.par_iter()
+        .map(|&x| half::f16::from_f32(x * scale))
         .collect()
 }
 
@@ -266,6 +266,18 @@ mod tests {
             e.contains("pipelnied") && e.contains("\"pipelined\""),
             "{e}"
         );
+        // The queries as the pipelined kernels take them: each the fp16 of
+        // its f32 product with the scale, in order (a long vector: rayon
+        // splits it).
+        let q: Vec<f32> = (0..200_000)
+            .map(|i| (i as f32 * 0.37).sin() * 9.0)
+            .collect();
+        let want: Vec<u16> = q
+            .iter()
+            .map(|&x| half::f16::from_f32(x * 0.125).to_bits())
+            .collect();
+        let got: Vec<u16> = f16_scaled(&q, 0.125).iter().map(|h| h.to_bits()).collect();
+        assert_eq!(got, want);
         // Both tensor-core paths take head dims 64 and 128 only.
         for (p, d, mma) in [
             (PrefillPath::Pipelined, 64, true),
