@@ -191,18 +191,31 @@ __device__ __forceinline__ void mk_tile_softmax(float (*s)[4], float (*o)[4], fl
                                                 int j0, int t, const int* pos, int window) {
   constexpr int NT = D / 8;
   int c = threadIdx.x % 4;
+  // Only a tile that reaches past a row's position (the diagonal), past
+  // the last key or, with a window, below a row's first key needs the mask
+  // (FlashAttention-2 masks only those): both rows see every key of the
+  // others, and the scores are the same with or without it.
+  int jl = j0 + MK_MMA_TILE - 1;
+  bool all = jl < t && jl <= pos[0] && jl <= pos[1] &&
+             (window <= 0 || (j0 > pos[0] - window && j0 > pos[1] - window));
+  if (!all) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          int j = j0 + nt * 8 + 2 * c + e;
+          if (j >= t || !mk_sees(pos[r], j, window)) s[nt][2 * r + e] = -MK_INF;
+        }
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = m[r];
 #pragma unroll
     for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        int j = j0 + nt * 8 + 2 * c + e;
-        float& x = s[nt][2 * r + e];
-        if (j >= t || !mk_sees(pos[r], j, window)) x = -MK_INF;
-        mx = fmaxf(mx, x);
-      }
+      for (int e = 0; e < 2; ++e) mx = fmaxf(mx, s[nt][2 * r + e]);
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     float base = mx == -MK_INF ? 0.f : mx;
@@ -334,10 +347,18 @@ __device__ __forceinline__ MkColBlock mk_col_block(const unsigned short* k, unsi
 __device__ __forceinline__ void mk_cumul_tile(const float* s, const MkColBlock& b, int r0, int nt,
                                               const float* sl, int n, int t, int window,
                                               float* acc) {
-  int c = threadIdx.x % 4;
+  int c = threadIdx.x % 4, i0 = r0 + nt * 8 + 2 * c;
+  // Both rows see both keys (most tiles): no per-entry test.
+  bool all = i0 + 1 < b.ie && b.key[1] < t && b.key[1] <= t - n + i0 &&
+             (window <= 0 || b.key[0] > t - n + i0 + 1 - window);
+  if (all) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e / 2] += __expf(s[e] - sl[i0 + e % 2 - r0]);
+    return;
+  }
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    int i = r0 + nt * 8 + 2 * c + e % 2, j = b.key[e / 2];
+    int i = i0 + e % 2, j = b.key[e / 2];
     if (i < b.ie && j < t && mk_sees(t - n + i, j, window)) acc[e / 2] += __expf(s[e] - sl[i - r0]);
   }
 }
