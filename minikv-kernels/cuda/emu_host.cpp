@@ -36,7 +36,9 @@ thread_local std::string last_error;
 // next warp's) with no block barrier between (with the fibers first to
 // last it gets the new bytes, the shuffle letting every warp store first;
 // with the warps in turn, the next warp has not run yet: what the previous
-// launch left, except in the last warp, which reads the first's).
+// launch left, except in the last warp, which reads the first's); 5: an
+// ldmatrix whose rows sit 2 bytes past a 16-byte boundary (the launch must
+// fail, as the hardware faults).
 __global__ void mk_emu_selftest_cp(const unsigned char* src, unsigned char* out, int order) {
   __shared__ MkStageBuf stage_buf;
   unsigned char* stage = stage_buf.b;
@@ -44,6 +46,12 @@ __global__ void mk_emu_selftest_cp(const unsigned char* src, unsigned char* out,
   if (order == 3) {
     std::memcpy(stage + t * 16, src + t * 16, 16);
     std::memcpy(out + t * 16, stage + ((t + n - 1) % n) * 16, 16);
+    return;
+  }
+  if (order == 5) {
+    unsigned r[4];
+    emu::ldmatrix_x4(r, stage + (t % 32) * 16 + 2, false);
+    std::memcpy(out + t * 16, r, 16);
     return;
   }
   if (order == 4) {

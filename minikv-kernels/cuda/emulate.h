@@ -40,6 +40,7 @@
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -177,6 +178,16 @@ inline void warp_gather(const unsigned* in, unsigned n, unsigned* out) {
   b->warps[warp]->arrive_and_wait();
 }
 
+// A broken requirement of an instruction that a thread met (the first one):
+// the launch fails with it once the block has run (an exception cannot
+// leave a fiber's or an OS thread's stack).
+inline std::mutex fault_lock;
+inline std::string fault;
+inline void report_fault(const char* what) {
+  std::lock_guard<std::mutex> g(fault_lock);
+  if (fault.empty()) fault = what;
+}
+
 // ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16, warp-wide: lane l gives
 // the address of row l % 8 of matrix l / 8 (8 fp16, 16-byte aligned, as the
 // hardware requires: a misaligned row fails the launch); out[i] is this
@@ -186,7 +197,7 @@ inline void warp_gather(const unsigned* in, unsigned n, unsigned* out) {
 // given its address, as a warp-wide load reads them.
 inline void ldmatrix_x4(unsigned* out, const void* row, bool trans) {
   uint64_t a = reinterpret_cast<uint64_t>(row);
-  if (a % 16 != 0) throw std::runtime_error("ldmatrix: a row address is not 16-byte aligned");
+  if (a % 16 != 0) report_fault("ldmatrix: a row address is not 16-byte aligned");
   unsigned mine[2] = {(unsigned)a, (unsigned)(a >> 32)}, all[64];
   warp_gather(mine, 2, all);
   unsigned lane = flat() % 32;
@@ -290,6 +301,7 @@ void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
   staged_values = 0;
   last_staged_keys = last_staged_values = 0;
   mode = how;
+  fault.clear();
   unsigned n = blk.x * blk.y * blk.z;
   if (n == 0 || n % 32 != 0) throw std::runtime_error("emulated blocks hold whole warps");
   grid_dim = grid;
@@ -361,6 +373,10 @@ void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
               throw std::runtime_error("a barrier can never complete (deadlock)");
             }
           }
+        }
+        if (!fault.empty()) {
+          block = nullptr;
+          throw std::runtime_error(fault);
         }
         try {
           check_copies_retired();

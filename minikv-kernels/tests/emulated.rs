@@ -353,6 +353,22 @@ fn fiber_orders_are_first_to_last_and_reversed() {
     }
 }
 
+/// An `ldmatrix` row that is not 16-byte aligned (a hardware fault) fails
+/// the emulated launch with a reason, in fibers and in OS threads.
+#[test]
+fn a_misaligned_ldmatrix_fails_the_launch() {
+    for dev in [EmuDevice::new(), EmuDevice::with_os_threads()] {
+        let dev: Arc<dyn Device> = dev;
+        let buf = DevBuf::zeroed(&dev, 64 * 16).unwrap();
+        let e = selftest(&dev, buf.ptr(), buf.ptr(), 5)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not 16-byte aligned"), "{e}");
+        // The next launch on the device is unaffected.
+        selftest(&dev, buf.ptr(), buf.ptr(), 0).unwrap();
+    }
+}
+
 /// With the warps in turn, a warp runs its whole phase before the next one
 /// starts: its read of the next warp's shared memory (after a shuffle, but
 /// without a block barrier) gets what an earlier launch left, where the
