@@ -5,7 +5,7 @@
 use crate::decode::{DecodeKernel, decode_plan};
 use crate::device::{Arg, Batched, Calls, Device, Launch, Scratch, err, int};
 pub use crate::prefill::PrefillPath;
-use crate::prefill::{Rows, f16_rows, f16_scaled};
+use crate::prefill::{Rows, f16_rows};
 use crate::resident::Histories;
 use crate::store::{DeviceFpStore, DeviceQuantStore, Staging};
 use minikv_core::attention::{
@@ -265,14 +265,8 @@ impl CudaBackend {
         }
         let dev = &self.dev;
         let mut s = self.scratch();
-        let mma = Rows::use_mma(self.prefill_path, d);
-        let pipe = mma && self.prefill_path == PrefillPath::Pipelined;
-        let scale = 1.0 / (d as f32).sqrt();
-        let qp = if pipe {
-            s.put(dev, 0, &f16_scaled(q_window, scale))?
-        } else {
-            s.put(dev, 0, q_window)?
-        };
+        let (qp, mma, pipe, scale) =
+            Rows::put_queries(&mut s, dev, self.prefill_path, q_window, d)?;
         let kp = if mma {
             s.put(dev, 1, &f16_rows(keys))?
         } else {
@@ -443,14 +437,7 @@ impl AttentionBackend for CudaBackend {
         }
         let dev = &self.dev;
         let mut s = self.scratch();
-        let mma = Rows::use_mma(self.prefill_path, d);
-        let pipe = mma && self.prefill_path == PrefillPath::Pipelined;
-        let scale = 1.0 / (d as f32).sqrt();
-        let qp = if pipe {
-            s.put(dev, 0, &f16_scaled(a.q, scale))?
-        } else {
-            s.put(dev, 0, a.q)?
-        };
+        let (qp, mma, pipe, scale) = Rows::put_queries(&mut s, dev, self.prefill_path, a.q, d)?;
         // Held to the end of the call: the kept rows' buffers stay alive.
         let mut hist = self.histories();
         let (kp, vp) = match a.history {

@@ -3,7 +3,7 @@
 //! window scores), on the scalar f32 kernels or on tensor cores.
 
 use crate::backend::THREADS;
-use crate::device::{Arg, DevPtr, Device, Launch};
+use crate::device::{Arg, DevPtr, Device, Launch, Scratch};
 use minikv_core::Result;
 use std::sync::Arc;
 
@@ -132,6 +132,28 @@ impl Rows {
                 "pipelined prefill: device address {p:#x} is not 16-byte aligned"
             ))),
         }
+    }
+
+    /// Uploads the queries to scratch slot 0 as `path`'s kernels take them
+    /// (f32, or on the pipelined path fp16 times the scale); returns their
+    /// address, whether the tensor-core kernels run, whether their pipelined
+    /// forms do, and the scale 1 / sqrt(d).
+    pub(crate) fn put_queries(
+        s: &mut Scratch,
+        dev: &Arc<dyn Device>,
+        path: PrefillPath,
+        q: &[f32],
+        d: usize,
+    ) -> Result<(DevPtr, bool, bool, f32)> {
+        let mma = Self::use_mma(path, d);
+        let pipe = mma && path == PrefillPath::Pipelined;
+        let scale = 1.0 / (d as f32).sqrt();
+        let qp = if pipe {
+            s.put(dev, 0, &f16_scaled(q, scale))?
+        } else {
+            s.put(dev, 0, q)?
+        };
+        Ok((qp, mma, pipe, scale))
     }
 
     /// Whether `path` runs the tensor-core kernels for head dim `d`.
