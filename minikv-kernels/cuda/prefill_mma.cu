@@ -180,6 +180,52 @@ __device__ __forceinline__ void mk_p_frag(const float (*s)[4], int kc, unsigned*
   pa[3] = mk_pack(s[2 * kc + 1][2], s[2 * kc + 1][3]);
 }
 
+// Scores of one group of 8 keys or rows (nt) for a warp's 16 rows of A
+// (a: D / 16 fragments): s = sum over channel chunks kc of A_kc B_kc, in kc
+// order; frags(nt, kc, b) gives the B fragments of chunks kc and kc + 1 in
+// b[0, 2) and b[2, 4). Every tensor-core kernel's products go through here
+// or mk_tile_pv, so their order is the same whatever loads the operands.
+template <int D, class F>
+__device__ __forceinline__ void mk_row_scores(float* s, const unsigned (*a)[4], int nt, F frags) {
+  s[0] = s[1] = s[2] = s[3] = 0.f;
+#pragma unroll
+  for (int kc = 0; kc < D / 16; kc += 2) {
+    unsigned b[4];
+    frags(nt, kc, b);
+    mk_mma(s, a[kc], b);
+    mk_mma(s, a[kc + 1], b + 2);
+  }
+}
+
+// O += P V for one tile of 64 keys: P from the scores s (mk_p_frag), and
+// frags(kc, j, b) the B fragments of keys 16 kc .. for channel groups j and
+// j + 1 in b[0, 2) and b[2, 4).
+template <int NT, class F>
+__device__ __forceinline__ void mk_tile_pv(float (*o)[4], const float (*s)[4], F frags) {
+#pragma unroll
+  for (int kc = 0; kc < MK_MMA_TILE / 16; ++kc) {
+    unsigned pa[4];
+    mk_p_frag(s, kc, pa);
+#pragma unroll
+    for (int j = 0; j < NT; j += 2) {
+      unsigned b[4];
+      frags(kc, j, b);
+      mk_mma(o[j], pa, b);
+      mk_mma(o[j + 1], pa, b + 2);
+    }
+  }
+}
+
+// The B fragment of row r, channels 16 kc .. 16 kc + 15, of a row-major
+// fp16 tile with rows of `ld` halves, by two 4-byte shared loads (the plain
+// kernels' operand loads).
+__device__ __forceinline__ void mk_words2(const unsigned short* tile, int ld, int r, int kc,
+                                          unsigned* b) {
+  int c = threadIdx.x % 4;
+  b[0] = mk_word(tile, r * ld + kc * 16 + 2 * c);
+  b[1] = mk_word(tile, r * ld + kc * 16 + 2 * c + 8);
+}
+
 // The online softmax of one tile of 64 keys at j0 for this lane's two query
 // rows (row r: g + 8r, at position pos[r]; a row's 64 scores sit in the 4
 // lanes of its group): scores of keys the row does not see become -inf, the
@@ -270,41 +316,28 @@ __device__ void mk_prefill_mma(const float* q, const unsigned short* k, const un
   constexpr int LK = D + MK_MMA_PAD, LV = MK_MMA_TILE + MK_MMA_PAD, NT = D / 8;
   __shared__ unsigned short sk[MK_MMA_TILE * LK];
   __shared__ unsigned short svt[D * LV];
-  int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  int g = threadIdx.x % 32 / 4;
   unsigned qa[D / 16][4];
   MkFwdBlock b = mk_fwd_block<D>(q, qa, n, t, group, scale, window);
   float o[NT][4], m[2], l[2];
   mk_fwd_init<NT>(o, m, l);
-  int jlo = b.jlo, last = b.last;
-  for (int j0 = jlo; j0 <= last; j0 += MK_MMA_TILE) {
+  for (int j0 = b.jlo; j0 <= b.last; j0 += MK_MMA_TILE) {
     __syncthreads();  // the previous tile is no longer read
     mk_stage<D>(sk, nullptr, k + b.kv, j0, t, 1.f);
     mk_stage<D>(nullptr, svt, v + b.kv, j0, t, 1.f);  // V transposed: B fragments of P V
     __syncthreads();
     float s[MK_MMA_TILE / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) {
-        unsigned bk[2] = {mk_word(sk, (nt * 8 + g) * LK + kc * 16 + 2 * c),
-                          mk_word(sk, (nt * 8 + g) * LK + kc * 16 + 2 * c + 8)};
-        mk_mma(s[nt], qa[kc], bk);
-      }
-    }
+    for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt)
+      mk_row_scores<D>(s[nt], qa, nt, [&](int r, int kc, unsigned* bk) {
+        mk_words2(sk, LK, r * 8 + g, kc, bk);
+        mk_words2(sk, LK, r * 8 + g, kc + 1, bk + 2);
+      });
     mk_tile_softmax<D>(s, o, m, l, j0, t, b.pos, window);
-    // O += P V.
-#pragma unroll
-    for (int kc = 0; kc < MK_MMA_TILE / 16; ++kc) {
-      unsigned pa[4];
-      mk_p_frag(s, kc, pa);
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        unsigned bv[2] = {mk_word(svt, (j * 8 + g) * LV + kc * 16 + 2 * c),
-                          mk_word(svt, (j * 8 + g) * LV + kc * 16 + 2 * c + 8)};
-        mk_mma(o[j], pa, bv);
-      }
-    }
+    mk_tile_pv<NT>(o, s, [&](int kc, int j, unsigned* bv) {
+      mk_words2(svt, LV, j * 8 + g, kc, bv);
+      mk_words2(svt, LV, (j + 1) * 8 + g, kc, bv + 2);
+    });
   }
   mk_prefill_store<D>(o, l, m, out, lse, b.h, n, b.i0);
 }
@@ -381,7 +414,7 @@ __device__ void mk_column_sums_mma(const float* q, const unsigned short* k, cons
   constexpr int LK = D + MK_MMA_PAD;
   __shared__ unsigned short sq[MK_MMA_TILE * LK];
   __shared__ float sl[MK_MMA_TILE];
-  int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  int g = threadIdx.x % 32 / 4;
   unsigned ka[D / 16][4];
   MkColBlock b = mk_col_block<D>(k, ka, n, t, group, window, i_begin, i_end);
   const float* qh = q + (mk_size)b.h * n * D;
@@ -394,13 +427,11 @@ __device__ void mk_column_sums_mma(const float* q, const unsigned short* k, cons
     __syncthreads();
 #pragma unroll
     for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt) {
-      float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) {
-        unsigned bq[2] = {mk_word(sq, (nt * 8 + g) * LK + kc * 16 + 2 * c),
-                          mk_word(sq, (nt * 8 + g) * LK + kc * 16 + 2 * c + 8)};
-        mk_mma(s, ka[kc], bq);
-      }
+      float s[4];
+      mk_row_scores<D>(s, ka, nt, [&](int r, int kc, unsigned* bq) {
+        mk_words2(sq, LK, r * 8 + g, kc, bq);
+        mk_words2(sq, LK, r * 8 + g, kc + 1, bq + 2);
+      });
       mk_cumul_tile(s, b, r0, nt, sl, n, t, window, acc);
     }
   }
@@ -413,22 +444,25 @@ __device__ void mk_column_sums_mma(const float* q, const unsigned short* k, cons
 // with one argument list, except that keys and values are fp16 bits (the
 // host rounds them once, at upload, and keeps prefill histories so: half the
 // bytes moved and read of the f32 the scalar kernels take).
-#define MK_PREFILL_MMA(D)                                                                        \
-  extern "C" __global__ void mk_prefill_mma##D(                                                  \
-      const float* __restrict__ q, const unsigned short* __restrict__ k,                          \
+// MK_PREFILL_KERNELS(SUF, QT, FWD, COLS, D): the pair mk_prefill_SUF<D> and
+// mk_column_sums_SUF<D> around FWD<D> and COLS<D>, queries of type QT
+// (prefill_pipe.cu makes its pair with it too, and undefines it).
+#define MK_PREFILL_KERNELS(SUF, QT, FWD, COLS, D)                                                \
+  extern "C" __global__ void mk_prefill_##SUF##D(                                                \
+      const QT* __restrict__ q, const unsigned short* __restrict__ k,                            \
       const unsigned short* __restrict__ v,                                                      \
       float* __restrict__ out, float* __restrict__ lse, int n, int t, int d, int group,          \
       float scale, int window) {                                                                 \
     (void)d;                                                                                     \
-    mk_prefill_mma<D>(q, k, v, out, lse, n, t, group, scale, window);                            \
+    FWD<D>(q, k, v, out, lse, n, t, group, scale, window);                                       \
   }                                                                                              \
-  extern "C" __global__ void mk_column_sums_mma##D(                                              \
-      const float* __restrict__ q, const unsigned short* __restrict__ k,                          \
+  extern "C" __global__ void mk_column_sums_##SUF##D(                                            \
+      const QT* __restrict__ q, const unsigned short* __restrict__ k,                            \
       const float* __restrict__ lse,                                                             \
       float* __restrict__ cumul, int n, int t, int d, int group, float scale, int window,        \
       int i_begin, int i_end) {                                                                  \
     (void)d;                                                                                     \
-    mk_column_sums_mma<D>(q, k, lse, cumul, n, t, group, scale, window, i_begin, i_end);         \
+    COLS<D>(q, k, lse, cumul, n, t, group, scale, window, i_begin, i_end);                       \
   }
-MK_PREFILL_MMA(64)
-MK_PREFILL_MMA(128)
+MK_PREFILL_KERNELS(mma, float, mk_prefill_mma, mk_column_sums_mma, 64)
+MK_PREFILL_KERNELS(mma, float, mk_prefill_mma, mk_column_sums_mma, 128)

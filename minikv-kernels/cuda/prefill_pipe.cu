@@ -105,16 +105,10 @@ __device__ void mk_prefill_pipe(const unsigned short* q, const unsigned short* k
     // same of kc + 1 for keys 8 nt .. 8 nt + 7: the B fragments of kc, kc + 1.
     float s[MK_MMA_TILE / 8][4];
 #pragma unroll
-    for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-      for (int kc = 0; kc < D / 16; kc += 2) {
-        unsigned bk[4];
-        mk_ldsm4<false>(bk, st.k + (nt * 8 + mr) * LD + kc * 16 + mi * 8);
-        mk_mma(s[nt], qa[kc], bk);
-        mk_mma(s[nt], qa[kc + 1], bk + 2);
-      }
-    }
+    for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt)
+      mk_row_scores<D>(s[nt], qa, nt, [&](int r, int kc, unsigned* bk) {
+        mk_ldsm4<false>(bk, st.k + (r * 8 + mr) * LD + kc * 16 + mi * 8);
+      });
     mk_tile_softmax<D>(s, o, m, l, j0, t, b.pos, window);
     __syncthreads();  // every warp's scores are done with st.k
     if (more) mk_pipe_stage<D>(st.k, k + b.kv, j0 + MK_MMA_TILE, t);
@@ -124,18 +118,9 @@ __device__ void mk_prefill_pipe(const unsigned short* q, const unsigned short* k
     // O += P V: matrices 0-3 are keys 16 kc .. + 7 and + 8 .. + 15 of
     // channels 8 j .., then of 8 (j + 1) .., transposed: the B fragments of
     // j and j + 1.
-#pragma unroll
-    for (int kc = 0; kc < MK_MMA_TILE / 16; ++kc) {
-      unsigned pa[4];
-      mk_p_frag(s, kc, pa);
-#pragma unroll
-      for (int j = 0; j < NT; j += 2) {
-        unsigned bv[4];
-        mk_ldsm4<true>(bv, st.v + (kc * 16 + (mi % 2) * 8 + mr) * LD + (j + mi / 2) * 8);
-        mk_mma(o[j], pa, bv);
-        mk_mma(o[j + 1], pa, bv + 2);
-      }
-    }
+    mk_tile_pv<NT>(o, s, [&](int kc, int j, unsigned* bv) {
+      mk_ldsm4<true>(bv, st.v + (kc * 16 + (mi % 2) * 8 + mr) * LD + (j + mi / 2) * 8);
+    });
     __syncthreads();  // every warp's P V is done with st.v
     if (more) mk_pipe_stage<D>(st.v, v + b.kv, j0 + MK_MMA_TILE, t);
     else mk_cp_commit();
@@ -160,7 +145,8 @@ struct alignas(16) MkPipeRows {
 template <int D>
 __device__ void mk_column_sums_pipe(const unsigned short* q, const unsigned short* k,
                                     const float* lse, float* cumul, int n, int t, int group,
-                                    int window, int i_begin, int i_end) {
+                                    float scale, int window, int i_begin, int i_end) {
+  (void)scale;  // the queries come scaled
   constexpr int LD = D + MK_MMA_PAD;
   __shared__ MkPipeRows<D> st;
   int lane = threadIdx.x % 32;
@@ -187,14 +173,10 @@ __device__ void mk_column_sums_pipe(const unsigned short* q, const unsigned shor
     const unsigned short* sq = st.q[b];
 #pragma unroll
     for (int nt = 0; nt < MK_MMA_TILE / 8; ++nt) {
-      float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int kc = 0; kc < D / 16; kc += 2) {
-        unsigned bq[4];
-        mk_ldsm4<false>(bq, sq + (nt * 8 + mr) * LD + kc * 16 + mi * 8);
-        mk_mma(s, ka[kc], bq);
-        mk_mma(s, ka[kc + 1], bq + 2);
-      }
+      float s[4];
+      mk_row_scores<D>(s, ka, nt, [&](int r, int kc, unsigned* bq) {
+        mk_ldsm4<false>(bq, sq + (r * 8 + mr) * LD + kc * 16 + mi * 8);
+      });
       mk_cumul_tile(s, cb, r0, nt, st.l[b], n, t, window, acc);
     }
     __syncthreads();  // every warp is done with buffer b
@@ -203,30 +185,11 @@ __device__ void mk_column_sums_pipe(const unsigned short* q, const unsigned shor
   mk_cumul_store(acc, cb, cumul, t);
 }
 
-// The launchable instances (head dims 64 and 128), with mk_prefill_mma's
-// and mk_column_sums_mma's arguments and grids, except that the queries
-// are fp16 bits of q times `scale` (the host rounds them as the plain
-// kernels do: the same operands, half the bytes uploaded; `scale` is then
-// unused); queries, keys and values must be 16-byte aligned (the host
-// checks).
-#define MK_PREFILL_PIPE(D)                                                                       \
-  extern "C" __global__ void mk_prefill_mma_pipe##D(                                             \
-      const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,                \
-      const unsigned short* __restrict__ v,                                                      \
-      float* __restrict__ out, float* __restrict__ lse, int n, int t, int d, int group,          \
-      float scale, int window) {                                                                 \
-    (void)d;                                                                                     \
-    mk_prefill_pipe<D>(q, k, v, out, lse, n, t, group, scale, window);                           \
-  }                                                                                              \
-  extern "C" __global__ void mk_column_sums_mma_pipe##D(                                         \
-      const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,                \
-      const float* __restrict__ lse,                                                             \
-      float* __restrict__ cumul, int n, int t, int d, int group, float scale, int window,        \
-      int i_begin, int i_end) {                                                                  \
-    (void)d;                                                                                     \
-    (void)scale;                                                                                 \
-    mk_column_sums_pipe<D>(q, k, lse, cumul, n, t, group, window, i_begin, i_end);               \
-  }
-MK_PREFILL_PIPE(64)
-MK_PREFILL_PIPE(128)
-#undef MK_PREFILL_PIPE
+// The launchable instances (head dims 64 and 128; MK_PREFILL_KERNELS of
+// prefill_mma.cu), except that the queries are fp16 bits of q times
+// `scale` (the host rounds them as the plain kernels do: the same operands,
+// half the bytes uploaded; `scale` is then unused); queries, keys and values
+// must be 16-byte aligned (the host checks).
+MK_PREFILL_KERNELS(mma_pipe, unsigned short, mk_prefill_pipe, mk_column_sums_pipe, 64)
+MK_PREFILL_KERNELS(mma_pipe, unsigned short, mk_prefill_pipe, mk_column_sums_pipe, 128)
+#undef MK_PREFILL_KERNELS
