@@ -214,14 +214,18 @@ PY
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 if [ -n "$NCU" ]; then
   echo "== decode kernels under Nsight Compute (128K tokens, 32/8 heads, d = 128)"
-  kinds="fast staged general"
-  [ "$QUICK" = 1 ] && kinds="fast staged"
+  # KERNEL[-int8]: -int8 runs the 2-bit row with integer key products
+  # (--arithmetic int8) instead of exact ones.
+  kinds="fast staged general fast-int8 staged-int8"
+  [ "$QUICK" = 1 ] && kinds="fast staged staged-int8"
   for k in $kinds; do
-    MINIKV_CUDA_DECODE=$k timeout 150 "$NCU" --clock-control none \
+    arith=exact
+    case $k in *-int8) arith=int8 ;; esac
+    MINIKV_CUDA_DECODE=${k%-int8} timeout 150 "$NCU" --clock-control none \
       --kernel-name regex:'mk_decode_(fast|staged|partial|combine)' --launch-count 32 --csv \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       "$BIN/minikv" bench attention --tokens 131072 --q-heads 32 --kv-heads 8 --head-dim 128 \
-      --backend cuda --bits 2 --arithmetic exact --seconds 0.001 > "$OUTDIR/ncu-$k.csv" 2> "$OUTDIR/ncu-$k.log" \
+      --backend cuda --bits 2 --arithmetic $arith --seconds 0.001 > "$OUTDIR/ncu-$k.csv" 2> "$OUTDIR/ncu-$k.log" \
       || echo "  (ncu $k: exit $?; $(tail -1 "$OUTDIR/ncu-$k.log"))"
   done
   python3 "$(dirname "$0")/ncu-summary.py" "$OUTDIR"

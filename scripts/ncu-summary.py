@@ -44,7 +44,8 @@ def summary(kind, rows):
         if "gpu__time_duration.sum" in metrics:
             by_kernel.setdefault(kernel, []).append(metrics)
     for kernel, ms in by_kernel.items():
-        parts = [("fp16", ms[:8]), ("2-bit exact", ms[8:16])] if len(ms) == 16 else [
+        arith = "int8" if kind.endswith("-int8") else "exact"
+        parts = [("fp16", ms[:8]), (f"2-bit {arith}", ms[8:16])] if len(ms) == 16 else [
             (f"all {len(ms)}", ms)]
         for label, part in parts:
             us = statistics.median(m["gpu__time_duration.sum"] for m in part)
@@ -52,14 +53,14 @@ def summary(kind, rows):
             pct = statistics.median(
                 m.get("dram__throughput.avg.pct_of_peak_sustained_elapsed", 0) for m in part)
             rate = gb / us / 1e3 if us > 0 else 0.0
-            print(f"  {kind:<8} {kernel:<18} {label:<12} {us:9.1f} us, DRAM read "
+            print(f"  {kind:<11} {kernel:<18} {label:<12} {us:9.1f} us, DRAM read "
                   f"{gb / 1e6:8.1f} MB ({rate:7.1f} GB/s), {pct:5.1f}% of peak "
                   f"({len(part)} launches)")
 
 
 def main():
     out = sys.argv[1]
-    for kind in ("fast", "staged", "general"):
+    for kind in ("fast", "staged", "general", "fast-int8", "staged-int8"):
         path = os.path.join(out, f"ncu-{kind}.csv")
         if os.path.exists(path):
             summary(kind, launches(path))

@@ -1490,11 +1490,11 @@ fn cuda_backend_under_emulation_on_the_real_model() {
     std::fs::create_dir_all(&dir).unwrap();
     let body = "seed = 0\n[cache]\nheavy = 0.25\nrecent = 0.25\nscorer = { type = \"cumulative_attention\" }\npolicy = { type = \"uniform\" }\n[cache.quant]\nresidual = 16\nresidual_mode = \"minikv\"\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }\nvalues = { type = \"minmax\", bits = 2, group = 16, axis = \"token\" }\n";
     let prompt = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: once or twice she had peeped into the book her sister was reading";
-    let mut runs = Vec::new();
-    for backend in ["cuda-emulated", "tiled"] {
-        let p = dir.join(format!("{backend}.toml"));
-        std::fs::write(&p, format!("backend = \"{backend}\"\n{body}")).unwrap();
-        runs.push(ok_json(&[
+    // Greedy generation of 8 tokens with `cfg` written to `name` first.
+    let generate = |name: &str, cfg: &str| {
+        let p = dir.join(name);
+        std::fs::write(&p, cfg).unwrap();
+        ok_json(&[
             "generate",
             "--config",
             p.to_str().unwrap(),
@@ -1503,7 +1503,12 @@ fn cuda_backend_under_emulation_on_the_real_model() {
             "--max-tokens",
             "8",
             "--json",
-        ]));
+        ])
+    };
+    let mut runs = Vec::new();
+    for backend in ["cuda-emulated", "tiled"] {
+        let cfg = format!("backend = \"{backend}\"\n{body}");
+        runs.push(generate(&format!("{backend}.toml"), &cfg));
     }
     let (gpu, cpu) = (&runs[0], &runs[1]);
     assert_eq!(gpu["tokens"], cpu["tokens"]);
@@ -1552,16 +1557,29 @@ fn cuda_backend_under_emulation_on_the_real_model() {
         "--json",
     ]);
     assert_eq!(b["backend"], "cuda-emulated");
-    // fp16, then per bit width exact and int8 (which the CUDA backend
-    // refuses: the row says why).
+    // fp16, then per bit width exact and int8 (integer key products on the
+    // CUDA backend), every row timed.
     let rows = b["results"].as_array().unwrap();
     assert_eq!(rows.len(), 5, "{b}");
-    for r in rows.iter().filter(|r| r["arithmetic"] == "int8") {
-        assert!(
-            r["not_run"].as_str().unwrap().contains("CPU kernels"),
-            "{r}"
-        );
+    assert_eq!(rows.iter().filter(|r| r["arithmetic"] == "int8").count(), 2);
+    for r in rows {
+        assert!(r["seconds_per_token"].as_f64().unwrap() > 0.0, "{r}");
     }
+    // `arithmetic = "int8"` on both quantizers: the CUDA backend's integer
+    // key products give the CPU's int8 greedy tokens on this prompt.
+    let int8 = |backend: &str| {
+        let cfg = format!("backend = \"{backend}\"\n{body}")
+            .replace("channel\" }", "channel\", arithmetic = \"int8\" }")
+            .replace("token\" }", "token\", arithmetic = \"int8\" }");
+        assert_eq!(cfg.matches("int8").count(), 2, "{cfg}");
+        generate(&format!("{backend}-int8.toml"), &cfg)
+    };
+    let (gpu8, cpu8) = (int8("cuda-emulated"), int8("tiled"));
+    assert_eq!(gpu8["tokens"], cpu8["tokens"]);
+    assert_eq!(
+        gpu8["provenance"]["config"]["cache"]["quant"]["keys"]["arithmetic"],
+        "int8"
+    );
     let p = dir.join("cuda.toml");
     std::fs::write(&p, format!("backend = \"cuda\"\n{body}")).unwrap();
     let (ok, _, err) = minikv(&[

@@ -193,6 +193,36 @@ __device__ __forceinline__ void mk_halve(float* r, int lane, int o) {
   }
 }
 
+// Where a key tile's lane starts reading (token jt, channel c0 of its
+// block): its first word and scale (relative to the source) and the shift
+// of token jt's code in the word.
+struct MkTileAt {
+  mk_size w0, s0;
+  int sh;
+};
+template <int D, int BITS, class S>
+__device__ __forceinline__ MkTileAt mk_tile_at(const MkQuant& z, const S& src, int jt, int c0) {
+  constexpr int P = 32 / BITS;
+  return MkTileAt{(mk_size)(jt / P) * D + c0 - src.wofs(),
+                  (mk_size)(jt / z.group) * D + c0 - src.sofs(), BITS * (jt % P)};
+}
+
+// A key tile's loads of VW (1, 2 or 4) consecutive channels of one row:
+// their words from word w (swizzled when staged so), scales and minimums
+// from element s.
+template <int VW, class S>
+__device__ __forceinline__ void mk_tile_load(const MkQuant& z, const S& src, mk_size w, mk_size s,
+                                            unsigned* wv, float* sc, float* mn) {
+  mk_ldn<VW>(src.words() + (src.swz() ? mk_swz(w) : w), wv);
+  if constexpr (VW >= 2) {
+    mk_ld_scales<VW>(src.scale(), s, z.f16, sc);
+    mk_ld_scales<VW>(src.minv(), s, z.f16, mn);
+  } else {
+    sc[0] = mk_scale_at(src.scale(), s, z.f16);
+    mn[0] = mk_scale_at(src.minv(), s, z.f16);
+  }
+}
+
 // Scores of the quantized keys (per channel, BITS bits) of the MK_TILE-token
 // tile at j0 (a multiple of 16) for the block's MK_G query heads, by one
 // warp: lane (tq, cb) = (lane / 8, lane % 8) takes tokens j0 + 4 tq .. + 3
@@ -217,16 +247,12 @@ __device__ __forceinline__ void mk_key_tile(const MkQuant& z, const S& src, int 
   if (jt < z.n) {
     float bias[MK_G];
     for (int g = 0; g < MK_G; ++g) bias[g] = 0.f;
-    mk_size w0 = (mk_size)(jt / P) * D + cb * CPL - src.wofs();
-    mk_size s0 = (mk_size)(jt / z.group) * D + cb * CPL - src.sofs();
-    int sh = BITS * (jt % P);
+    const MkTileAt at = mk_tile_at<D, BITS>(z, src, jt, cb * CPL);
 #pragma unroll 2
     for (int c4 = 0; c4 < CPL; c4 += VW) {
       unsigned wv[VW];
       float sc[VW], mn[VW];
-      mk_ldn<VW>(src.words() + (src.swz() ? mk_swz(w0 + c4) : w0 + c4), wv);
-      mk_ld_scales<VW>(src.scale(), s0 + c4, z.f16, sc);
-      mk_ld_scales<VW>(src.minv(), s0 + c4, z.f16, mn);
+      mk_tile_load<VW>(z, src, at.w0 + c4, at.s0 + c4, wv, sc, mn);
 #pragma unroll
       for (int i = 0; i < VW; ++i) {
         const mk_f4 qc = sq[mk_sqr<D>(cb * CPL + c4 + i)];
@@ -236,7 +262,7 @@ __device__ __forceinline__ void mk_key_tile(const MkQuant& z, const S& src, int 
           qs[g] = qc.v[g] * sc[i];
           bias[g] += qc.v[g] * mn[i];
         }
-        unsigned x = wv[i] >> sh;
+        unsigned x = wv[i] >> at.sh;
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           float cf = mk_codef((x >> (BITS * t)) & mask);
@@ -249,6 +275,179 @@ __device__ __forceinline__ void mk_key_tile(const MkQuant& z, const S& src, int 
     for (int t = 0; t < 4; ++t)
       for (int g = 0; g < MK_G; ++g) r[t * MK_G + g] += bias[g];
   }
+  mk_halve<4 * MK_G>(r, lane, 4);
+  mk_halve<2 * MK_G>(r, lane, 2);
+  mk_halve<MK_G>(r, lane, 1);
+  r2[0] = r[0];
+  r2[1] = r[1];
+}
+
+// Integer key products (`arithmetic = "int8"`, z.i8: per-channel 2- or
+// 4-bit keys whose scale groups hold whole words). Per block and query head
+// g, over the chunk's quantized keys (the CPU takes segments of 4096
+// tokens; a chunk is at most 256, so the step is as fine or finer):
+//   amax_g = max_c |q_gc| smax_c   (smax_c: channel c's largest key scale)
+//   sig_g  = amax_g (1/127), inv_g = 127 / amax_g (both 0 when amax_g is 0
+//            or inv_g overflows: the codes then add nothing)
+//   q8_gc  = rne((q_gc inv_g) scale_gc)   per key group, in -127 ..= 127
+//   score  = sig_g sum_c q8_gc code_c + sum_c q_gc min_gc   (min term in f32)
+// q is the scaled query of sq. mk_i8_prep leaves sig_g at si8[g] and inv_g
+// at si8[MK_G + g].
+
+// fp32 product rounded to nearest (never fused into a following add).
+__device__ __forceinline__ float mk_mul_rn(float a, float b) {
+#ifdef MK_EMULATED
+  volatile float r = a * b;
+  return r;
+#else
+  return __fmul_rn(a, b);
+#endif
+}
+// rne(x) for |x| < 2^22 as the low byte of the bits of x + 1.5 * 2^23 (two's
+// complement: -1 is 0xff).
+__device__ __forceinline__ unsigned mk_rne_bits(float x) {
+#ifdef MK_EMULATED
+  volatile float r = x + 12582912.0f;
+  return __float_as_uint(r);
+#else
+  return __float_as_uint(__fadd_rn(x, 12582912.0f));
+#endif
+}
+// Byte k (0..3) of a, b, c and d as the bytes 0..3 of one word.
+__device__ __forceinline__ unsigned mk_bytes4(unsigned a, unsigned b, unsigned c, unsigned d,
+                                             int k) {
+#ifdef MK_EMULATED
+  return ((a >> (8 * k)) & 0xffu) | (((b >> (8 * k)) & 0xffu) << 8) |
+         (((c >> (8 * k)) & 0xffu) << 16) | (((d >> (8 * k)) & 0xffu) << 24);
+#else
+  unsigned sel = (unsigned)(k | ((k + 4) << 4)), lo, hi, r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(lo) : "r"(a), "r"(b), "r"(sel));
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(hi) : "r"(c), "r"(d), "r"(sel));
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "n"(0x5410));
+  return r;
+#endif
+}
+// w with its byte i (0..3) replaced by the low byte of b.
+__device__ __forceinline__ unsigned mk_put_byte(unsigned w, unsigned b, int i) {
+#ifdef MK_EMULATED
+  return (w & ~(0xffu << (8 * i))) | ((b & 0xffu) << (8 * i));
+#else
+  // prmt selectors: bytes 0..3 of w, byte 4 = b's first.
+  const unsigned sel = i == 0 ? 0x3214u : i == 1 ? 0x3240u : i == 2 ? 0x3410u : 0x4210u;
+  unsigned r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(w), "r"(b), "r"(sel));
+  return r;
+#endif
+}
+// acc + the sum of the four signed byte products of a and b.
+__device__ __forceinline__ int mk_dp4a(unsigned a, unsigned b, int acc) {
+#ifdef MK_EMULATED
+  for (int i = 0; i < 4; ++i)
+    acc += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+  return acc;
+#else
+  int r;
+  asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(acc));
+  return r;
+#endif
+}
+
+// sig_g and inv_g of the chunk's quantized keys [begin, begin + kq) into
+// si8 (smax: D floats of shared scratch; the caller synchronizes before
+// si8 is read). Thread c takes channel c's largest scale over the chunk's
+// groups; a warp per head the maximum of |q_gc| smax_c.
+template <int D, class S>
+__device__ __forceinline__ void mk_i8_prep(const MkQuant& z, const S& src, int begin, int kq,
+                                          const mk_f4* sq, float* smax, float* si8) {
+  int tid = threadIdx.x, nt = blockDim.x, warp = tid / 32, lane = tid % 32;
+  int g0 = begin / z.group, g1 = (begin + kq - 1) / z.group + 1;
+  for (int c = tid; c < D; c += nt) {
+    float m = 0.f;
+    for (int gi = g0; gi < g1; ++gi)
+      m = fmaxf(m, mk_scale_at(src.scale(), (mk_size)gi * D + c - src.sofs(), z.f16));
+    smax[c] = m;
+  }
+  __syncthreads();
+  if (warp < MK_G) {
+    float a = 0.f;
+    for (int c = lane; c < D; c += 32) a = fmaxf(a, fabsf(sq[mk_sqr<D>(c)].v[warp]) * smax[c]);
+    a = mk_warp_max(a);
+    if (lane == 0) {
+      float inv = 127.0f / a;
+      bool ok = a > 0.f && inv <= 3.4028235e38f;
+      si8[warp] = ok ? a * (1.0f / 127.0f) : 0.f;
+      si8[MK_G + warp] = ok ? inv : 0.f;
+    }
+  }
+}
+
+// mk_key_tile with integer products. The query bytes of a channel change
+// with its scale, every key group, and cost about as much as the products
+// they feed; a lane therefore takes T = 8 tokens (4 at d = 256, where 8
+// spill past the kernel's 96 registers), twice mk_key_tile's: lane
+// (th, cb) = (lane / L, lane % L), L = 2 T lanes per token group, scores
+// tokens j0 + T th .. + T - 1 (one word per channel: T | P, one scale group:
+// T | G, which int8_keys ensures) over channels [cb D / L, (cb + 1) D / L),
+// 4 channels' words, scales and minimums loaded at a time. Per 4 channels it
+// packs each head's 4 query bytes into a word and, per token, the 4
+// channels' codes into another (one byte each: byte k of the 4 words shifted
+// to the lane's first token holds BITS-bit codes of 8 / BITS tokens), and
+// one dp4a adds their 4 products. The T x 4 integer sums become
+// sig_g sum + the lane's part of the min term, and the L lanes add them by
+// halvings: lane cb ends with token j0 + T th + cb / 2, heads 2 (cb % 2) and
+// + 1, in r2 (mk_key_tile_bits returns that token).
+template <int D>
+__device__ constexpr int mk_i8_tokens() {
+  return D >= 256 ? 4 : 8;
+}
+template <int D, int BITS, class S>
+__device__ __forceinline__ void mk_key_tile_i8(const MkQuant& z, const S& src, int j0, int lane,
+                                              const mk_f4* sq, const float* si8, float* r2) {
+  constexpr int T = mk_i8_tokens<D>(), L = 2 * T, P = 32 / BITS, CPL = D / L;
+  constexpr int VW = CPL < 4 ? CPL : 4, NB = (T * BITS + 7) / 8;
+  const unsigned cmask = ((1u << BITS) - 1u) * 0x01010101u;
+  int th = lane / L, cb = lane % L, jt = j0 + T * th;
+  float r[T * MK_G];
+#pragma unroll
+  for (int i = 0; i < T * MK_G; ++i) r[i] = 0.f;
+  if (jt < z.n) {
+    int acc[T * MK_G];
+    float bias[MK_G];
+#pragma unroll
+    for (int i = 0; i < T * MK_G; ++i) acc[i] = 0;
+    for (int g = 0; g < MK_G; ++g) bias[g] = 0.f;
+    const MkTileAt at = mk_tile_at<D, BITS>(z, src, jt, cb * CPL);
+#pragma unroll 1
+    for (int c4 = 0; c4 < CPL; c4 += VW) {
+      unsigned wv[4] = {0u, 0u, 0u, 0u};
+      float sc[VW], mn[VW];
+      mk_tile_load<VW>(z, src, at.w0 + c4, at.s0 + c4, wv, sc, mn);
+      unsigned qw[MK_G] = {0u, 0u, 0u, 0u}, cw[NB];
+#pragma unroll
+      for (int i = 0; i < VW; ++i) {
+        const mk_f4 qc = sq[mk_sqr<D>(cb * CPL + c4 + i)];
+#pragma unroll
+        for (int g = 0; g < MK_G; ++g) {
+          bias[g] += qc.v[g] * mn[i];
+          float x = mk_mul_rn(mk_mul_rn(qc.v[g], si8[MK_G + g]), sc[i]);
+          qw[g] = mk_put_byte(qw[g], mk_rne_bits(x), i);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < NB; ++k)
+        cw[k] = mk_bytes4(wv[0] >> at.sh, wv[1] >> at.sh, wv[2] >> at.sh, wv[3] >> at.sh, k);
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        unsigned ct = (cw[(BITS * t) / 8] >> ((BITS * t) % 8)) & cmask;
+#pragma unroll
+        for (int g = 0; g < MK_G; ++g) acc[t * MK_G + g] = mk_dp4a(ct, qw[g], acc[t * MK_G + g]);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+      for (int g = 0; g < MK_G; ++g) r[t * MK_G + g] = si8[g] * (float)acc[t * MK_G + g] + bias[g];
+  }
+  if constexpr (T == 8) mk_halve<8 * MK_G>(r, lane, 8);
   mk_halve<4 * MK_G>(r, lane, 4);
   mk_halve<2 * MK_G>(r, lane, 2);
   mk_halve<MK_G>(r, lane, 1);
@@ -490,12 +689,21 @@ __device__ __forceinline__ void mk_stage_chunk(const MkHead& hd, int begin, int 
 }
 
 // mk_key_tile and mk_values_quant at the store's bits (2, 4, else 8).
+// Returns the token of the tile (0 .. 15) whose scores the lane holds in
+// r2 (heads 2 (lane % 2) and + 1).
 template <int D, class S>
-__device__ __forceinline__ void mk_key_tile_bits(const MkQuant& z, const S& src, int j0, int lane,
-                                                const mk_f4* sq, float* r2) {
+__device__ __forceinline__ int mk_key_tile_bits(const MkQuant& z, const S& src, int j0, int lane,
+                                               const mk_f4* sq, const float* si8, float* r2) {
+  if (z.i8) {
+    if (z.bits == 2) mk_key_tile_i8<D, 2>(z, src, j0, lane, sq, si8, r2);
+    else mk_key_tile_i8<D, 4>(z, src, j0, lane, sq, si8, r2);
+    constexpr int T = mk_i8_tokens<D>();
+    return T * (lane / (2 * T)) + (lane % (2 * T)) / 2;
+  }
   if (z.bits == 2) mk_key_tile<D, 2>(z, src, j0, lane, sq, r2);
   else if (z.bits == 4) mk_key_tile<D, 4>(z, src, j0, lane, sq, r2);
   else mk_key_tile<D, 8>(z, src, j0, lane, sq, r2);
+  return 4 * (lane / 8) + (lane % 8) / 2;
 }
 template <int D, class S>
 __device__ __forceinline__ void mk_values_bits(const MkQuant& z, const S& src, int begin, int cnt,
@@ -518,7 +726,8 @@ __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, co
                                                 float* __restrict__ logits, int lstride,
                                                 mk_f4* sq, float (*sp)[MK_G],
                                                 float (*red)[MK_RED], float* sm, float* sl,
-                                                unsigned char* stage, MkQSrc* srcs) {
+                                                float* si8, unsigned char* stage,
+                                                MkQSrc* srcs) {
   int s = blockIdx.x, ns = gridDim.x, tid = threadIdx.x, nt = blockDim.x;
   int slices = (group + MK_G - 1) / MK_G;
   int kvh = blockIdx.y / slices, g0 = (int)(blockIdx.y % slices) * MK_G;
@@ -542,11 +751,18 @@ __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, co
   // fp16 rows (and -inf past the end) one token per thread.
   int warp = tid / 32, lane = tid % 32;
   int kq = mk_stored_in(hd.k.n, begin, end);
+  if (hd.k.i8 && kq > 0) {  // integer key products: the chunk's steps
+    if constexpr (STAGED) mk_i8_prep<D>(hd.k, MkStaged{srcs[0]}, begin, kq, sq, &sp[0][0], si8);
+    else mk_i8_prep<D>(hd.k, MkInPlace{hd.k}, begin, kq, sq, &sp[0][0], si8);
+    __syncthreads();
+  }
   for (int t0 = warp * MK_TILE; t0 < kq; t0 += (nt / 32) * MK_TILE) {
     float r2[2];
-    if constexpr (STAGED) mk_key_tile_bits<D>(hd.k, MkStaged{srcs[0]}, begin + t0, lane, sq, r2);
-    else mk_key_tile_bits<D>(hd.k, MkInPlace{hd.k}, begin + t0, lane, sq, r2);
-    int jl = t0 + 4 * (lane / 8) + (lane % 8) / 2, g = 2 * (lane % 2);
+    int tt;
+    if constexpr (STAGED)
+      tt = mk_key_tile_bits<D>(hd.k, MkStaged{srcs[0]}, begin + t0, lane, sq, si8, r2);
+    else tt = mk_key_tile_bits<D>(hd.k, MkInPlace{hd.k}, begin + t0, lane, sq, si8, r2);
+    int jl = t0 + tt, g = 2 * (lane % 2);
     if (jl < kq) {
       for (int e = 0; e < 2; ++e) {
         sp[jl][g + e] = r2[e];
@@ -633,15 +849,15 @@ __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, co
 #define MK_FAST_SWITCH(STAGED, RED, STAGE, SRCS)                                                   \
   switch (d) {                                                                                     \
     case 16: mk_decode_fast_d<16, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,        \
-                                          lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;       \
+                                          lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break;       \
     case 32: mk_decode_fast_d<32, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,        \
-                                          lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;       \
+                                          lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break;       \
     case 64: mk_decode_fast_d<64, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,        \
-                                          lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;       \
+                                          lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break;       \
     case 128: mk_decode_fast_d<128, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,      \
-                                            lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;     \
+                                            lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break;     \
     default: mk_decode_fast_d<256, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,       \
-                                           lstride, sq, sp, RED, sm, sl, STAGE, SRCS); break;      \
+                                           lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break;      \
   }
 
 // Launch bounds: 5 resident blocks of 128 threads per SM (at most 102
@@ -653,7 +869,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 5)
   __shared__ mk_f4 sq[MK_MAX_D + 8];
   __shared__ float sp[MK_CHUNK][MK_G];
   __shared__ float red[MK_THREADS][MK_RED];
-  __shared__ float sm[MK_G], sl[MK_G];
+  __shared__ float sm[MK_G], sl[MK_G], si8[2 * MK_G];
   // The head's table entry in shared memory (read where used: in registers
   // its 20-odd words would crowd out the loads in flight).
   __shared__ MkHead hd;
@@ -675,7 +891,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 5)
   __shared__ MkStageBuf st;
   __shared__ MkQSrc srcs[2];
   unsigned char* stage = st.b;
-  __shared__ float sm[MK_G], sl[MK_G];
+  __shared__ float sm[MK_G], sl[MK_G], si8[2 * MK_G];
   __shared__ MkHead hd;
   static_assert(sizeof(float) * MK_THREADS * MK_RED <= MK_STAGE_BYTES, "red fits the staging");
   if (threadIdx.x == 0) hd = heads[blockIdx.y / ((group + MK_G - 1) / MK_G)];

@@ -266,12 +266,14 @@ extern "C" __global__ void mk_quant_values_token(const void* __restrict__ rows, 
 // the quantize kernels above: axis 0 = per channel (groups of `group` tokens;
 // word (j / P) * d + c, scale/min [j / group][d]), axis 1 = per token (groups
 // of `group` channels; token j owns d / P words, scale/min [j][d / group]).
-// Scales and minimums are fp16 bits (f16 = 1) or f32.
+// Scales and minimums are fp16 bits (f16 = 1) or f32. i8 = 1 on per-channel
+// 2- or 4-bit keys asks the fast decode kernels for integer key products
+// (`arithmetic = "int8"`: mk_key_tile_i8); the other kernels ignore it.
 struct MkQuant {
   const unsigned* words;
   const void* scale;
   const void* minv;
-  int n, group, bits, axis, f16;
+  int n, group, bits, axis, f16, i8;
 };
 
 // One decode head: quantized keys and values, fp16 residual rows, extra

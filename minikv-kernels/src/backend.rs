@@ -12,7 +12,7 @@ use minikv_core::attention::{
     AttentionBackend, DecodeArgs, PrefillArgs, check_decode, check_prefill,
 };
 use minikv_core::storage::{FpStore, StorageFactory};
-use minikv_core::{Axis, Error, KvHistory, QuantStore, Quantizer, Result};
+use minikv_core::{Axis, Error, KvHistory, MinMaxSpec, QuantStore, Quantizer, Result};
 use std::sync::{Arc, Mutex};
 
 /// Threads per block of the attention kernels (`MK_THREADS`).
@@ -43,8 +43,9 @@ pub struct MkQuant {
     pub axis: i32,
     /// 1: fp16 scales, 0: f32.
     pub f16: i32,
-    /// Padding (the C struct's trailing 4 bytes).
-    pub pad: i32,
+    /// 1: integer key products in the fast decode kernels (`arithmetic =
+    /// "int8"` on per-channel 2- or 4-bit keys), else 0.
+    pub i8: i32,
 }
 
 /// `MkHead` of minikv.cu with device addresses.
@@ -109,12 +110,6 @@ impl StorageFactory for DeviceStorage {
                 "the quantizer {q:?} is not the min-max quantizer the CUDA kernels implement"
             ))
         })?;
-        if spec.int8_products {
-            return Err(Error::config(
-                "arithmetic",
-                "\"int8\" products are CPU kernels; the CUDA kernels multiply in f32 (use \"exact\")",
-            ));
-        }
         Ok(Box::new(DeviceQuantStore::new(
             self.dev.clone(),
             self.staging.clone(),
@@ -123,6 +118,17 @@ impl StorageFactory for DeviceStorage {
             page_tokens,
         )?))
     }
+}
+
+/// True when a store's keys get integer products in the fast decode
+/// kernels: `arithmetic = "int8"` on per-channel 2- or 4-bit codes whose
+/// scale groups hold whole words (where the CPU's integer kernels apply;
+/// other stores multiply in f32 on both backends).
+pub(crate) fn int8_keys(sp: &MinMaxSpec) -> bool {
+    sp.int8_products
+        && (sp.bits == 2 || sp.bits == 4)
+        && sp.axis == Axis::Channel
+        && sp.group.is_multiple_of(32 / sp.bits as usize)
 }
 
 /// SnapKV's pooling of window scores (`same` padding).
@@ -344,7 +350,7 @@ impl CudaBackend {
                 Axis::Token => 1,
             },
             f16: i32::from(sp.f16_scales),
-            pad: 0,
+            i8: i32::from(int8_keys(&sp)),
         })
     }
 

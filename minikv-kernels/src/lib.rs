@@ -59,7 +59,14 @@
 //!    then compute it (what held 2-bit decode to 14% of the bandwidth on
 //!    the H200). Same arithmetic in the same order: the same bits.
 //!    [`DecodeKernel`] picks (`MINIKV_CUDA_DECODE=fast|staged|general`;
-//!    fast stays the default until a GPU run times the staged one);
+//!    fast stays the default until a GPU run times the staged one).
+//!    With `arithmetic = "int8"` on per-channel 2- or 4-bit keys both fast
+//!    forms score the keys by integer products (`mk_key_tile_i8`: the
+//!    query rounded to 8 bits per key group with one step per split, codes
+//!    and query bytes multiplied four at a time by `dp4a`; the values stay
+//!    f32, so results are at least as close to exact as the CPU's int8
+//!    kernels, not bitwise theirs; docs/algorithms.md §1); the general
+//!    kernel multiplies in f32;
 //! 5. `mk_scatter`: many small queued uploads and device moves applied by
 //!    one launch ([`Batched`]: a decode step makes about two synchronous
 //!    host-device calls per layer, whatever the number of heads).
@@ -96,7 +103,9 @@
 //!   bounds; codes bit-exact with the CPU quantizer (2/4/8 bits, both
 //!   axes); fused decode (both kernels: 2/4/8 bits, head dims 16-256, one
 //!   to five query heads per KV head, splits of 32-256 tokens) within 1e-4
-//!   over ragged heads with extra entries, the staged form bitwise equal to
+//!   over ragged heads with extra entries (with int8 key products: within
+//!   twice the CPU int8 kernels' distance to exact arithmetic, and not the
+//!   exact kernel's bits), the staged form bitwise equal to
 //!   the fast one with some blocks staging keys and values (counted), the
 //!   pipelined prefill bitwise equal to the plain tensor-core one, and a whole cache (MiniKV, KIVI, H2O with decode-time
 //!   probabilities) built on the backend against the same cache on the CPU;
@@ -137,7 +146,8 @@
 //!   kernel; prefill with `A_cumul` at 32K tokens 16-17.5 attention
 //!   TFLOP/s on tensor cores, host uploads included. Written after the
 //!   second session and not yet run on a GPU: `mk_decode_staged`, the
-//!   pinned asynchronous copies and the pipelined prefill kernels;
+//!   pinned asynchronous copies, the pipelined prefill kernels and the
+//!   int8 key products (the exact path's arithmetic is the measured one);
 //!   `scripts/gpu-check.sh` checks their parity (and racecheck the two
 //!   kernels that fill shared memory asynchronously) and times each beside
 //!   what it may replace (the fast kernel, synchronous copies, the plain

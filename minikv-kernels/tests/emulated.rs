@@ -58,15 +58,15 @@ fn the_backend_matches_the_cpu_reference_under_emulation() {
     // prefill 12 (6 cases, 3 of them also on tensor cores and on their
     // pipelined form), window scores 4 (both shapes on the scalar kernels,
     // d = 64 on tensor cores and pipelined), quantization 7, decode 6,
-    // decode with f32 scales 2 and with key groups of 128 tokens 1, each on
-    // the fast and the staged kernel.
-    assert_eq!(r.rows.len(), 41);
+    // decode with f32 scales 2, with key groups of 128 tokens 1 and with
+    // int8 key products 5, each on the fast and the staged kernel.
+    assert_eq!(r.rows.len(), 51);
     // Keys per token take the general decode kernel (on both backends); the
     // other eight cases the fast one and the staged one (each case decodes
-    // once on each).
+    // once on each), the int8 cases twice (int8, then exact).
     assert_eq!(dev.launches("mk_decode_partial"), 2);
-    assert_eq!(dev.launches("mk_decode_fast"), 8);
-    assert_eq!(dev.launches("mk_decode_staged"), 8);
+    assert_eq!(dev.launches("mk_decode_fast"), 18);
+    assert_eq!(dev.launches("mk_decode_staged"), 18);
     staged_like_fast(&r.rows, &dev);
     let mma = r
         .rows

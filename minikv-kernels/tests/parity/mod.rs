@@ -192,6 +192,23 @@ fn decode_stages(be: &CudaBackend, staged: &CudaBackend, seed: &mut u64, r: &mut
         let cases = vec![(64, 4, vec![(600, 512, 590, 1)], 2, Axis::Channel)];
         decode_scaled(&[be, staged], seed, r, cases, 128, ScaleDtype::F16)
     });
+    r.stage("decode (int8 keys)", |r| {
+        let cases = vec![
+            (
+                64,
+                8,
+                vec![(300, 288, 299, 3), (700, 640, 690, 0)],
+                2,
+                Axis::Channel,
+            ),
+            (32, 4, vec![(530, 512, 500, 2)], 4, Axis::Channel),
+            (16, 6, vec![(90, 80, 70, 1)], 2, Axis::Channel),
+            (128, 4, vec![(600, 592, 580, 0)], 4, Axis::Channel),
+            // Four tokens a lane at d = 256 (eight elsewhere).
+            (256, 3, vec![(300, 288, 280, 2)], 2, Axis::Channel),
+        ];
+        decode_int8(&[be, staged], seed, r, cases)
+    });
 }
 
 /// The checks at a real model's shapes: 32 query and 8 KV heads of
@@ -632,36 +649,9 @@ fn decode_scaled(
             scale_dtype: dtype,
             arithmetic: Default::default(),
         };
-        let data: Vec<HeadData> = heads
-            .iter()
-            .map(|&(len, nqk, nqv, ne)| HeadData {
-                nqk,
-                nqv,
-                k: rand_vec(seed, len * d, 2.0),
-                v: rand_vec(seed, len * d, 1.0),
-                ek: rand_vec(seed, ne * d, 2.0),
-                ev: rand_vec(seed, ne * d, 1.0),
-                bias: rand_vec(seed, ne, 1.0),
-            })
-            .collect();
+        let data = case_data(seed, d, &heads);
         let q = rand_vec(seed, hq * d, 2.0);
-        let run = |b: &dyn AttentionBackend| -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
-            let stores = data
-                .iter()
-                .map(|h| build(b.storage(), h, &kq, &vq, d))
-                .collect::<Result<Vec<_>>>()?;
-            let v = views(&stores);
-            let mut out = vec![0.0f32; hq * d];
-            let mut probs = vec![Vec::new(); hq];
-            b.decode(DecodeArgs {
-                q: &q,
-                heads: &v,
-                head_dim: d,
-                out: &mut out,
-                probs: Some(&mut probs),
-            })?;
-            Ok((out, probs))
-        };
+        let run = |b: &dyn AttentionBackend| run_decode(b, &data, &kq, &vq, &q, d);
         let (ro, rp) = run(&TiledBackend::default())?;
         // An output is a convex combination of values: with many tokens it
         // cancels to a small fraction of them, and its rounding error is
@@ -698,6 +688,137 @@ fn decode_scaled(
                        "key_axis": format!("{kaxis:?}"), "out_err": eo, "out_err_of_values": ev,
                        "probs_err": ep, "finite": finite, "same_bits_as_first": same_bits,
                        "launched": plan.map(|p| p.kernel), "split": plan.map(|p| p.chunk)}),
+            );
+            first.get_or_insert(go);
+        }
+    }
+    Ok(())
+}
+
+/// Random data of a decode case's heads: (len, quantized keys, quantized
+/// values, extra entries) each.
+fn case_data(seed: &mut u64, d: usize, heads: &[(usize, usize, usize, usize)]) -> Vec<HeadData> {
+    heads
+        .iter()
+        .map(|&(len, nqk, nqv, ne)| HeadData {
+            nqk,
+            nqv,
+            k: rand_vec(seed, len * d, 2.0),
+            v: rand_vec(seed, len * d, 1.0),
+            ek: rand_vec(seed, ne * d, 2.0),
+            ev: rand_vec(seed, ne * d, 1.0),
+            bias: rand_vec(seed, ne, 1.0),
+        })
+        .collect()
+}
+
+/// One fused decode of query `q` over `data` stored by `b`'s storage with
+/// quantizers `kq` and `vq`: outputs and decode-time probabilities.
+fn run_decode(
+    b: &dyn AttentionBackend,
+    data: &[HeadData],
+    kq: &MinMax,
+    vq: &MinMax,
+    q: &[f32],
+    d: usize,
+) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
+    let hq = q.len() / d;
+    let stores = data
+        .iter()
+        .map(|h| build(b.storage(), h, kq, vq, d))
+        .collect::<Result<Vec<_>>>()?;
+    let v = views(&stores);
+    let mut out = vec![0.0f32; hq * d];
+    let mut probs = vec![Vec::new(); hq];
+    b.decode(DecodeArgs {
+        q,
+        heads: &v,
+        head_dim: d,
+        out: &mut out,
+        probs: Some(&mut probs),
+    })?;
+    Ok((out, probs))
+}
+
+/// Fused decode with `arithmetic = "int8"` (integer key products, f32
+/// values: docs/algorithms.md §8) on each of `bes`, per case: the CPU's
+/// integer kernels round at other points (a query step per segment of up to
+/// 4096 tokens where the GPU takes one per split, the value weights to 8
+/// bits as well), so the two are compared through their distance to exact
+/// arithmetic on the same stores: the GPU's output error (of the values'
+/// scale) and probability error must stay within twice the CPU's plus
+/// 1e-4. The GPU's outputs must differ from its own exact ones (the
+/// integer path ran) and be the same bits on every kernel.
+fn decode_int8(
+    bes: &[&CudaBackend],
+    seed: &mut u64,
+    r: &mut Report,
+    cases: Vec<DecodeCase>,
+) -> Result<()> {
+    use minikv_quant::Arithmetic;
+    for (d, hq, heads, bits, kaxis) in cases {
+        let quant = |group, axis, arithmetic| MinMax {
+            bits,
+            group,
+            axis,
+            scale_dtype: ScaleDtype::F16,
+            arithmetic,
+        };
+        let (kx, vx) = (
+            quant(16, kaxis, Arithmetic::Exact),
+            quant(16, Axis::Token, Arithmetic::Exact),
+        );
+        let (k8, v8) = (
+            quant(16, kaxis, Arithmetic::Int8),
+            quant(16, Axis::Token, Arithmetic::Int8),
+        );
+        let data = case_data(seed, d, &heads);
+        let q = rand_vec(seed, hq * d, 2.0);
+        let cpu = TiledBackend::default();
+        let (xo, xp) = run_decode(&cpu, &data, &kx, &vx, &q, d)?;
+        let (co, cp) = run_decode(&cpu, &data, &k8, &v8, &q, d)?;
+        let vmax = data
+            .iter()
+            .flat_map(|h| h.v.iter().chain(&h.ev))
+            .fold(0.0f32, |m, x| m.max(x.abs()))
+            .max(1e-6);
+        let errs = |o: &[f32], p: &[Vec<f32>]| {
+            let eo = o
+                .iter()
+                .zip(&xo)
+                .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
+                / vmax;
+            let ep = p
+                .iter()
+                .zip(&xp)
+                .map(|(a, b)| max_rel_err(a, b))
+                .fold(0.0f32, f32::max);
+            (eo, ep)
+        };
+        let (cpu_eo, cpu_ep) = errs(&co, &cp);
+        let raw = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut first: Option<Vec<f32>> = None;
+        for be in bes {
+            let (go, gp) = run_decode(*be, &data, &k8, &v8, &q, d)?;
+            let (gx, _) = run_decode(*be, &data, &kx, &vx, &q, d)?;
+            let (eo, ep) = errs(&go, &gp);
+            let finite = go.iter().all(|x| x.is_finite());
+            let integer = raw(&go) != raw(&gx);
+            let same_bits = first.as_deref().is_none_or(|f| raw(f) == raw(&go));
+            r.push(
+                eo <= 2.0 * cpu_eo + 1e-4
+                    && ep <= 2.0 * cpu_ep + 1e-4
+                    && finite
+                    && integer
+                    && same_bits,
+                json!({"check": "fused decode (int8 keys)", "kernel": be.decode_kernel().name(),
+                       "d": d, "hq": hq, "heads": heads.len(), "bits": bits,
+                       "key_axis": format!("{kaxis:?}"),
+                       "out_err_of_values": eo, "probs_err": ep,
+                       "cpu_int8_out_err_of_values": cpu_eo, "cpu_int8_probs_err": cpu_ep,
+                       "finite": finite, "differs_from_exact": integer,
+                       "same_bits_as_first": same_bits,
+                       "launched": be.last_decode_plan().map(|p| p.kernel)}),
             );
             first.get_or_insert(go);
         }
