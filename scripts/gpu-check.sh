@@ -30,7 +30,8 @@
 #      measured copy, and the marginal bandwidth from 16K to 128K (the
 #      kernels' own, without the fixed host round trip of a call);
 #   4b. where Nsight Compute can read the counters: each decode kernel's
-#      own duration and DRAM bytes at 128K tokens (fast, staged, general);
+#      own duration and DRAM bytes at 128K tokens (fast, staged, general),
+#      and the combination's with up to 32 split lanes and with 4;
 #   5. with the real model (assets/, else the bundle's first blocks of
 #      it): MiniKV 2-bit generation with backend = "cuda" (fast and staged
 #      decode) against backend = "tiled" (same greedy tokens);
@@ -138,12 +139,15 @@ for tl in 16384:8 131072:2; do
   # the fast one's baseline.
   # cuda-sync: the fast kernel with synchronous copies from pageable memory
   # (MINIKV_CUDA_PINNED=0), the host path before the pinned one.
-  backends="cuda cuda-staged cuda-sync cuda-general tiled"
+  # cuda-lanes4: the fast kernel with the splits' combination in blocks of
+  # 4 split lanes whatever the split count (MINIKV_CUDA_COMBINE_LANES=4),
+  # as it was before it took up to 32.
+  backends="cuda cuda-staged cuda-sync cuda-lanes4 cuda-general tiled"
   [ "$QUICK" = 1 ] && backends="cuda cuda-staged"
   for be in $backends; do
-    kernel=fast pinned=1
-    case $be in cuda-sync) pinned=0 ;; cuda-*) kernel=${be#cuda-} ;; esac
-    MINIKV_CUDA_DECODE=$kernel MINIKV_CUDA_PINNED=$pinned timeout 150 \
+    kernel=fast pinned=1 lanes=
+    case $be in cuda-sync) pinned=0 ;; cuda-lanes4) lanes=4 ;; cuda-*) kernel=${be#cuda-} ;; esac
+    MINIKV_CUDA_DECODE=$kernel MINIKV_CUDA_PINNED=$pinned MINIKV_CUDA_COMBINE_LANES=$lanes timeout 150 \
       "$BIN/minikv" bench attention --tokens "$t" --q-heads 32 --kv-heads 8 --head-dim 128 \
       --layers "$layers" --backend "${be%%-*}" --seconds 1 --json > "$OUTDIR/bench-attention-$be-$t.json" 2>> "$OUTDIR/bench.log" \
       || fail "bench attention $be $t (exit $?)"
@@ -215,13 +219,15 @@ NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 if [ -n "$NCU" ]; then
   echo "== decode kernels under Nsight Compute (128K tokens, 32/8 heads, d = 128)"
   # KERNEL[-int8]: -int8 runs the 2-bit row with integer key products
-  # (--arithmetic int8) instead of exact ones.
-  kinds="fast staged general fast-int8 staged-int8"
+  # (--arithmetic int8) instead of exact ones; fast-lanes4 times the
+  # combination in blocks of 4 split lanes (MINIKV_CUDA_COMBINE_LANES=4).
+  kinds="fast staged general fast-int8 staged-int8 fast-lanes4"
   [ "$QUICK" = 1 ] && kinds="fast staged staged-int8"
   for k in $kinds; do
-    arith=exact
-    case $k in *-int8) arith=int8 ;; esac
-    MINIKV_CUDA_DECODE=${k%-int8} timeout 150 "$NCU" --clock-control none \
+    arith=exact lanes=
+    case $k in *-int8) arith=int8 ;; *-lanes4) lanes=4 ;; esac
+    kernel=${k%-int8}
+    MINIKV_CUDA_DECODE=${kernel%-lanes4} MINIKV_CUDA_COMBINE_LANES=$lanes timeout 150 "$NCU" --clock-control none \
       --kernel-name regex:'mk_decode_(fast|staged|partial|combine)' --launch-count 32 --csv \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       "$BIN/minikv" bench attention --tokens 131072 --q-heads 32 --kv-heads 8 --head-dim 128 \

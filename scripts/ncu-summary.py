@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Summarizes scripts/gpu-check.sh's Nsight Compute runs (OUTDIR/ncu-KIND.csv,
-KIND = fast, staged, general): per kernel, the median duration, DRAM bytes
-read and DRAM throughput of its launches in the fp16 row (its first 8
-launches) and in the 2-bit row (the next 8); a kernel launched another
-number of times is summarized over all its launches."""
+KIND = fast, staged, general, fast-int8, staged-int8, fast-lanes4): per
+kernel, the median duration, DRAM bytes read and DRAM throughput of its
+launches in the fp16 row (its first 8 launches) and in the 2-bit row (the
+next 8); a kernel launched another number of times is summarized over all
+its launches."""
 import csv
 import io
 import os
@@ -60,7 +61,7 @@ def summary(kind, rows):
 
 def main():
     out = sys.argv[1]
-    for kind in ("fast", "staged", "general", "fast-int8", "staged-int8"):
+    for kind in ("fast", "staged", "general", "fast-int8", "staged-int8", "fast-lanes4"):
         path = os.path.join(out, f"ncu-{kind}.csv")
         if os.path.exists(path):
             summary(kind, launches(path))

@@ -398,6 +398,11 @@ extern "C" __global__ void mk_decode_partial(const float* __restrict__ q, const 
 // reductions, then the weights e^(m_s - M) of a tile of splits once into
 // shared memory and each split lane's share of the tile's rows (coalesced
 // over channels), the split lanes' sums added in lane order (deterministic).
+// The host gives a block 4 to 32 split lanes (blockDim.x = 32 x lanes, about
+// 16 splits a lane): with a long cache's hundreds of splits, a block of 4
+// warps walking them one load at a time is latency-bound (at 128K tokens
+// and 32 heads of 128, 128 blocks of 4 warps: some 4 warps an SM for 8 MB of
+// partial sums), and 32 warps an SM keep 8 times the loads in flight.
 // With `lse` non-null, the head's log-sum-exp M + log(sum_s e^(m_s - M) l_s)
 // goes to lse[h]. A head with no token and no extra entry (every split
 // empty): output 0 and log-sum-exp -inf, as the CPU backends give (never
@@ -409,13 +414,14 @@ extern "C" __global__ void mk_decode_partial(const float* __restrict__ q, const 
 #else
 #define MK_COMBINE_TILE 1024
 #endif
-extern "C" __global__ void mk_decode_combine(const float* __restrict__ pm,
-                                             const float* __restrict__ pl,
-                                             const float* __restrict__ pacc, int splits, int d,
-                                             float* __restrict__ out, float* __restrict__ lse) {
+#define MK_COMBINE_MAX_THREADS 1024
+extern "C" __global__ void __launch_bounds__(MK_COMBINE_MAX_THREADS)
+    mk_decode_combine(const float* __restrict__ pm, const float* __restrict__ pl,
+                      const float* __restrict__ pacc, int splits, int d, float* __restrict__ out,
+                      float* __restrict__ lse) {
   __shared__ float sw[MK_COMBINE_TILE];
-  __shared__ float red[MK_THREADS / 32];
-  __shared__ float part[MK_THREADS];
+  __shared__ float red[MK_COMBINE_MAX_THREADS / 32];
+  __shared__ float part[MK_COMBINE_MAX_THREADS];
   int h = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
   int lane = tid % 32, sl = tid / 32, nsl = nt / 32, c = blockIdx.y * 32 + lane;
   const float* mh = pm + (mk_size)h * splits;
@@ -435,8 +441,20 @@ extern "C" __global__ void mk_decode_combine(const float* __restrict__ pm,
       z += w * lh[s0 + i];
     }
     __syncthreads();
-    if (c < d)
-      for (int i = sl; i < n; i += nsl) a += sw[i] * pacc[((mk_size)h * splits + s0 + i) * d + c];
+    if (c < d) {
+      // Four rows' loads issued before their sums (a loop unrolled by the
+      // compiler tests its bound between a load and the next: one load in
+      // flight); the sums in split order, as one row at a time.
+      const float* col = pacc + ((mk_size)h * splits + s0) * d + c;
+      for (int i = sl; i < n; i += 4 * nsl) {
+        float x[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) x[u] = i + u * nsl < n ? col[(mk_size)(i + u * nsl) * d] : 0.f;
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (i + u * nsl < n) a += sw[i + u * nsl] * x[u];
+      }
+    }
   }
   z = mk_block_reduce(z, red, false);
   part[tid] = a;

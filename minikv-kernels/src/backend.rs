@@ -2,7 +2,7 @@
 //! through minikv.cu's kernels on any [`Device`], with device-resident
 //! stores created by its storage factory.
 
-use crate::decode::{DecodeKernel, decode_plan};
+use crate::decode::{DecodeKernel, combine_threads, decode_plan};
 use crate::device::{Arg, Batched, Calls, Device, Launch, Scratch, err, int};
 pub use crate::prefill::PrefillPath;
 use crate::prefill::{Rows, f16_rows};
@@ -562,7 +562,7 @@ impl AttentionBackend for CudaBackend {
             Launch {
                 // A block per query head and slice of 32 channels.
                 grid: (hq as u32, d.div_ceil(32) as u32, 1),
-                block: (THREADS, 1, 1),
+                block: (combine_threads(splits)?, 1, 1),
             },
             &[
                 Arg::Ptr(pm),

@@ -5,6 +5,7 @@
 use crate::backend::{DECODE_CHUNK, MkHead};
 use crate::device::err;
 use minikv_core::Result;
+use std::sync::OnceLock;
 
 /// Query heads a block of the fast decode kernel serves (`MK_G`).
 const FAST_GROUP: usize = 4;
@@ -99,6 +100,41 @@ pub(crate) fn decode_plan(
         chunk /= 2;
     }
     ("mk_decode_staged", rows, chunk)
+}
+
+/// Threads of a `mk_decode_combine` block for `splits` splits: 32 channel
+/// lanes times 4 to 32 split lanes (a power of two), about 16 splits a
+/// split lane, so that a long cache's combination keeps many loads in
+/// flight (at most `MK_COMBINE_MAX_THREADS`, 1024).
+/// `MINIKV_CUDA_COMBINE_LANES` (4, 8, 16 or 32) fixes the split lanes, so
+/// that one device run can time the combination as it was (4) beside the
+/// default; another value is an error that names it.
+pub(crate) fn combine_threads(splits: usize) -> Result<u32> {
+    static LANES: OnceLock<std::result::Result<Option<usize>, String>> = OnceLock::new();
+    let lanes = LANES
+        .get_or_init(|| combine_lanes(std::env::var("MINIKV_CUDA_COMBINE_LANES").ok().as_deref()))
+        .clone()
+        .map_err(err)?;
+    Ok(32 * lanes.unwrap_or_else(|| split_lanes(splits)) as u32)
+}
+
+/// The split lanes `splits` splits take by default.
+fn split_lanes(splits: usize) -> usize {
+    splits.div_ceil(16).next_power_of_two().clamp(4, 32)
+}
+
+/// `MINIKV_CUDA_COMBINE_LANES`'s value: unset or empty, none (chosen by the
+/// split count); else 4, 8, 16 or 32.
+fn combine_lanes(v: Option<&str>) -> std::result::Result<Option<usize>, String> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(x) => match x.parse::<usize>() {
+            Ok(n @ (4 | 8 | 16 | 32)) => Ok(Some(n)),
+            _ => Err(format!(
+                "MINIKV_CUDA_COMBINE_LANES={x:?}: expected 4, 8, 16 or 32 split lanes (unset: by the split count)"
+            )),
+        },
+    }
 }
 
 /// Shared memory a block of `mk_decode_staged` stages into
@@ -277,5 +313,29 @@ mod tests {
             decode_plan(DecodeKernel::Fast, &[h; 8], 128, 4, 32, 4096).2,
             64
         );
+    }
+
+    #[test]
+    fn the_combination_takes_more_split_lanes_for_more_splits() {
+        // Up to 64 splits: 4 split lanes (the 128 threads of every kernel).
+        for splits in [1, 16, 64] {
+            assert_eq!(split_lanes(splits), 4, "{splits}");
+        }
+        // Then about 16 splits a lane, a power of two of lanes.
+        assert_eq!(split_lanes(65), 8);
+        assert_eq!(split_lanes(128), 8);
+        assert_eq!(split_lanes(256), 16);
+        // 128K tokens in splits of 256: 512 splits, 32 lanes, no more.
+        assert_eq!(split_lanes(512), 32);
+        assert_eq!(split_lanes(1 << 20), 32);
+        // The variable fixes them, or names what it cannot take.
+        assert_eq!(combine_lanes(None), Ok(None));
+        assert_eq!(combine_lanes(Some(" ")), Ok(None));
+        assert_eq!(combine_lanes(Some("4")), Ok(Some(4)));
+        assert_eq!(combine_lanes(Some("32")), Ok(Some(32)));
+        for bad in ["2", "12", "64", "many"] {
+            let e = combine_lanes(Some(bad)).unwrap_err();
+            assert!(e.contains(bad) && e.contains("4, 8, 16 or 32"), "{e}");
+        }
     }
 }

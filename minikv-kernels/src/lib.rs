@@ -39,7 +39,9 @@
 //! 4. `mk_decode_fast` / `mk_decode_partial` + `mk_decode_combine`: fused
 //!    decode over packed codes, the fp16 residual (a ring, read in place) and
 //!    extra entries with a logit bias, split over tokens (flash-decoding)
-//!    with an exact final combination (an empty head gives 0, never 0 / 0).
+//!    with an exact final combination (an empty head gives 0, never 0 / 0;
+//!    a block per query head and 32 channels, with 4 to 32 warps of split
+//!    lanes by the split count, `MINIKV_CUDA_COMBINE_LANES` to fix them).
 //!    `mk_decode_fast` takes the common layouts (keys per channel, values
 //!    per token, 2/4/8 bits, head dims 16-256 in powers of two): one block
 //!    reads a KV head's split once for up to four of its query heads,
