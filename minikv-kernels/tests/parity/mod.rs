@@ -239,6 +239,11 @@ pub fn run_large(dev: Arc<dyn Device>, tokens: usize, paths: &[PrefillPath]) -> 
             (len, nq, nq, if i % 4 == 1 { 3 } else { 0 })
         })
         .collect();
+    // One KV head of a third of the tokens: its splits shrink to 32 tokens
+    // to fill the grid, some 340 splits at 32K tokens, which the
+    // combination takes with its most split lanes (32 warps a block).
+    let lone = tokens / 3;
+    let lone_q = (lone - 40) / 16 * 16;
     r.stage("decode (large)", |r| {
         decode(
             &[&be, &staged],
@@ -247,6 +252,7 @@ pub fn run_large(dev: Arc<dyn Device>, tokens: usize, paths: &[PrefillPath]) -> 
             vec![
                 (128, 32, heads.clone(), 2, Axis::Channel),
                 (128, 32, heads, 4, Axis::Channel),
+                (128, 4, vec![(lone, lone_q, lone_q, 0)], 2, Axis::Channel),
             ],
         )
     });
@@ -671,7 +677,8 @@ fn decode_scaled(
                        "scales": format!("{dtype:?}"), "tokens": tokens,
                        "key_axis": format!("{kaxis:?}"), "out_err": eo, "out_err_of_values": ev,
                        "probs_err": ep, "finite": finite, "same_bits_as_first": same_bits,
-                       "launched": plan.map(|p| p.kernel), "split": plan.map(|p| p.chunk)}),
+                       "launched": plan.map(|p| p.kernel), "split": plan.map(|p| p.chunk),
+                       "splits": plan.map(|p| p.splits)}),
             );
             first.get_or_insert(go);
         }
