@@ -167,7 +167,7 @@ for tl in 16384:8 131072:2; do
     limit=150
     case $be in cuda | cuda-staged) ;; *) limit=$(within 150 260) ;; esac
     if [ "$limit" = 0 ]; then
-      echo "  (bench attention $be $t: skipped, the budget of $BUDGET s is spent)"
+      echo "  (bench attention $be $t: skipped, too little is left of the budget of $BUDGET s)"
       continue
     fi
     MINIKV_CUDA_DECODE=$kernel MINIKV_CUDA_PINNED=$pinned MINIKV_CUDA_COMBINE_LANES=$lanes timeout "$limit" \
@@ -254,7 +254,7 @@ if [ -n "$NCU" ]; then
     kernel=${k%-int8}
     limit=$(within 150 180)
     if [ "$limit" = 0 ]; then
-      echo "  (ncu $k: skipped, the budget of $BUDGET s is spent)"
+      echo "  (ncu $k: skipped, too little is left of the budget of $BUDGET s)"
       continue
     fi
     MINIKV_CUDA_DECODE=${kernel%-lanes4} MINIKV_CUDA_COMBINE_LANES=$lanes timeout "$limit" "$NCU" --clock-control none \
@@ -315,7 +315,7 @@ sanitize() {
   local name=$1 tool=$2 limit=$3 rc
   shift 3
   if [ "$limit" = 0 ]; then
-    echo "-- compute-sanitizer $tool: skipped, the budget of $BUDGET s is spent"
+    echo "-- compute-sanitizer $tool: skipped, too little is left of the budget of $BUDGET s"
     return
   fi
   env "$@" timeout "$limit" "$SANITIZER" --tool "$tool" --error-exitcode 9 "$CHECK" \
