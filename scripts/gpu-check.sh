@@ -31,7 +31,8 @@
 #      kernels' own, without the fixed host round trip of a call);
 #   4b. where Nsight Compute can read the counters: each decode kernel's
 #      own duration and DRAM bytes at 128K tokens (fast, staged, general),
-#      and the combination's with up to 32 split lanes and with 4;
+#      and the combination's with up to 32 split lanes and with 4; then the
+#      fast and staged kernels' instructions, occupancy and stall reasons;
 #   5. with the real model (assets/, else the bundle's first blocks of
 #      it): MiniKV 2-bit generation with backend = "cuda" (fast and staged
 #      decode) against backend = "tiled" (same greedy tokens);
@@ -263,6 +264,34 @@ if [ -n "$NCU" ]; then
       "$BIN/minikv" bench attention --tokens 131072 --q-heads 32 --kv-heads 8 --head-dim 128 \
       --backend cuda --bits 2 --arithmetic $arith --seconds 0.001 > "$OUTDIR/ncu-$k.csv" 2> "$OUTDIR/ncu-$k.log" \
       || echo "  (ncu $k: exit $?; $(tail -1 "$OUTDIR/ncu-$k.log"))"
+  done
+  # Why a decode kernel takes the time it takes, for the next change to
+  # it: warp instructions executed (against docs/performance.md's counts),
+  # issue activity, achieved occupancy and the stall reasons (cycles a warp
+  # waits per issued instruction, by reason), the fp16 row then the 2-bit
+  # row. A run of its own (ncu-diag-KIND), so that a metric this version
+  # of Nsight Compute lacks costs these lines only.
+  diag=sm__inst_executed.sum,smsp__issue_active.avg.per_cycle_active
+  diag=$diag,sm__warps_active.avg.pct_of_peak_sustained_active
+  diag=$diag,smsp__average_warps_active_per_issue_active.ratio
+  for why in long_scoreboard short_scoreboard barrier mio_throttle lg_throttle math_pipe_throttle wait not_selected; do
+    diag=$diag,smsp__average_warps_issue_stalled_${why}_per_issue_active.ratio
+  done
+  dkinds="staged fast staged-int8"
+  [ "$QUICK" = 1 ] && dkinds="staged"
+  for k in $dkinds; do
+    arith=exact
+    case $k in *-int8) arith=int8 ;; esac
+    limit=$(within 120 180)
+    if [ "$limit" = 0 ]; then
+      echo "  (ncu diag $k: skipped, too little is left of the budget of $BUDGET s)"
+      continue
+    fi
+    MINIKV_CUDA_DECODE=${k%-int8} timeout "$limit" "$NCU" --clock-control none \
+      --kernel-name regex:'mk_decode_(fast|staged)' --launch-count 16 --csv --metrics "$diag" \
+      "$BIN/minikv" bench attention --tokens 131072 --q-heads 32 --kv-heads 8 --head-dim 128 \
+      --backend cuda --bits 2 --arithmetic $arith --seconds 0.001 > "$OUTDIR/ncu-diag-$k.csv" 2> "$OUTDIR/ncu-diag-$k.log" \
+      || echo "  (ncu diag $k: exit $?; $(tail -1 "$OUTDIR/ncu-diag-$k.log"))"
   done
   python3 "$(dirname "$0")/ncu-summary.py" "$OUTDIR"
 else

@@ -4,7 +4,8 @@ KIND = fast, staged, general, fast-int8, staged-int8, fast-lanes4): per
 kernel, the median duration, DRAM bytes read and DRAM throughput of its
 launches in the fp16 row (its first 8 launches) and in the 2-bit row (the
 next 8); a kernel launched another number of times is summarized over all
-its launches."""
+its launches. Then OUTDIR/ncu-diag-KIND.csv (KIND = staged, fast,
+staged-int8): instructions, issue activity, occupancy and stall reasons."""
 import csv
 import io
 import os
@@ -59,12 +60,45 @@ def summary(kind, rows):
                   f"({len(part)} launches)")
 
 
+STALL = "smsp__average_warps_issue_stalled_"
+
+
+def diagnosis(kind, rows):
+    """Per kernel and row (fp16: the first 8 launches, 2-bit: the next 8):
+    warp instructions, issue activity, occupancy, cycles between a warp's
+    issues and the stall reasons that make them up, largest first."""
+    by_kernel = {}
+    for i in sorted(rows):
+        kernel, metrics = rows[i]
+        by_kernel.setdefault(kernel, []).append(metrics)
+    for kernel, ms in by_kernel.items():
+        arith = "int8" if kind.endswith("-int8") else "exact"
+        parts = [("fp16", ms[:8]), (f"2-bit {arith}", ms[8:16])] if len(ms) == 16 else [
+            (f"all {len(ms)}", ms)]
+        for label, part in parts:
+            def med(name):
+                vals = [m[name] for m in part if name in m]
+                return statistics.median(vals) if vals else float("nan")
+            stalls = sorted(((med(n), n[len(STALL):].split("_per_issue")[0])
+                             for n in part[0] if n.startswith(STALL)), reverse=True)
+            print(f"  {kind:<11} {kernel:<18} {label:<12} "
+                  f"{med('sm__inst_executed.sum') / 1e6:7.1f} M warp instructions, "
+                  f"issue {med('smsp__issue_active.avg.per_cycle_active'):.2f}/cycle, "
+                  f"occupancy {med('sm__warps_active.avg.pct_of_peak_sustained_active'):.0f}%, "
+                  f"{med('smsp__average_warps_active_per_issue_active.ratio'):.1f} cycles/issue: "
+                  + ", ".join(f"{why} {v:.1f}" for v, why in stalls))
+
+
 def main():
     out = sys.argv[1]
     for kind in ("fast", "staged", "general", "fast-int8", "staged-int8", "fast-lanes4"):
         path = os.path.join(out, f"ncu-{kind}.csv")
         if os.path.exists(path):
             summary(kind, launches(path))
+    for kind in ("staged", "fast", "staged-int8"):
+        path = os.path.join(out, f"ncu-diag-{kind}.csv")
+        if os.path.exists(path):
+            diagnosis(kind, launches(path))
 
 
 if __name__ == "__main__":
