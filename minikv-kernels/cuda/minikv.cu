@@ -402,7 +402,8 @@ extern "C" __global__ void mk_decode_partial(const float* __restrict__ q, const 
 // 16 splits a lane): with a long cache's hundreds of splits, a block of 4
 // warps walking them one load at a time is latency-bound (at 128K tokens
 // and 32 heads of 128, 128 blocks of 4 warps: some 4 warps an SM for 8 MB of
-// partial sums), and 32 warps an SM keep 8 times the loads in flight.
+// partial sums); 32 warps an SM, four loads a thread, keep 32 times the
+// loads in flight.
 // With `lse` non-null, the head's log-sum-exp M + log(sum_s e^(m_s - M) l_s)
 // goes to lse[h]. A head with no token and no extra entry (every split
 // empty): output 0 and log-sum-exp -inf, as the CPU backends give (never

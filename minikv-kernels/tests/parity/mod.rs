@@ -243,7 +243,7 @@ pub fn run_large(dev: Arc<dyn Device>, tokens: usize, paths: &[PrefillPath]) -> 
     // to fill the grid, some 340 splits at 32K tokens, which the
     // combination takes with its most split lanes (32 warps a block).
     let lone = tokens / 3;
-    let lone_q = (lone - 40) / 16 * 16;
+    let lone_q = lone.saturating_sub(40) / 16 * 16;
     r.stage("decode (large)", |r| {
         decode(
             &[&be, &staged],
