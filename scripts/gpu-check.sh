@@ -252,13 +252,12 @@ if [ -n "$NCU" ]; then
   for k in $kinds; do
     arith=exact lanes=
     case $k in *-int8) arith=int8 ;; *-lanes4) lanes=4 ;; esac
-    kernel=${k%-int8}
     limit=$(within 150 180)
     if [ "$limit" = 0 ]; then
       echo "  (ncu $k: skipped, too little is left of the budget of $BUDGET s)"
       continue
     fi
-    MINIKV_CUDA_DECODE=${kernel%-lanes4} MINIKV_CUDA_COMBINE_LANES=$lanes timeout "$limit" "$NCU" --clock-control none \
+    MINIKV_CUDA_DECODE=${k%%-*} MINIKV_CUDA_COMBINE_LANES=$lanes timeout "$limit" "$NCU" --clock-control none \
       --kernel-name regex:'mk_decode_(fast|staged|partial|combine)' --launch-count 32 --csv \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       "$BIN/minikv" bench attention --tokens 131072 --q-heads 32 --kv-heads 8 --head-dim 128 \
@@ -287,7 +286,7 @@ if [ -n "$NCU" ]; then
       echo "  (ncu diag $k: skipped, too little is left of the budget of $BUDGET s)"
       continue
     fi
-    MINIKV_CUDA_DECODE=${k%-int8} timeout "$limit" "$NCU" --clock-control none \
+    MINIKV_CUDA_DECODE=${k%%-*} timeout "$limit" "$NCU" --clock-control none \
       --kernel-name regex:'mk_decode_(fast|staged)' --launch-count 16 --csv --metrics "$diag" \
       "$BIN/minikv" bench attention --tokens 131072 --q-heads 32 --kv-heads 8 --head-dim 128 \
       --backend cuda --bits 2 --arithmetic $arith --seconds 0.001 > "$OUTDIR/ncu-diag-$k.csv" 2> "$OUTDIR/ncu-diag-$k.log" \

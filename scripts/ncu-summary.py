@@ -38,26 +38,40 @@ def launches(path):
     return out
 
 
-def summary(kind, rows):
-    """One line per kernel and row of the bench."""
+def row_parts(kind, rows, needs=None):
+    """(kernel, row label, its launches' metrics) per kernel (launches with
+    metric `needs`, when given) and bench row: fp16 (the first 8 launches)
+    and 2-bit (the next 8), else all the kernel's launches as one."""
     by_kernel = {}
     for i in sorted(rows):
         kernel, metrics = rows[i]
-        if "gpu__time_duration.sum" in metrics:
+        if needs is None or needs in metrics:
             by_kernel.setdefault(kernel, []).append(metrics)
+    arith = "int8" if kind.endswith("-int8") else "exact"
     for kernel, ms in by_kernel.items():
-        arith = "int8" if kind.endswith("-int8") else "exact"
         parts = [("fp16", ms[:8]), (f"2-bit {arith}", ms[8:16])] if len(ms) == 16 else [
             (f"all {len(ms)}", ms)]
         for label, part in parts:
-            us = statistics.median(m["gpu__time_duration.sum"] for m in part)
-            gb = statistics.median(m.get("dram__bytes_read.sum", 0) for m in part)
-            pct = statistics.median(
-                m.get("dram__throughput.avg.pct_of_peak_sustained_elapsed", 0) for m in part)
-            rate = gb / us / 1e3 if us > 0 else 0.0
-            print(f"  {kind:<11} {kernel:<18} {label:<12} {us:9.1f} us, DRAM read "
-                  f"{gb / 1e6:8.1f} MB ({rate:7.1f} GB/s), {pct:5.1f}% of peak "
-                  f"({len(part)} launches)")
+            yield kernel, label, part
+
+
+def median(part, name, default=None):
+    """The median of metric `name` over the launches that have it (or, with
+    `default`, over all of them, `default` where one lacks it); NaN if none."""
+    vals = [m.get(name, default) for m in part if default is not None or name in m]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def summary(kind, rows):
+    """One line per kernel and row of the bench."""
+    for kernel, label, part in row_parts(kind, rows, "gpu__time_duration.sum"):
+        us = median(part, "gpu__time_duration.sum")
+        gb = median(part, "dram__bytes_read.sum", 0)
+        pct = median(part, "dram__throughput.avg.pct_of_peak_sustained_elapsed", 0)
+        rate = gb / us / 1e3 if us > 0 else 0.0
+        print(f"  {kind:<11} {kernel:<18} {label:<12} {us:9.1f} us, DRAM read "
+              f"{gb / 1e6:8.1f} MB ({rate:7.1f} GB/s), {pct:5.1f}% of peak "
+              f"({len(part)} launches)")
 
 
 STALL = "smsp__average_warps_issue_stalled_"
@@ -67,26 +81,15 @@ def diagnosis(kind, rows):
     """Per kernel and row (fp16: the first 8 launches, 2-bit: the next 8):
     warp instructions, issue activity, occupancy, cycles between a warp's
     issues and the stall reasons that make them up, largest first."""
-    by_kernel = {}
-    for i in sorted(rows):
-        kernel, metrics = rows[i]
-        by_kernel.setdefault(kernel, []).append(metrics)
-    for kernel, ms in by_kernel.items():
-        arith = "int8" if kind.endswith("-int8") else "exact"
-        parts = [("fp16", ms[:8]), (f"2-bit {arith}", ms[8:16])] if len(ms) == 16 else [
-            (f"all {len(ms)}", ms)]
-        for label, part in parts:
-            def med(name):
-                vals = [m[name] for m in part if name in m]
-                return statistics.median(vals) if vals else float("nan")
-            stalls = sorted(((med(n), n[len(STALL):].split("_per_issue")[0])
-                             for n in part[0] if n.startswith(STALL)), reverse=True)
-            print(f"  {kind:<11} {kernel:<18} {label:<12} "
-                  f"{med('sm__inst_executed.sum') / 1e6:7.1f} M warp instructions, "
-                  f"issue {med('smsp__issue_active.avg.per_cycle_active'):.2f}/cycle, "
-                  f"occupancy {med('sm__warps_active.avg.pct_of_peak_sustained_active'):.0f}%, "
-                  f"{med('smsp__average_warps_active_per_issue_active.ratio'):.1f} cycles/issue: "
-                  + ", ".join(f"{why} {v:.1f}" for v, why in stalls))
+    for kernel, label, part in row_parts(kind, rows):
+        stalls = sorted(((median(part, n), n[len(STALL):].split("_per_issue")[0])
+                         for n in part[0] if n.startswith(STALL)), reverse=True)
+        print(f"  {kind:<11} {kernel:<18} {label:<12} "
+              f"{median(part, 'sm__inst_executed.sum') / 1e6:7.1f} M warp instructions, "
+              f"issue {median(part, 'smsp__issue_active.avg.per_cycle_active'):.2f}/cycle, "
+              f"occupancy {median(part, 'sm__warps_active.avg.pct_of_peak_sustained_active'):.0f}%, "
+              f"{median(part, 'smsp__average_warps_active_per_issue_active.ratio'):.1f} cycles/issue: "
+              + ", ".join(f"{why} {v:.1f}" for v, why in stalls))
 
 
 def main():

@@ -849,15 +849,15 @@ __device__ __forceinline__ void mk_decode_fast_d(const float* __restrict__ q, co
 #define MK_FAST_SWITCH(STAGED, RED, STAGE, SRCS)                                                   \
   switch (d) {                                                                                     \
     case 16: mk_decode_fast_d<16, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,        \
-                                          lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break;       \
+                                          lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break;  \
     case 32: mk_decode_fast_d<32, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,        \
-                                          lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break;       \
+                                          lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break;  \
     case 64: mk_decode_fast_d<64, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,        \
-                                          lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break;       \
+                                          lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break;  \
     case 128: mk_decode_fast_d<128, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,      \
-                                            lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break;     \
+                                            lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break; \
     default: mk_decode_fast_d<256, STAGED>(q, hd, group, scale, chunk, pm, pl, pacc, logits,       \
-                                           lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break;      \
+                                           lstride, sq, sp, RED, sm, sl, si8, STAGE, SRCS); break; \
   }
 
 // Launch bounds: 5 resident blocks of 128 threads per SM (at most 102
