@@ -163,12 +163,19 @@ pub fn compile_ptx(arch: &str) -> Result<String> {
 /// Compiles [`SOURCE`] to a CUBIN (machine code, no JIT at load) for
 /// `arch` (`sm_XY`).
 pub fn compile_cubin(arch: &str) -> Result<Vec<u8>> {
+    compile_ptx_and_cubin(arch).map(|(_, cubin)| cubin)
+}
+
+/// Compiles [`SOURCE`] once for `arch` (`sm_XY`) and returns both the PTX
+/// and the CUBIN that compilation made (what [`compile_ptx`] and
+/// [`compile_cubin`] return, for the price of one).
+pub fn compile_ptx_and_cubin(arch: &str) -> Result<(String, Vec<u8>)> {
     if !arch.starts_with("sm_") {
         return Err(backend_err(format!(
             "a CUBIN needs a real architecture (sm_XY), not {arch}"
         )));
     }
-    let (_, cubin) = compile(arch)?;
+    let (ptx, cubin) = compile(arch)?;
     let cubin = cubin.unwrap_or_default();
     if !cubin.starts_with(b"\x7fELF") {
         return Err(backend_err(format!(
@@ -176,7 +183,7 @@ pub fn compile_cubin(arch: &str) -> Result<Vec<u8>> {
             cubin.len()
         )));
     }
-    Ok(cubin)
+    Ok((ptx, cubin))
 }
 
 /// Folders searched for a prebuilt CUBIN, in order: `MINIKV_CUDA_CUBINS`,
