@@ -17,6 +17,7 @@
 # (with MINIKV_FUZZ_VERBOSE=1 the commands' output is shown; with
 # MINIKV_FUZZ_LOG=FILE the cli target logs each command line and outcome).
 # FUZZ_SEED=N fixes libFuzzer's seed (CI does, so its brief run is repeatable).
+# FUZZ_JOBS=N runs N targets at once (default: one per core).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-600}
@@ -63,9 +64,13 @@ PY
 cp fuzz/seeds/report/* "$seeds/report/"
 cp fuzz/seeds/dataset/* "$seeds/dataset/"
 
-found=()
-for t in "${targets[@]}"; do
-  echo "== $t: $secs s"
+# One target: its libFuzzer run, filtered, into fuzz/target/logs/T.log, its
+# exit status into T.rc.
+logs=$PWD/fuzz/target/logs
+rm -rf "$logs"
+mkdir -p "$logs"
+run_target() {
+  local t=$1 opts
   mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t"
   case $t in
     gguf) opts=(-max_len=2000000 -timeout=30) ;;
@@ -78,10 +83,26 @@ for t in "${targets[@]}"; do
   "$bin/$t" "$PWD/fuzz/corpus/$t" "$seeds/$t" -max_total_time="$secs" -rss_limit_mb=4096 \
     -print_final_stats=1 -artifact_prefix="$PWD/fuzz/artifacts/$t/" "${opts[@]}" \
     ${FUZZ_SEED:+-seed="$FUZZ_SEED"} 2>&1 \
-    | grep -v -e '^#[0-9]' -e '^"' -e 'NEW_FUNC' -e '^WARNING: Failed to find' | tail -n 30
-  rc=${PIPESTATUS[0]}
+    | grep -v -e '^#[0-9]' -e '^"' -e 'NEW_FUNC' -e '^WARNING: Failed to find' | tail -n 30 \
+    > "$logs/$t.log"
+  echo "${PIPESTATUS[0]}" > "$logs/$t.rc"
   set -e
-  [ "$rc" -eq 0 ] || found+=("$t")
+}
+# FUZZ_JOBS targets at once (default: one per core); their reports are
+# printed in the targets' order once all have run.
+jobs_max=${FUZZ_JOBS:-$(nproc)}
+[[ "$jobs_max" =~ ^[1-9][0-9]*$ ]] || { echo "FUZZ_JOBS must be a positive integer, not $jobs_max" >&2; exit 2; }
+echo "== ${#targets[@]} targets, $secs s each, $jobs_max at a time"
+for t in "${targets[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
+  run_target "$t" &
+done
+wait
+found=()
+for t in "${targets[@]}"; do
+  echo "== $t: $secs s"
+  cat "$logs/$t.log"
+  [ "$(cat "$logs/$t.rc" 2>/dev/null)" = 0 ] || found+=("$t")
 done
 if [ ${#found[@]} -gt 0 ]; then
   echo "findings in: ${found[*]} (see fuzz/artifacts/)" >&2
