@@ -2,7 +2,7 @@
 // same .cu sources run (slowly, exactly) on a machine without a GPU:
 //
 // * a launch runs the grid's blocks one at a time;
-// * a block's threads run either as fibers (the default: ucontext stacks on
+// * a block's threads run either as fibers (the default: stacks of their own on
 //   the calling OS thread, switched only where a thread waits, so a barrier
 //   costs a few context switches and runs are deterministic; launch_mode 0
 //   runs them first to last between waits, 2 last to first, so that a read
@@ -29,7 +29,10 @@
 //
 // Only what the kernels need is here; anything else fails to compile.
 #pragma once
+#if !defined(__x86_64__) || defined(MK_EMU_UCONTEXT)
+#define MK_EMU_UCONTEXT 1
 #include <ucontext.h>
+#endif
 
 #include <atomic>
 #include <barrier>
@@ -68,18 +71,61 @@ inline std::atomic<unsigned long long> staged_keys{0}, staged_values{0};
 inline thread_local unsigned long long last_staged_keys = 0, last_staged_values = 0;
 inline int mode = 0;  // 0: fibers, 1: OS threads, 2: fibers in reverse order, 3: warps in turn
 
+#ifdef MK_EMU_UCONTEXT
 // Fiber scheduling state (one launch at a time, on the launching thread).
 struct Fiber {
   ucontext_t ctx;
   bool done = false;
 };
 inline ucontext_t scheduler;
+#else
+// On x86-64 a fiber switch is the few instructions below: glibc's
+// swapcontext also saves and restores the signal mask, a system call per
+// switch, which took most of an emulated launch's time. A switch pushes the
+// registers the System V ABI makes callee-saved, stores the stack pointer
+// in *save, loads `load` as the stack pointer, pops and returns into the
+// other fiber (or, the first time, into its entry, from the frame that
+// fiber_stack built). The FPU and SSE control words are not switched: no
+// kernel changes them.
+extern "C" void mk_emu_switch(void** save, void* load);
+asm(R"(
+  .text
+  .globl mk_emu_switch
+  .type mk_emu_switch, @function
+mk_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size mk_emu_switch, .-mk_emu_switch
+)");
+struct Fiber {
+  void* sp = nullptr;
+  bool done = false;
+};
+inline void* scheduler = nullptr;
+#endif
 inline std::vector<Fiber> fibers;
 inline unsigned current = 0;
 inline unsigned long progress = 0;  // barrier arrivals and finished threads
 inline std::function<void()> body;
 
+#ifdef MK_EMU_UCONTEXT
 inline void yield() { swapcontext(&fibers[current].ctx, &scheduler); }
+#else
+inline void yield() { mk_emu_switch(&fibers[current].sp, scheduler); }
+#endif
 
 // A barrier over `expected` threads: cooperative in fiber mode, std::barrier
 // in thread mode.
@@ -287,7 +333,37 @@ inline void trampoline() {
   body();
   fibers[current].done = true;
   ++progress;
+#ifndef MK_EMU_UCONTEXT
+  // Back to the scheduler for good: a finished fiber is never resumed.
+  mk_emu_switch(&fibers[current].sp, scheduler);
+  __builtin_unreachable();
+#endif
 }
+
+#ifdef MK_EMU_UCONTEXT
+inline void start_fiber(Fiber& f, char* stack) {
+  getcontext(&f.ctx);
+  f.ctx.uc_stack.ss_sp = stack;
+  f.ctx.uc_stack.ss_size = kStack;
+  f.ctx.uc_link = &scheduler;
+  makecontext(&f.ctx, trampoline, 0);
+}
+inline void resume(Fiber& f) { swapcontext(&scheduler, &f.ctx); }
+#else
+// The frame the first switch into a fiber pops: six callee-saved registers
+// (zero), then `trampoline` as the return address, then a null return
+// address for trampoline itself (it never returns), which leaves the stack
+// pointer 8 bytes past a 16-byte boundary at its entry, as after a call.
+inline void start_fiber(Fiber& f, char* stack) {
+  auto top = reinterpret_cast<std::uintptr_t>(stack + kStack) & ~std::uintptr_t{15};
+  void** sp = reinterpret_cast<void**>(top);
+  *--sp = nullptr;
+  *--sp = reinterpret_cast<void*>(&trampoline);
+  for (int r = 0; r < 6; ++r) *--sp = nullptr;
+  f.sp = sp;
+}
+inline void resume(Fiber& f) { mk_emu_switch(&scheduler, f.sp); }
+#endif
 
 // Runs `kernel(args...)` over `grid` x `block` threads, blocks in order,
 // the threads as fibers (`how` 0; 2: in reverse order; 3: warps in turn)
@@ -339,17 +415,13 @@ void launch_mode(int how, dim3 grid, dim3 blk, K kernel, A... args) {
           for (unsigned i = 0; i < n; ++i) {
             Fiber& f = fibers[i];
             f.done = false;
-            getcontext(&f.ctx);
-            f.ctx.uc_stack.ss_sp = stacks[i].get();
-            f.ctx.uc_stack.ss_size = kStack;
-            f.ctx.uc_link = &scheduler;
-            makecontext(&f.ctx, trampoline, 0);
+            start_fiber(f, stacks[i].get());
           }
           unsigned left = n;
           auto step = [&](unsigned i) {
             if (fibers[i].done) return;
             current = i;
-            swapcontext(&scheduler, &fibers[i].ctx);
+            resume(fibers[i]);
             if (fibers[i].done) --left;
           };
           while (left > 0) {
