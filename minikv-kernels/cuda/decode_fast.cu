@@ -480,20 +480,47 @@ __device__ __forceinline__ int mk_stored_in(int n, int begin, int end) {
   return k > 0 ? k : 0;
 }
 
+// The code of x's bits [k, k + BITS), times 2^k, as a float (< 2^23: exact):
+// the bits of 2^23 + (x & (mask << k)), minus 2^23. One LOP3 ((a & b) | c)
+// and one FADD, where mk_codef((x >> k) & mask) takes a
+// shift and two LOP3s (ptxas splits an AND and an OR of two constants).
+__device__ __forceinline__ float mk_codef_at(unsigned x, unsigned m) {
+#ifdef MK_EMULATED
+  return __uint_as_float((x & m) | 0x4B000000u) - 8388608.0f;
+#else
+  unsigned r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(m), "r"(0x4B000000u));
+  return __uint_as_float(r) - 8388608.0f;
+#endif
+}
+// 2^k as a float, for |k| <= 126.
+__device__ __forceinline__ float mk_pow2(int k) { return __uint_as_float((unsigned)(127 + k) << 23); }
+
 // acc[e][g] += p_j[g] s_j code_{j,e} and macc[g] += p_j[g] m_j over the
 // MK_COL channels of the column at c0, for quantized values (per token, BITS
 // bits; a column lies in one scale group and, at 2 and 4 bits, in one word)
 // of the chunk's tokens jl = tl, tl + lanes, ... < cnt: MK_UNROLL tokens'
 // codes and scales loaded before their sums.
+//
+// A channel's code is read in place, as code 2^k with k its bit offset from
+// the nearest lower multiple of FIT codes (the most whose values stay below
+// 2^23 so scaled: 11 at 2 bits, all 8 of a column), and the channel's sums
+// are kept times 2^k: scaled up on entry, down on exit. Scaling by a power of
+// two commutes with rounding, so the sums have the bits of unscaled ones
+// (short of subnormal products, some 1e-38 of the values).
 template <int D, int BITS, class S>
 __device__ __forceinline__ void mk_values_quant(const MkQuant& z, const S& src, int begin,
                                                int cnt, int tl,
                                                int lanes, int c0, const float (*sp)[MK_G],
                                                float (*acc)[MK_G], float* macc) {
   constexpr int P = 32 / BITS, NW = P >= MK_COL ? 1 : MK_COL / P, PE = P >= MK_COL ? MK_COL : P;
+  constexpr int FIT = 23 / BITS;
   const unsigned mask = (1u << BITS) - 1u;
   const int sh = P >= MK_COL ? BITS * (c0 % P) : 0;
   const int gpt = D / z.group, cg = c0 / z.group;
+#pragma unroll
+  for (int e = 0; e < MK_COL; ++e)
+    for (int g = 0; g < MK_G; ++g) acc[e][g] *= mk_pow2(BITS * ((e % PE) % FIT));
   for (int jl0 = tl; jl0 < cnt; jl0 += MK_UNROLL * lanes) {
     unsigned x[MK_UNROLL][NW] = {};
     float sc[MK_UNROLL] = {}, mn[MK_UNROLL] = {};
@@ -524,12 +551,15 @@ __device__ __forceinline__ void mk_values_quant(const MkQuant& z, const S& src, 
         unsigned xx = x[u][i] >> sh;
 #pragma unroll
         for (int e = 0; e < PE; ++e) {
-          float cf = mk_codef((xx >> (BITS * e)) & mask);
+          float cf = mk_codef_at(xx >> (BITS * (e - e % FIT)), mask << (BITS * (e % FIT)));
           for (int g = 0; g < MK_G; ++g) acc[i * P + e][g] += ps[g] * cf;
         }
       }
     }
   }
+#pragma unroll
+  for (int e = 0; e < MK_COL; ++e)
+    for (int g = 0; g < MK_G; ++g) acc[e][g] *= mk_pow2(-BITS * ((e % PE) % FIT));
 }
 
 // acc[e][g] += p[g] v_e over the MK_COL channels of an fp16 row's column
