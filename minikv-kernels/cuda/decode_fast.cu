@@ -117,10 +117,22 @@ __device__ __forceinline__ void mk_ld_scales(const void* p, mk_size i, int f16, 
   }
 }
 
-// A code (< 2^23) as a float: the bits of 2^23 + code, minus 2^23 (exact).
-__device__ __forceinline__ float mk_codef(unsigned code) {
-  return __uint_as_float(0x4B000000u | code) - 8388608.0f;
+// The code of x's bits [k, k + BITS), times 2^k, as a float (< 2^23: exact):
+// the bits of 2^23 + (x & (mask << k)), minus 2^23 (m = mask << k). One LOP3
+// ((a & b) | c) and one FADD, where the code shifted down first,
+// ((x >> k) & mask) | 2^23's bits, takes a shift and two LOP3s (ptxas does
+// not fuse an AND and an OR of two constants).
+__device__ __forceinline__ float mk_codef_at(unsigned x, unsigned m) {
+#ifdef MK_EMULATED
+  return __uint_as_float((x & m) | 0x4B000000u) - 8388608.0f;
+#else
+  unsigned r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(m), "r"(0x4B000000u));
+  return __uint_as_float(r) - 8388608.0f;
+#endif
 }
+// 2^k as a float, for |k| <= 126.
+__device__ __forceinline__ float mk_pow2(int k) { return __uint_as_float((unsigned)(127 + k) << 23); }
 
 // Where a quantized store's words, scales and minimums are read from: the
 // store in global memory, or a block's copy in shared memory of the part its
@@ -235,10 +247,14 @@ __device__ __forceinline__ void mk_tile_load(const MkQuant& z, const S& src, mk_
 // j0 + 4 tq + cb / 2, heads 2 (cb % 2) and + 1, in r2. Lanes whose tokens
 // are past the quantized ones read nothing (their words may not exist) and
 // their sums are not used.
+//
+// As in mk_values_quant, a token's code is read in place as code 2^k (k its
+// bit offset past the nearest lower multiple of FIT codes) and its sums,
+// kept so scaled, are scaled back before the minimums' term: the same bits.
 template <int D, int BITS, class S>
 __device__ __forceinline__ void mk_key_tile(const MkQuant& z, const S& src, int j0, int lane,
                                            const mk_f4* sq, float* r2) {
-  constexpr int P = 32 / BITS, CPL = D / 8, VW = CPL < 4 ? CPL : 4;
+  constexpr int P = 32 / BITS, CPL = D / 8, VW = CPL < 4 ? CPL : 4, FIT = 23 / BITS;
   const unsigned mask = (1u << BITS) - 1u;
   int tq = lane / 8, cb = lane % 8, jt = j0 + 4 * tq;
   float r[4 * MK_G];
@@ -265,7 +281,7 @@ __device__ __forceinline__ void mk_key_tile(const MkQuant& z, const S& src, int 
         unsigned x = wv[i] >> at.sh;
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-          float cf = mk_codef((x >> (BITS * t)) & mask);
+          float cf = mk_codef_at(x >> (BITS * (t - t % FIT)), mask << (BITS * (t % FIT)));
 #pragma unroll
           for (int g = 0; g < MK_G; ++g) r[t * MK_G + g] += qs[g] * cf;
         }
@@ -273,7 +289,8 @@ __device__ __forceinline__ void mk_key_tile(const MkQuant& z, const S& src, int 
     }
 #pragma unroll
     for (int t = 0; t < 4; ++t)
-      for (int g = 0; g < MK_G; ++g) r[t * MK_G + g] += bias[g];
+      for (int g = 0; g < MK_G; ++g)
+        r[t * MK_G + g] = r[t * MK_G + g] * mk_pow2(-BITS * (t % FIT)) + bias[g];
   }
   mk_halve<4 * MK_G>(r, lane, 4);
   mk_halve<2 * MK_G>(r, lane, 2);
@@ -479,22 +496,6 @@ __device__ __forceinline__ int mk_stored_in(int n, int begin, int end) {
   int k = (n < end ? n : end) - begin;
   return k > 0 ? k : 0;
 }
-
-// The code of x's bits [k, k + BITS), times 2^k, as a float (< 2^23: exact):
-// the bits of 2^23 + (x & (mask << k)), minus 2^23. One LOP3 ((a & b) | c)
-// and one FADD, where mk_codef((x >> k) & mask) takes a
-// shift and two LOP3s (ptxas splits an AND and an OR of two constants).
-__device__ __forceinline__ float mk_codef_at(unsigned x, unsigned m) {
-#ifdef MK_EMULATED
-  return __uint_as_float((x & m) | 0x4B000000u) - 8388608.0f;
-#else
-  unsigned r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "r"(m), "r"(0x4B000000u));
-  return __uint_as_float(r) - 8388608.0f;
-#endif
-}
-// 2^k as a float, for |k| <= 126.
-__device__ __forceinline__ float mk_pow2(int k) { return __uint_as_float((unsigned)(127 + k) << 23); }
 
 // acc[e][g] += p_j[g] s_j code_{j,e} and macc[g] += p_j[g] m_j over the
 // MK_COL channels of the column at c0, for quantized values (per token, BITS
