@@ -140,8 +140,10 @@
 //!   emulation's reading of the `mma.sync` fragments holds on the hardware;
 //!   compute-sanitizer's memcheck found 0 errors; MiniKV 2-bit generation on
 //!   the real model's first blocks gave the same greedy tokens with
-//!   `backend = "cuda"` as with `"tiled"`. The `mk_decode_fast` in this
-//!   source is the one measured last: at 128K tokens fp16 decode reads at
+//!   `backend = "cuda"` as with `"tiled"`. The `mk_decode_fast` measured
+//!   last is this source's but for how a quantized code is read (since:
+//!   one `LOP3` where it took a shift and two, its sums scaled by a power
+//!   of two; the same bits under the emulation): at 128K tokens fp16 decode reads at
 //!   53% of the 4.8 TB/s bound inside the kernel (38% per call, with the
 //!   host round trip), 2- and 4-bit at 14% (the 2-bit kernel takes as long
 //!   as fp16: instruction- and latency-bound), 12-23 times the general
@@ -149,7 +151,7 @@
 //!   TFLOP/s on tensor cores, host uploads included. Written after the
 //!   second session and not yet run on a GPU: `mk_decode_staged`, the
 //!   pinned asynchronous copies, the pipelined prefill kernels and the
-//!   int8 key products (the exact path's arithmetic is the measured one);
+//!   int8 key products, and the in-place code reads above;
 //!   `scripts/gpu-check.sh` checks their parity (and racecheck the two
 //!   kernels that fill shared memory asynchronously) and times each beside
 //!   what it may replace (the fast kernel, synchronous copies, the plain
