@@ -101,7 +101,7 @@ wait
 found=()
 for t in "${targets[@]}"; do
   echo "== $t: $secs s"
-  cat "$logs/$t.log"
+  cat "$logs/$t.log" 2>/dev/null || echo "(no log)"
   [ "$(cat "$logs/$t.rc" 2>/dev/null)" = 0 ] || found+=("$t")
 done
 if [ ${#found[@]} -gt 0 ]; then

@@ -85,7 +85,7 @@ inline ucontext_t scheduler;
 // registers the System V ABI makes callee-saved, stores the stack pointer
 // in *save, loads `load` as the stack pointer, pops and returns into the
 // other fiber (or, the first time, into its entry, from the frame that
-// fiber_stack built). The FPU and SSE control words are not switched: no
+// start_fiber built). The FPU and SSE control words are not switched: no
 // kernel changes them.
 extern "C" void mk_emu_switch(void** save, void* load);
 asm(R"(
