@@ -15,7 +15,9 @@
 #      per kernel as the driver reports them, memory bandwidth bound, a
 #      measured device-to-device copy); prefill with A_cumul at 32K tokens
 #      on tensor cores, their pipelined form and the scalar f32 kernels
-#      (tokens/s, attention TFLOP/s; every prefill check runs on each, the
+#      (tokens/s, attention TFLOP/s, host transfers included; on tensor
+#      cores also the kernels alone, operands on the device, beside
+#      FlashAttention-2's published figures; every prefill check runs on each, the
 #      pipelined rows also saying whether they have the plain tensor-core
 #      kernel's bits); a failing group of checks
 #      is reported and the others still run;
@@ -122,11 +124,26 @@ for path, p in r["prefill"].items():
           f"{p['tokens_per_s']:.0f} tokens/s, {p['attention_tflop_s']:.1f} attention TFLOP/s"
           f" (without A_cumul: {p['tokens'] / p['seconds_without_cumulative']:.0f} tokens/s, "
           f"{p['attention_tflop_s_without_cumulative']:.1f} TFLOP/s)")
+    k = p.get("kernels")
+    if k:
+        t = k["times"]
+        print(f"    kernels alone (operands on the device, best of {t['runs']}): "
+              f"{t['forward_kernel']} {t['forward_seconds'] * 1e3:.1f} ms = {k['forward_tflop_s']:.1f} TFLOP/s; "
+              f"{t['column_sums_kernel']} {(t['column_sums_seconds'] or 0) * 1e3:.1f} ms; together "
+              f"{k['tokens_per_s']:.0f} tokens/s, {100 * k['share_of_call']:.0f}% of the call "
+              f"(the rest: uploads, host fp16 conversions, the download)")
+        print(f"    FlashAttention-2's published forward: 160-230 TFLOP/s on an A100 (50-73% of 312), "
+              f"up to 335 on an H100: the forward kernel is at {k['forward_tflop_s'] / 335:.0%} of the H100 figure")
 plain, pipe = r["prefill"].get("tensor_cores", {}), r["prefill"].get("tensor_cores_pipelined", {})
 if "seconds" in plain and "seconds" in pipe:
     print(f"  pipelined against plain tensor cores: x{plain['seconds'] / pipe['seconds']:.2f} with A_cumul, "
           f"x{plain['seconds_without_cumulative'] / pipe['seconds_without_cumulative']:.2f} without "
           f"(above 1: the pipelined kernels are faster)")
+    kp, kq = plain.get("kernels"), pipe.get("kernels")
+    if kp and kq:
+        a, b = kp["times"], kq["times"]
+        print(f"  kernels alone, pipelined against plain: forward x{a['forward_seconds'] / b['forward_seconds']:.2f}, "
+              f"A_cumul x{(a['column_sums_seconds'] or 0) / (b['column_sums_seconds'] or 1):.2f}")
 PY
 
 echo "== ptxas (sm_80, sm_90)"

@@ -7,7 +7,10 @@
 //! 32768), the prefill on its three paths (tensor cores, their pipelined
 //! form, scalar f32). Then it times prefill with `A_cumul` at
 //! `GPUCHECK_PREFILL` tokens (default 32768; host transfers included) on
-//! each path and reports tokens/s and the attention FLOP rate of each. Prints one JSON report with the device's info
+//! each path and reports tokens/s and the attention FLOP rate of each, and
+//! on tensor cores the kernels alone, their operands already on the device
+//! (what FlashAttention's published figures time). Prints one JSON report
+//! with the device's info
 //! (driver, image loaded, registers per kernel, memory bandwidth bound);
 //! exits 1 on a mismatch or when no driver or device is present
 //! (`scripts/gpu-check.sh` runs it). Not run in CI: there is no GPU there;
@@ -35,8 +38,15 @@ fn env_usize(name: &str, default: usize) -> usize {
 /// Causal prefill of `t` tokens with `A_cumul` (32 query / 8 KV heads, d =
 /// 128): the best of `reps` runs, after `reps` without `A_cumul` (a
 /// warm-up, whose best is reported too: the cost of the `A_cumul` pass is
-/// the difference).
-fn time_prefill(be: &CudaBackend, t: usize, reps: usize) -> minikv_core::Result<Value> {
+/// the difference). With `kernels`, also the kernels alone, their operands
+/// on the device (`CudaBackend::time_prefill_kernels`, `reps` timed runs
+/// each): the time FlashAttention's published figures measure.
+fn time_prefill(
+    be: &CudaBackend,
+    t: usize,
+    reps: usize,
+    kernels: bool,
+) -> minikv_core::Result<Value> {
     let (hq, hkv, d) = (32usize, 8usize, 128usize);
     let mut seed = 99u64;
     let q = parity::rand_vec(&mut seed, hq * t * d, 1.0);
@@ -75,14 +85,41 @@ fn time_prefill(be: &CudaBackend, t: usize, reps: usize) -> minikv_core::Result<
     // Causal attention: QK^T and PV over half the square, 2 FLOPs per MAC.
     let flops = 2.0 * 2.0 * (t as f64) * (t as f64) / 2.0 * d as f64 * hq as f64;
     let finite = out.iter().all(|x| x.is_finite()) && cu.iter().all(|x| x.is_finite());
-    Ok(
-        json!({"tokens": t, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
+    let mut r = json!({"tokens": t, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
               "seconds": best, "tokens_per_s": t as f64 / best,
               "attention_tflop_s": flops / best / 1e12, "finite": finite,
               "seconds_without_cumulative": best_plain,
               "attention_tflop_s_without_cumulative": flops / best_plain / 1e12,
-              "includes": "uploads of q (f32) and k/v (fp16 on tensor cores, f32 on the scalar kernels), A_cumul, the output's download"}),
-    )
+              "includes": "uploads of q (f32; fp16 on the pipelined path) and k/v (fp16 on tensor cores, f32 on the scalar kernels), A_cumul, the output's download"});
+    if kernels {
+        cu.fill(0.0);
+        let k = be.time_prefill_kernels(
+            PrefillArgs {
+                n_q_heads: hq,
+                head_dim: d,
+                q: &q,
+                n: t,
+                keys: &keys,
+                values: &vals,
+                t,
+                out: &mut out,
+                cumulative: Some(&mut cu[..]),
+                window: None,
+                history: None,
+            },
+            reps,
+        )?;
+        let fwd = k.forward_seconds;
+        let both = fwd + k.column_sums_seconds.unwrap_or(0.0);
+        // The column sums recompute Q K^T: half the forward's products.
+        r["kernels"] = json!({"times": k,
+            "forward_tflop_s": flops / fwd / 1e12,
+            "with_cumulative_tflop_s": 1.5 * flops / both / 1e12,
+            "tokens_per_s": t as f64 / both,
+            "share_of_call": both / best,
+            "finite": out.iter().all(|x| x.is_finite()) && cu.iter().all(|x| x.is_finite())});
+    }
+    Ok(r)
 }
 
 /// Device-to-device copy bandwidth (bytes read plus bytes written per
@@ -142,17 +179,20 @@ fn main() {
         // Four runs each on tensor cores; one on the scalar kernels (10-20 s
         // a run at 32K tokens on an H200: repeats would take two minutes of
         // the check and change nothing).
-        let timed = |b: &CudaBackend, reps| {
-            time_prefill(b, tokens, reps).unwrap_or_else(|e| json!({"error": e.to_string()}))
+        // The kernels alone on tensor cores only (the scalar forward takes
+        // some 20 s at 32K tokens).
+        let timed = |b: &CudaBackend, reps, kernels| {
+            time_prefill(b, tokens, reps, kernels)
+                .unwrap_or_else(|e| json!({"error": e.to_string()}))
         };
-        let prefill = json!({"tensor_cores": timed(&be, 4),
-                             "tensor_cores_pipelined": timed(&pipelined, 4),
-                             "scalar": timed(&scalar, 1)});
+        let prefill = json!({"tensor_cores": timed(&be, 4, true),
+                             "tensor_cores_pipelined": timed(&pipelined, 4, true),
+                             "scalar": timed(&scalar, 1, false)});
         let ok = small.ok()
             && large.ok()
             && ["tensor_cores", "tensor_cores_pipelined", "scalar"]
                 .iter()
-                .all(|p| prefill[p]["finite"] == true);
+                .all(|p| prefill[p]["finite"] == true && prefill[p]["kernels"]["finite"] != false);
         let checks: Vec<Value> = small.rows.into_iter().chain(large.rows).collect();
         Ok(
             json!({"device": name, "info": info, "copy_bandwidth": copy, "ok": ok, "checks": checks,

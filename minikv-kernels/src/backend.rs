@@ -4,8 +4,9 @@
 
 use crate::decode::{DecodeKernel, combine_threads, decode_plan};
 use crate::device::{Arg, Batched, Calls, Device, Launch, Scratch, err, int};
+pub use crate::prefill::PrefillKernelTimes;
 pub use crate::prefill::PrefillPath;
-use crate::prefill::{Rows, f16_rows};
+use crate::prefill::{Rows, Staged, f16_rows};
 use crate::resident::Histories;
 use crate::store::{DeviceFpStore, DeviceQuantStore, Staging};
 use minikv_core::attention::{
@@ -236,6 +237,20 @@ impl CudaBackend {
         self.histories().len()
     }
 
+    /// Times the prefill kernels of this backend's path alone on `a` (no
+    /// history): its operands uploaded once, then the forward kernel and,
+    /// when `a` asks for `A_cumul`, the column sums, each launched `runs`
+    /// times after an untimed launch and waited for; the best of each.
+    /// Fills `a.out` and `a.cumulative` as [`AttentionBackend::prefill`]
+    /// does (the same kernels on the same operands).
+    pub fn time_prefill_kernels(
+        &self,
+        a: PrefillArgs<'_>,
+        runs: usize,
+    ) -> Result<PrefillKernelTimes> {
+        crate::prefill::time_kernels(&mut self.scratch(), &self.dev, self.prefill_path, a, runs)
+    }
+
     /// SnapKV's window scores on the device: the column sums of the softmax
     /// of the last `w` queries (`q_window [Hq][w][d]`, positions `t - w ..
     /// t`) over the first `t - w` keys, pooled with `kernel` (`max`: max
@@ -433,58 +448,26 @@ impl AttentionBackend for CudaBackend {
     }
 
     fn prefill(&self, a: PrefillArgs<'_>) -> Result<()> {
-        let (hkv, group) = check_prefill(&a)?;
-        let (hq, d, n, t) = (a.n_q_heads, a.head_dim, a.n, a.t);
-        if d > MAX_HEAD_DIM {
-            return Err(Error::shape("cuda prefill head dim", "<= 256", d));
+        let (_, group) = check_prefill(&a)?;
+        if a.head_dim > MAX_HEAD_DIM {
+            return Err(Error::shape("cuda prefill head dim", "<= 256", a.head_dim));
         }
-        if n == 0 {
+        if a.n == 0 {
             return Ok(());
         }
         let dev = &self.dev;
         let mut s = self.scratch();
-        let (qp, mma, pipe, scale) = Rows::put_queries(&mut s, dev, self.prefill_path, a.q, d)?;
         // Held to the end of the call: the kept rows' buffers stay alive.
         let mut hist = self.histories();
-        let (kp, vp) = match a.history {
-            Some(h) => hist.rows(dev, h, a.keys, a.values, t, d, mma)?,
-            // The tensor-core kernels take keys and values as fp16.
-            None if mma => {
-                let kp = s.put(dev, 1, &f16_rows(a.keys))?;
-                (kp, s.put(dev, 2, &f16_rows(a.values))?)
-            }
-            None => {
-                let mut kv = Vec::with_capacity(hkv * t * d);
-                for k in a.keys {
-                    kv.extend_from_slice(k);
-                }
-                let kp = s.put(dev, 1, &kv)?;
-                kv.clear();
-                for v in a.values {
-                    kv.extend_from_slice(v);
-                }
-                (kp, s.put(dev, 2, &kv)?)
-            }
-        };
-        let op = s.get(dev, 3, hq * n * d * 4)?.ptr();
-        let lp = s.get(dev, 4, hq * n * 4)?.ptr();
-        let rows = Rows {
-            q: qp,
-            k: kp,
-            hq,
-            n: int(n)?,
-            t: int(t)?,
-            d: int(d)?,
-            group: int(group)?,
-            scale,
-            window: int(a.window.unwrap_or(0))?,
-            mma,
-            pipe,
-        };
-        rows.forward(dev, vp, op, lp)?;
+        let st = Staged::upload(&mut s, dev, self.prefill_path, &a, group, |mma| {
+            a.history
+                .map(|h| hist.rows(dev, h, a.keys, a.values, a.t, a.head_dim, mma))
+                .transpose()
+        })?;
+        st.rows.forward(dev, st.v, st.out, st.lse)?;
         if let Some(c) = a.cumulative {
             let cp = s.put(dev, 5, c)?;
-            rows.column_sums(dev, lp, cp, 0, rows.n)?;
+            st.rows.column_sums(dev, st.lse, cp, 0, st.rows.n)?;
             s.get(dev, 5, 0)?.read(0, c)?;
         }
         s.get(dev, 3, 0)?.read(0, a.out)?;

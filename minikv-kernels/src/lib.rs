@@ -148,7 +148,10 @@
 //!   host round trip), 2- and 4-bit at 14% (the 2-bit kernel takes as long
 //!   as fp16: instruction- and latency-bound), 12-23 times the general
 //!   kernel; prefill with `A_cumul` at 32K tokens 16-17.5 attention
-//!   TFLOP/s on tensor cores, host uploads included. Written after the
+//!   TFLOP/s on tensor cores, host uploads, fp16 conversions and the
+//!   download included (the kernels alone were not timed then:
+//!   [`CudaBackend::time_prefill_kernels`] now times them, operands on the
+//!   device, as FlashAttention's figures are taken). Written after the
 //!   second session and not yet run on a GPU: `mk_decode_staged`, the
 //!   pinned asynchronous copies, the pipelined prefill kernels and the
 //!   int8 key products, and the in-place code reads above;
@@ -186,7 +189,7 @@ mod prefill;
 mod resident;
 mod store;
 
-pub use backend::{CudaBackend, DeviceStorage, PrefillPath};
+pub use backend::{CudaBackend, DeviceStorage, PrefillKernelTimes, PrefillPath};
 pub use decode::DecodeKernel;
 pub use device::{Arg, Batched, Calls, DevBuf, Device, Launch};
 pub use store::{DeviceFpStore, DeviceQuantStore};

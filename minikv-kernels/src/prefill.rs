@@ -3,8 +3,8 @@
 //! window scores), on the scalar f32 kernels or on tensor cores.
 
 use crate::backend::THREADS;
-use crate::device::{Arg, DevPtr, Device, Launch, Scratch};
-use minikv_core::Result;
+use crate::device::{Arg, DevPtr, Device, Launch, Scratch, int};
+use minikv_core::{PrefillArgs, Result};
 use std::sync::Arc;
 
 /// One prefill-shaped attention on the device: `hq` query heads of `n`
@@ -161,6 +161,40 @@ impl Rows {
         path != PrefillPath::Scalar && (d == 64 || d == 128)
     }
 
+    /// The forward kernel this shape runs and its grid's x size (scalar:
+    /// one block per query row).
+    pub(crate) fn forward_kernel(&self) -> (&'static str, u32) {
+        let names = if self.pipe {
+            [
+                "mk_prefill_fwd",
+                "mk_prefill_mma_pipe64",
+                "mk_prefill_mma_pipe128",
+            ]
+        } else {
+            ["mk_prefill_fwd", "mk_prefill_mma64", "mk_prefill_mma128"]
+        };
+        self.kernel(names, self.n, 1)
+    }
+
+    /// The column-sums kernel this shape runs and its grid's x size
+    /// (scalar: one thread per key).
+    pub(crate) fn column_sums_kernel(&self) -> (&'static str, u32) {
+        let names = if self.pipe {
+            [
+                "mk_column_sums",
+                "mk_column_sums_mma_pipe64",
+                "mk_column_sums_mma_pipe128",
+            ]
+        } else {
+            [
+                "mk_column_sums",
+                "mk_column_sums_mma64",
+                "mk_column_sums_mma128",
+            ]
+        };
+        self.kernel(names, self.t, THREADS)
+    }
+
     /// Of `names` (scalar, tensor-core d = 64, d = 128), the kernel to run
     /// and the grid's x size for `rows` rows: 64 per block on tensor cores,
     /// `scalar_per_block` on the scalar kernel.
@@ -186,18 +220,10 @@ impl Rows {
         out: DevPtr,
         lse: DevPtr,
     ) -> Result<()> {
-        let names = if self.pipe {
+        if self.pipe {
             self.check_aligned(&[self.q, self.k, v])?;
-            [
-                "mk_prefill_fwd",
-                "mk_prefill_mma_pipe64",
-                "mk_prefill_mma_pipe128",
-            ]
-        } else {
-            ["mk_prefill_fwd", "mk_prefill_mma64", "mk_prefill_mma128"]
-        };
-        // Scalar: one block per query row.
-        let (name, gx) = self.kernel(names, self.n, 1);
+        }
+        let (name, gx) = self.forward_kernel();
         dev.launch(
             name,
             Launch {
@@ -229,22 +255,10 @@ impl Rows {
         i_begin: i32,
         i_end: i32,
     ) -> Result<()> {
-        let names = if self.pipe {
+        if self.pipe {
             self.check_aligned(&[self.q, self.k])?;
-            [
-                "mk_column_sums",
-                "mk_column_sums_mma_pipe64",
-                "mk_column_sums_mma_pipe128",
-            ]
-        } else {
-            [
-                "mk_column_sums",
-                "mk_column_sums_mma64",
-                "mk_column_sums_mma128",
-            ]
-        };
-        // Scalar: one thread per key.
-        let (name, gx) = self.kernel(names, self.t, THREADS);
+        }
+        let (name, gx) = self.column_sums_kernel();
         dev.launch(
             name,
             Launch {
@@ -267,6 +281,157 @@ impl Rows {
             ],
         )
     }
+}
+
+/// A prefill's operands on the device: its launch shape, the values, the
+/// outputs `[Hq][n][d]` (scratch slot 3) and each row's log-sum-exp (slot 4).
+pub(crate) struct Staged {
+    pub(crate) rows: Rows,
+    pub(crate) v: DevPtr,
+    pub(crate) out: DevPtr,
+    pub(crate) lse: DevPtr,
+}
+
+impl Staged {
+    /// Uploads `a`'s queries (scratch slot 0) and, unless `kept` gives the
+    /// device rows of its keys and values (it is told whether the
+    /// tensor-core kernels run: they take fp16 rows, the scalar ones f32),
+    /// its keys and values (slots 1 and 2); `group` query heads per KV
+    /// head (`check_prefill`'s).
+    pub(crate) fn upload(
+        s: &mut Scratch,
+        dev: &Arc<dyn Device>,
+        path: PrefillPath,
+        a: &PrefillArgs<'_>,
+        group: usize,
+        kept: impl FnOnce(bool) -> Result<Option<(DevPtr, DevPtr)>>,
+    ) -> Result<Self> {
+        let (hq, d, n, t) = (a.n_q_heads, a.head_dim, a.n, a.t);
+        let (q, mma, pipe, scale) = Rows::put_queries(s, dev, path, a.q, d)?;
+        let (k, v) = match kept(mma)? {
+            Some(kv) => kv,
+            // The tensor-core kernels take keys and values as fp16.
+            None if mma => {
+                let k = s.put(dev, 1, &f16_rows(a.keys))?;
+                (k, s.put(dev, 2, &f16_rows(a.values))?)
+            }
+            None => {
+                let mut kv = Vec::with_capacity(a.keys.len() * t * d);
+                for k in a.keys {
+                    kv.extend_from_slice(k);
+                }
+                let k = s.put(dev, 1, &kv)?;
+                kv.clear();
+                for v in a.values {
+                    kv.extend_from_slice(v);
+                }
+                (k, s.put(dev, 2, &kv)?)
+            }
+        };
+        let out = s.get(dev, 3, hq * n * d * 4)?.ptr();
+        let lse = s.get(dev, 4, hq * n * 4)?.ptr();
+        let rows = Rows {
+            q,
+            k,
+            hq,
+            n: int(n)?,
+            t: int(t)?,
+            d: int(d)?,
+            group: int(group)?,
+            scale,
+            window: int(a.window.unwrap_or(0))?,
+            mma,
+            pipe,
+        };
+        Ok(Self { rows, v, out, lse })
+    }
+}
+
+/// Device time of the prefill kernels alone, their operands already on the
+/// device ([`crate::CudaBackend::time_prefill_kernels`]): what
+/// FlashAttention-style figures measure, without the uploads, the host's
+/// fp16 conversions and the download that a prefill call also pays.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct PrefillKernelTimes {
+    /// The forward kernel (outputs and each row's log-sum-exp).
+    pub forward_kernel: &'static str,
+    /// Its best time over the timed runs, in seconds.
+    pub forward_seconds: f64,
+    /// The `A_cumul` kernel (its second pass over the tiles), when the call
+    /// asked for `A_cumul`.
+    pub column_sums_kernel: Option<&'static str>,
+    /// Its best time, in seconds.
+    pub column_sums_seconds: Option<f64>,
+    /// Timed runs of each kernel (after one untimed run).
+    pub runs: usize,
+}
+
+/// Waits until the device has run everything queued: a download of one
+/// float from scratch slot 4 (downloads wait for the stream).
+fn wait(s: &mut Scratch, dev: &Arc<dyn Device>) -> Result<()> {
+    let mut one = [0.0f32; 1];
+    s.get(dev, 4, 4)?.read(0, &mut one)
+}
+
+/// [`crate::CudaBackend::time_prefill_kernels`] on the backend's scratch.
+pub(crate) fn time_kernels(
+    s: &mut Scratch,
+    dev: &Arc<dyn Device>,
+    path: PrefillPath,
+    a: PrefillArgs<'_>,
+    runs: usize,
+) -> Result<PrefillKernelTimes> {
+    let (_, group) = minikv_core::attention::check_prefill(&a)?;
+    if a.head_dim > crate::backend::MAX_HEAD_DIM || a.n == 0 || runs == 0 {
+        return Err(crate::device::err(format!(
+            "timing the prefill kernels needs a head dim of at most 256, queries and runs (d = {}, n = {}, runs = {runs})",
+            a.head_dim, a.n
+        )));
+    }
+    let st = Staged::upload(s, dev, path, &a, group, |_| Ok(None))?;
+    // The best of `runs` after an untimed one; `prepare` runs before each
+    // clock starts.
+    let timed = |s: &mut Scratch,
+                 prepare: &dyn Fn(&mut Scratch) -> Result<()>,
+                 launch: &dyn Fn() -> Result<()>|
+     -> Result<f64> {
+        let mut best = f64::INFINITY;
+        for run in 0..=runs {
+            prepare(s)?;
+            wait(s, dev)?;
+            let t0 = std::time::Instant::now();
+            launch()?;
+            wait(s, dev)?;
+            if run > 0 {
+                best = best.min(t0.elapsed().as_secs_f64());
+            }
+        }
+        Ok(best)
+    };
+    let forward_seconds = timed(s, &|_| Ok(()), &|| {
+        st.rows.forward(dev, st.v, st.out, st.lse)
+    })?;
+    let mut times = PrefillKernelTimes {
+        forward_kernel: st.rows.forward_kernel().0,
+        forward_seconds,
+        column_sums_kernel: None,
+        column_sums_seconds: None,
+        runs,
+    };
+    if let Some(c) = a.cumulative {
+        let cp = s.get(dev, 5, c.len() * 4)?.ptr();
+        // Each run adds into a fresh copy of the caller's sums, so they end
+        // as one pass leaves them.
+        let fresh: &[f32] = c;
+        let secs = timed(s, &|s| s.get(dev, 5, 0)?.write(0, fresh), &|| {
+            st.rows.column_sums(dev, st.lse, cp, 0, st.rows.n)
+        })?;
+        s.get(dev, 5, 0)?.read(0, c)?;
+        times.column_sums_kernel = Some(st.rows.column_sums_kernel().0);
+        times.column_sums_seconds = Some(secs);
+    }
+    s.get(dev, 3, 0)?.read(0, a.out)?;
+    Ok(times)
 }
 
 #[cfg(test)]

@@ -114,3 +114,97 @@ fn history_on(path: PrefillPath) {
     kept.release_history(h);
     assert_eq!(kept.kept_histories(), 0);
 }
+
+/// `time_prefill_kernels` launches the path's own kernels on the call's
+/// operands: the outputs and `A_cumul` (added once to the caller's sums,
+/// however many runs) are bitwise those of a prefill call, each kernel ran
+/// once untimed and `runs` times timed, and a call without `A_cumul` times
+/// the forward kernel only.
+#[test]
+fn the_kernels_alone_are_timed_on_a_calls_operands() {
+    let (t, n, runs) = (130, 70, 2);
+    let rows: Vec<(Vec<f32>, Vec<f32>)> = (0..HKV)
+        .map(|h| (data(t * D, h + 3), data(t * D, h + 5)))
+        .collect();
+    let keys: Vec<&[f32]> = rows.iter().map(|(k, _)| &k[..]).collect();
+    let values: Vec<&[f32]> = rows.iter().map(|(_, v)| &v[..]).collect();
+    let q = data(HQ * n * D, 7);
+    for (path, fwd, cols) in [
+        (
+            PrefillPath::TensorCores,
+            "mk_prefill_mma64",
+            "mk_column_sums_mma64",
+        ),
+        (
+            PrefillPath::Pipelined,
+            "mk_prefill_mma_pipe64",
+            "mk_column_sums_mma_pipe64",
+        ),
+        (PrefillPath::Scalar, "mk_prefill_fwd", "mk_column_sums"),
+    ] {
+        for window in [None, Some(40)] {
+            let kv = (&keys[..], &values[..]);
+            let start: Vec<f32> = data(HQ * t, 11);
+            let (mut o1, mut c1) = (vec![0.0f32; HQ * n * D], start.clone());
+            let (mut o2, mut c2) = (vec![0.0f32; HQ * n * D], start.clone());
+            let be = CudaBackend::new(EmuDevice::new()).with_prefill_path(path);
+            be.prefill(args(&q, kv, (n, t), window, &mut o1, Some(&mut c1)))
+                .unwrap();
+            let dev = EmuDevice::new();
+            let timer = CudaBackend::new(dev.clone()).with_prefill_path(path);
+            let times = timer
+                .time_prefill_kernels(args(&q, kv, (n, t), window, &mut o2, Some(&mut c2)), runs)
+                .unwrap();
+            assert_eq!(o1, o2, "{path:?} {window:?}: outputs");
+            assert_eq!(c1, c2, "{path:?} {window:?}: A_cumul");
+            assert_eq!(times.forward_kernel, fwd);
+            assert_eq!(times.column_sums_kernel, Some(cols));
+            assert_eq!(times.runs, runs);
+            let secs = [times.forward_seconds, times.column_sums_seconds.unwrap()];
+            assert!(secs.iter().all(|s| s.is_finite() && *s > 0.0), "{times:?}");
+            assert_eq!(dev.launches(fwd), runs as u64 + 1);
+            assert_eq!(dev.launches(cols), runs as u64 + 1);
+            // Without A_cumul: the forward kernel only.
+            let t2 = timer
+                .time_prefill_kernels(args(&q, kv, (n, t), window, &mut o2, None), 1)
+                .unwrap();
+            assert_eq!(
+                (t2.column_sums_kernel, t2.column_sums_seconds),
+                (None, None)
+            );
+            assert_eq!(o1, o2);
+            assert_eq!(dev.launches(cols), runs as u64 + 1);
+        }
+    }
+    let be = CudaBackend::new(EmuDevice::new());
+    let mut out = vec![0.0f32; HQ * n * D];
+    let e = be
+        .time_prefill_kernels(args(&q, (&keys, &values), (n, t), None, &mut out, None), 0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("runs = 0"), "{e}");
+}
+
+/// Prefill arguments without a history: `n` queries at the end of `t` rows.
+fn args<'a>(
+    q: &'a [f32],
+    (keys, values): (&'a [&'a [f32]], &'a [&'a [f32]]),
+    (n, t): (usize, usize),
+    window: Option<usize>,
+    out: &'a mut [f32],
+    cumulative: Option<&'a mut [f32]>,
+) -> PrefillArgs<'a> {
+    PrefillArgs {
+        n_q_heads: HQ,
+        head_dim: D,
+        q,
+        n,
+        keys,
+        values,
+        t,
+        out,
+        cumulative,
+        window,
+        history: None,
+    }
+}
