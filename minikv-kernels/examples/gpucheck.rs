@@ -61,19 +61,8 @@ fn time_prefill(
     for cumulative in [false, true] {
         for _ in 0..reps {
             let t0 = Instant::now();
-            be.prefill(PrefillArgs {
-                n_q_heads: hq,
-                head_dim: d,
-                q: &q,
-                n: t,
-                keys: &keys,
-                values: &vals,
-                t,
-                out: &mut out,
-                cumulative: cumulative.then_some(&mut cu[..]),
-                window: None,
-                history: None,
-            })?;
+            let cu = cumulative.then_some(&mut cu[..]);
+            be.prefill(causal((hq, d, t), &q, (&keys, &vals), &mut out, cu))?;
             let took = t0.elapsed().as_secs_f64();
             if cumulative {
                 best = best.min(took);
@@ -93,22 +82,8 @@ fn time_prefill(
               "includes": "uploads of q (f32; fp16 on the pipelined path) and k/v (fp16 on tensor cores, f32 on the scalar kernels), A_cumul, the output's download"});
     if kernels {
         cu.fill(0.0);
-        let k = be.time_prefill_kernels(
-            PrefillArgs {
-                n_q_heads: hq,
-                head_dim: d,
-                q: &q,
-                n: t,
-                keys: &keys,
-                values: &vals,
-                t,
-                out: &mut out,
-                cumulative: Some(&mut cu[..]),
-                window: None,
-                history: None,
-            },
-            reps,
-        )?;
+        let args = causal((hq, d, t), &q, (&keys, &vals), &mut out, Some(&mut cu[..]));
+        let k = be.time_prefill_kernels(args, reps)?;
         let fwd = k.forward_seconds;
         let both = fwd + k.column_sums_seconds.unwrap_or(0.0);
         // The column sums recompute Q K^T: half the forward's products.
@@ -120,6 +95,29 @@ fn time_prefill(
             "finite": out.iter().all(|x| x.is_finite()) && cu.iter().all(|x| x.is_finite())});
     }
     Ok(r)
+}
+
+/// Causal prefill of all `t` rows (`hq` query heads of `d`), no history.
+fn causal<'a>(
+    (hq, d, t): (usize, usize, usize),
+    q: &'a [f32],
+    (keys, values): (&'a [&'a [f32]], &'a [&'a [f32]]),
+    out: &'a mut [f32],
+    cumulative: Option<&'a mut [f32]>,
+) -> PrefillArgs<'a> {
+    PrefillArgs {
+        n_q_heads: hq,
+        head_dim: d,
+        q,
+        n: t,
+        keys,
+        values,
+        t,
+        out,
+        cumulative,
+        window: None,
+        history: None,
+    }
 }
 
 /// Device-to-device copy bandwidth (bytes read plus bytes written per

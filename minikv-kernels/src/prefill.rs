@@ -367,10 +367,11 @@ pub struct PrefillKernelTimes {
 }
 
 /// Waits until the device has run everything queued: a download of one
-/// float from scratch slot 4 (downloads wait for the stream).
+/// float from scratch slot 4, the log-sum-exp [`Staged::upload`] allocated
+/// (downloads wait for the stream).
 fn wait(s: &mut Scratch, dev: &Arc<dyn Device>) -> Result<()> {
     let mut one = [0.0f32; 1];
-    s.get(dev, 4, 4)?.read(0, &mut one)
+    s.get(dev, 4, 0)?.read(0, &mut one)
 }
 
 /// [`crate::CudaBackend::time_prefill_kernels`] on the backend's scratch.
