@@ -1,7 +1,9 @@
 //! `minikv serve` and `minikv bench serve` end to end: the binary on the
 //! real model, listening on a free loopback port; a greedy completion equals
 //! `minikv generate`, the load generator drives it, SIGTERM shuts it down
-//! cleanly, and bad flags are refused with the reason.
+//! cleanly, concurrent requests on the CUDA backend (under its CPU
+//! emulation) are batched and each equals `minikv generate` alone, and bad
+//! flags are refused with the reason.
 
 use minikv_test_support::{root, run_in_root};
 use std::io::{BufRead, BufReader};
@@ -20,6 +22,30 @@ impl Drop for Serve {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// Starts `minikv serve` with `args` on a free port; returns it and its URL.
+fn serve(args: &[&str]) -> (Serve, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_minikv"))
+        .arg("serve")
+        .args(args)
+        .args(["--port", "0"])
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let server = Serve(child);
+    let url = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_owned();
+    (server, url)
 }
 
 fn post(url: &str, body: serde_json::Value) -> serde_json::Value {
@@ -42,31 +68,7 @@ fn post(url: &str, body: serde_json::Value) -> serde_json::Value {
 
 #[test]
 fn serve_answers_like_generate_and_bench_serve_drives_it() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_minikv"))
-        .args([
-            "serve",
-            "--config",
-            "configs/kivi-2bit.toml",
-            "--port",
-            "0",
-            "--kv-budget",
-            "64MiB",
-        ])
-        .current_dir(root())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let server = Serve(child);
-    let url = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_owned();
+    let (server, url) = serve(&["--config", "configs/kivi-2bit.toml", "--kv-budget", "64MiB"]);
     let prompt = "The history of the printing press";
     let v = post(
         &url,
@@ -125,6 +127,91 @@ fn serve_answers_like_generate_and_bench_serve_drives_it() {
     );
     let status = server.0.wait().unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+/// Many sequences at once on the CUDA backend: the server on
+/// `backend = "cuda-emulated"` (MiniKV 2-bit, a small residual so that
+/// codes are written and read by the fused decode) answers three requests
+/// sent together, decoding them in the same engine steps (fewer steps than
+/// one sequence after another), and each completion is the one `minikv
+/// generate` gives alone with that config: the batched host calls into the
+/// device (one backend, its scratch and upload queue shared by the
+/// sequences' threads) change no result.
+#[test]
+fn serve_batches_requests_on_the_cuda_emulation_like_generate_alone() {
+    let dir = std::env::temp_dir().join(format!("minikv-serve-cuda-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("minikv-cuda.toml");
+    std::fs::write(
+        &cfg,
+        "backend = \"cuda-emulated\"\nseed = 0\n[cache]\nheavy = 0.25\nrecent = 0.25\nscorer = { type = \"cumulative_attention\" }\npolicy = { type = \"uniform\" }\n[cache.quant]\nresidual = 16\nresidual_mode = \"minikv\"\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }\nvalues = { type = \"minmax\", bits = 2, group = 16, axis = \"token\" }\n",
+    )
+    .unwrap();
+    let cfg = cfg.to_str().unwrap();
+    let (_server, url) = serve(&["--config", cfg, "--kv-budget", "64MiB"]);
+    let prompts = [
+        "The history of the printing press begins in",
+        "Rivers of Europe, from the longest to the shortest, are",
+        "Alice was beginning to get very tired of sitting by her sister on the bank",
+    ];
+    let (new, n) = (8, prompts.len());
+    let answers: Vec<serde_json::Value> = std::thread::scope(|s| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let url = &url;
+                s.spawn(move || {
+                    post(
+                        url,
+                        serde_json::json!({"prompt": p, "max_tokens": new, "temperature": 0}),
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (p, v) in prompts.iter().zip(&answers) {
+        let g = &generate_json(cfg, p, new);
+        assert_eq!(v["choices"][0]["text"], g["text"], "{p}");
+        assert_eq!(v["usage"]["completion_tokens"], new, "{v}");
+    }
+    // One after another the requests take n prefill steps and n (new - 1)
+    // decode steps; together fewer.
+    let metrics = get(&format!("{url}/metrics"));
+    let steps: usize = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("minikv_engine_steps_total "))
+        .unwrap_or_else(|| panic!("no step count in {metrics}"))
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(steps < n * new, "{steps} engine steps for {n} requests");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `minikv generate --json` with `config`, greedy.
+fn generate_json(config: &str, prompt: &str, max: usize) -> serde_json::Value {
+    let max = max.to_string();
+    let (ok, out, err) = minikv(&[
+        "generate",
+        "--json",
+        "--config",
+        config,
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        &max,
+    ]);
+    assert!(ok, "{err}");
+    serde_json::from_str(&out).unwrap()
+}
+
+fn get(url: &str) -> String {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async { reqwest::get(url).await.unwrap().text().await.unwrap() })
 }
 
 #[test]

@@ -111,7 +111,10 @@
 //!   the fast one with some blocks staging keys and values (counted), the
 //!   pipelined prefill bitwise equal to the plain tensor-core one, and a whole cache (MiniKV, KIVI, H2O with decode-time
 //!   probabilities) built on the backend against the same cache on the CPU;
-//!   from the CLI, the real model generates with `backend = "cuda-emulated"`.
+//!   from the CLI, the real model generates with `backend = "cuda-emulated"`,
+//!   and `minikv serve` on it batches concurrent requests into the same
+//!   engine steps, each answered as `minikv generate` answers it alone
+//!   (`minikv-cli/tests/serve.rs`).
 //!   The emulated checks also cover a model's shapes (32 query / 8 KV heads,
 //!   d = 128, 32K tokens: many waves of blocks, large offsets; the scalar
 //!   prefill there, the tensor-core one only at the small shapes), residual
