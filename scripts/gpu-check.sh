@@ -37,7 +37,10 @@
 #      fast and staged kernels' instructions, occupancy and stall reasons;
 #   5. with the real model (assets/, else the bundle's first blocks of
 #      it): MiniKV 2-bit generation with backend = "cuda" (fast and staged
-#      decode) against backend = "tiled" (same greedy tokens);
+#      decode) against backend = "tiled" (same greedy tokens); then many
+#      sequences at once: `minikv serve` on cuda answers three requests
+#      sent together, each as `generate` answers it alone, decoded in
+#      shared engine steps (scripts/serve-check.py);
 #   6. last, the small shapes again under compute-sanitizer (memcheck) when
 #      the machine has it and it can attach (gVisor refuses it), and the
 #      small decode and pipelined prefill cases under its racecheck
@@ -347,6 +350,20 @@ for p in sys.argv[2:]:
           f"decode {a['decode_tokens_per_s']:.1f} vs {b['decode_tokens_per_s']:.1f} tok/s")
 sys.exit(0 if same_all else 1)
 PY
+  # Many sequences at once: the server on the device answers three requests
+  # sent together (the engine's sequences calling the backend from their
+  # own threads), each as `generate` answers it alone. A residual of 16
+  # tokens, so that these short requests write and read 2-bit codes.
+  limit=$(within 90 180)
+  if [ "$limit" = 0 ]; then
+    echo "== (minikv serve on cuda: skipped, too little is left of the budget of $BUDGET s)"
+  else
+    echo "== many sequences at once: minikv serve (cuda), three requests together, each against generate alone"
+    sed 's/^residual = 128$/residual = 16/' "$OUTDIR/minikv-cuda.toml" > "$OUTDIR/serve-cuda.toml"
+    grep -q '^residual = 16$' "$OUTDIR/serve-cuda.toml" || fail "serve config: no residual line to shorten"
+    timeout "$limit" python3 "$(dirname "$0")/serve-check.py" "$BIN/minikv" "$MODEL" "$OUTDIR/serve-cuda.toml" \
+      || fail "serve on cuda (exit $?)"
+  fi
 else
   echo "== (no model: the real-model comparison is skipped; ./scripts/fetch-assets.sh fetches it)"
 fi
