@@ -6,8 +6,11 @@ Usage: serve-check.py MINIKV MODEL CONFIG
 Starts `MINIKV serve` with CONFIG on a free loopback port, sends three
 greedy completions together, then asks `MINIKV generate` for each prompt
 alone with the same config. Passes (exit 0) when every completion is the
-text `generate` gives alone and the engine decoded the requests together
-(fewer engine steps than one request after another). `scripts/gpu-check.sh`
+text `generate` gives alone, the cache held quantized codes (CONFIG's
+residual must be shorter than a prompt's kept tokens and the new ones;
+`scripts/gpu-check.sh` gives MiniKV a residual of 16) and the engine
+decoded the requests together (fewer engine steps than one request after
+another). `scripts/gpu-check.sh`
 runs it with `backend = "cuda"` on the device; with
 `backend = "cuda-emulated"` it rehearses the same on the CPU
 (`minikv-cli/tests/serve.rs` checks that in every test run).
@@ -21,9 +24,9 @@ import threading
 import urllib.request
 
 PROMPTS = [
-    "The history of the printing press begins in",
-    "Rivers of Europe, from the longest to the shortest, are",
-    "Alice was beginning to get very tired of sitting by her sister on the bank",
+    "The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz combined movable metal type, oil-based ink and a wooden press adapted from wine making. Within fifty years presses were running in",
+    "Rivers of Europe, from the longest to the shortest, are listed below with their sources, their mouths and the countries they cross on the way to the sea. The first of them, the Volga, rises in the hills northwest of",
+    "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: once or twice she had peeped into the book her sister was reading, but it had no pictures or conversations in it, and",
 ]
 NEW = 8
 
@@ -80,10 +83,12 @@ def main():
             print(f"  {p[:30]!r}: served {a}; generate exit {g.returncode}: {g.stderr.strip()[-200:]}")
             ok = False
             continue
-        alone = json.loads(g.stdout)["text"]
+        g = json.loads(g.stdout)
+        alone, codes = g["text"], g["memory"]["quant_codes"]
         served = a["choices"][0]["text"]
-        ok &= served == alone
-        print(f"  {p[:30]!r}: served {served!r}, alone {alone!r}: same: {served == alone}")
+        ok &= served == alone and codes > 0
+        print(f"  {p[:30]!r}: served {served!r}, alone {alone!r}: same: {served == alone}; "
+              f"{codes} bytes of codes (> 0: the fused decode read them)")
     serial = len(PROMPTS) * NEW
     together = steps is not None and steps < serial
     print(f"  {steps} engine steps for {len(PROMPTS)} requests of {NEW} tokens "

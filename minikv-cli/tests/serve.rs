@@ -130,8 +130,8 @@ fn serve_answers_like_generate_and_bench_serve_drives_it() {
 }
 
 /// Many sequences at once on the CUDA backend: the server on
-/// `backend = "cuda-emulated"` (MiniKV 2-bit, a small residual so that
-/// codes are written and read by the fused decode) answers three requests
+/// `backend = "cuda-emulated"` (the MiniKV preset with a residual of 16
+/// tokens, so that codes are written and read by the fused decode) answers three requests
 /// sent together, decoding them in the same engine steps (fewer steps than
 /// one sequence after another), and each completion is the one `minikv
 /// generate` gives alone with that config: the batched host calls into the
@@ -142,17 +142,20 @@ fn serve_batches_requests_on_the_cuda_emulation_like_generate_alone() {
     let dir = std::env::temp_dir().join(format!("minikv-serve-cuda-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("minikv-cuda.toml");
-    std::fs::write(
-        &cfg,
-        "backend = \"cuda-emulated\"\nseed = 0\n[cache]\nheavy = 0.25\nrecent = 0.25\nscorer = { type = \"cumulative_attention\" }\npolicy = { type = \"uniform\" }\n[cache.quant]\nresidual = 16\nresidual_mode = \"minikv\"\nkeys = { type = \"minmax\", bits = 2, group = 16, axis = \"channel\" }\nvalues = { type = \"minmax\", bits = 2, group = 16, axis = \"token\" }\n",
-    )
-    .unwrap();
+    // The MiniKV preset with a residual of 16 tokens.
+    let preset = std::fs::read_to_string(root().join("configs/minikv.toml")).unwrap();
+    let body = preset.replace("\nresidual = 128\n", "\nresidual = 16\n");
+    assert_ne!(
+        body, preset,
+        "configs/minikv.toml: no residual line to shorten"
+    );
+    std::fs::write(&cfg, format!("backend = \"cuda-emulated\"\n{body}")).unwrap();
     let cfg = cfg.to_str().unwrap();
     let (_server, url) = serve(&["--config", cfg, "--kv-budget", "64MiB"]);
     let prompts = [
-        "The history of the printing press begins in",
-        "Rivers of Europe, from the longest to the shortest, are",
-        "Alice was beginning to get very tired of sitting by her sister on the bank",
+        "The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz combined movable metal type, oil-based ink and a wooden press adapted from wine making. Within fifty years presses were running in",
+        "Rivers of Europe, from the longest to the shortest, are listed below with their sources, their mouths and the countries they cross on the way to the sea. The first of them, the Volga, rises in the hills northwest of",
+        "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: once or twice she had peeped into the book her sister was reading, but it had no pictures or conversations in it, and",
     ];
     let (new, n) = (8, prompts.len());
     let answers: Vec<serde_json::Value> = std::thread::scope(|s| {
@@ -174,6 +177,8 @@ fn serve_batches_requests_on_the_cuda_emulation_like_generate_alone() {
         let g = &generate_json(cfg, p, new);
         assert_eq!(v["choices"][0]["text"], g["text"], "{p}");
         assert_eq!(v["usage"]["completion_tokens"], new, "{v}");
+        // Past the residual: the fused decode read 2-bit codes.
+        assert!(g["memory"]["quant_codes"].as_u64().unwrap() > 0, "{g}");
     }
     // One after another the requests take n prefill steps and n (new - 1)
     // decode steps; together fewer.
