@@ -353,7 +353,8 @@ PY
   # Many sequences at once: the server on the device answers three requests
   # sent together (the engine's sequences calling the backend from their
   # own threads), each as `generate` answers it alone. A residual of 16
-  # tokens, so that these short requests write and read 2-bit codes.
+  # tokens, so that requests of about 50 prompt tokens write and read 2-bit
+  # codes.
   limit=$(within 90 180)
   if [ "$limit" = 0 ]; then
     echo "== (minikv serve on cuda: skipped, too little is left of the budget of $BUDGET s)"
