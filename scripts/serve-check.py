@@ -10,9 +10,8 @@ text `generate` gives alone, the cache held quantized codes (CONFIG's
 residual must be shorter than a prompt's kept tokens and the new ones;
 `scripts/gpu-check.sh` gives MiniKV a residual of 16) and the engine
 decoded the requests together (fewer engine steps than one request after
-another). `scripts/gpu-check.sh`
-runs it with `backend = "cuda"` on the device; with
-`backend = "cuda-emulated"` it rehearses the same on the CPU
+another). `scripts/gpu-check.sh` runs it with `backend = "cuda"` on the
+device; with `backend = "cuda-emulated"` it rehearses the same on the CPU
 (`minikv-cli/tests/serve.rs` checks that in every test run).
 """
 import json
