@@ -74,18 +74,7 @@ fn serve_answers_like_generate_and_bench_serve_drives_it() {
         &url,
         serde_json::json!({"prompt": prompt, "max_tokens": 16, "temperature": 0}),
     );
-    let (ok, out, err) = minikv(&[
-        "generate",
-        "--json",
-        "--config",
-        "configs/kivi-2bit.toml",
-        "--prompt",
-        prompt,
-        "--max-tokens",
-        "16",
-    ]);
-    assert!(ok, "{err}");
-    let g: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let g = generate_json("configs/kivi-2bit.toml", prompt, 16);
     assert_eq!(v["choices"][0]["text"], g["text"]);
     assert!(v["usage"]["kv_bytes"].as_u64().unwrap() > 0);
     // The load generator against it: every request answered, every token counted.
