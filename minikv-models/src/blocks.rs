@@ -336,10 +336,14 @@ pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
             target_feature = "fma",
             target_feature = "f16c"
         ))]
-        // SAFETY: the features are enabled (cfg); a row holds `x.len() / 32`
-        // blocks and `xsum` one sum per block.
+        // SAFETY: the features are enabled (cfg), AVX-512F where detected; a
+        // row holds `x.len() / 32` blocks and `xsum` one sum per block.
         GgmlType::Q4_1 if src.len() >= x.len() / 32 * 20 && xsum.len() >= x.len() / 32 => unsafe {
-            crate::blocks_x86::dot_q4_1(src, x, xsum)
+            if crate::blocks_x86_512::available(ty) {
+                crate::blocks_x86_512::dot_q4_1(src, x, xsum)
+            } else {
+                crate::blocks_x86::dot_q4_1(src, x, xsum)
+            }
         },
         #[cfg(all(
             target_arch = "x86_64",
@@ -349,7 +353,11 @@ pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
         ))]
         // SAFETY: as above, `x.len() / 32` blocks of 34 bytes.
         GgmlType::Q8_0 if src.len() >= x.len() / 32 * 34 => unsafe {
-            crate::blocks_x86::dot_q8_0(src, x)
+            if crate::blocks_x86_512::available(ty) {
+                crate::blocks_x86_512::dot_q8_0(src, x)
+            } else {
+                crate::blocks_x86::dot_q8_0(src, x)
+            }
         },
         GgmlType::Q4_1 => dot_q4_1_portable(src, x, xsum),
         GgmlType::Q8_0 => dot_q8_0_portable(src, x),

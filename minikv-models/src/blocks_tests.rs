@@ -197,3 +197,87 @@ fn x86_dots_are_bitwise_equal_to_the_portable_loops() {
         }
     }
 }
+
+/// The 512-bit kernels, one input and grouped (every group size, inputs in
+/// any order), against the portable loops, bit for bit. On a CPU without
+/// AVX-512F there is nothing to compare (the kernels never run there).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+#[test]
+fn x86_512_dots_are_bitwise_equal_to_the_portable_loops() {
+    use crate::blocks_x86_512 as k;
+    use rand::{Rng, SeedableRng};
+    if !k::available(GgmlType::Q4_1) {
+        eprintln!("no AVX-512F on this CPU: the 512-bit kernels are not compared");
+        return;
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    for &nb in &[1usize, 2, 5, 18, 48] {
+        for n in [1usize, 2, 3, 7, 8, 15, 16, 17, 31] {
+            let cols = 32 * nb;
+            // Inputs of every magnitude's sign; rows taken out of order.
+            let x: Vec<f32> = (0..(n + 2) * cols)
+                .map(|_| rng.random_range(-3.0f32..3.0) * 2f32.powi(rng.random_range(-8..8)))
+                .collect();
+            let mut sel: Vec<usize> = (0..n + 2).collect();
+            sel.swap(0, n + 1);
+            sel.truncate(n);
+            sel.reverse();
+            let mut q41 = Vec::new();
+            let mut q80 = Vec::new();
+            for _ in 0..nb {
+                q41.extend(f16b(rng.random_range(-0.1..0.1)));
+                q41.extend(f16b(rng.random_range(-1.0..1.0)));
+                q41.extend((0..16).map(|_| rng.random::<u8>()));
+                q80.extend(f16b(rng.random_range(-0.1..0.1)));
+                q80.extend((0..32).map(|_| rng.random::<u8>()));
+            }
+            let row = |j: usize| &x[sel[j] * cols..(sel[j] + 1) * cols];
+            let mut sums = vec![0.0f32; nb * n];
+            let mut s = Vec::new();
+            for j in 0..n {
+                block_sums(row(j), &mut s);
+                for (b, &v) in s.iter().enumerate() {
+                    sums[b * n + j] = v;
+                }
+            }
+            for (ty, w) in [(GgmlType::Q4_1, &q41), (GgmlType::Q8_0, &q80)] {
+                let want: Vec<u32> = (0..n)
+                    .map(|j| {
+                        block_sums(row(j), &mut s);
+                        match ty {
+                            GgmlType::Q4_1 => dot_q4_1_portable(w, row(j), &s),
+                            _ => dot_q8_0_portable(w, row(j)),
+                        }
+                        .to_bits()
+                    })
+                    .collect();
+                let mut got = vec![f32::NAN.to_bits(); n];
+                let inp = k::Inputs {
+                    x: &x,
+                    sel: &sel,
+                    sums: &sums,
+                    nb,
+                };
+                // SAFETY: AVX-512F detected; nb blocks per row and input,
+                // nb * n sums.
+                unsafe { k::dots(ty, w, &inp, |j, v| got[j] = v.to_bits()) };
+                assert_eq!(got, want, "{ty:?} nb={nb} n={n}");
+                // One input alone, through `dot_row`'s kernels.
+                block_sums(row(0), &mut s);
+                // SAFETY: as above, one input.
+                let one = unsafe {
+                    match ty {
+                        GgmlType::Q4_1 => k::dot_q4_1(w, row(0), &s),
+                        _ => k::dot_q8_0(w, row(0)),
+                    }
+                };
+                assert_eq!(one.to_bits(), want[0], "{ty:?} nb={nb} alone");
+            }
+        }
+    }
+}

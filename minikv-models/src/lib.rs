@@ -32,6 +32,13 @@ pub mod blocks;
     target_feature = "f16c"
 ))]
 mod blocks_x86;
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+mod blocks_x86_512;
 pub mod chat;
 pub mod gemma3;
 mod generate;

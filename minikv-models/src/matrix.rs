@@ -215,6 +215,15 @@ impl QMatrix {
         if self.act == Activations::Q8 && matches!(self.dtype, GgmlType::Q4_1 | GgmlType::Q8_0) {
             return self.matvec_rows_q8(x, y, sel);
         }
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma",
+            target_feature = "f16c"
+        ))]
+        if crate::blocks_x86_512::available(self.dtype) {
+            return self.matvec_rows_512(x, y, sel);
+        }
         let nb = cols / 32;
         let mut sums = Vec::new();
         if crate::blocks::needs_block_sums(self.dtype) {
@@ -237,6 +246,56 @@ impl QMatrix {
                     unsafe { *yp.0.add(sel[j] * rows + r) = v }
                 };
                 dots(self.dtype, w, nb, cols, x, sel, &sums, per, out);
+            }
+        });
+    }
+
+    /// [`Self::matvec_rows`] on 512-bit registers (`Q4_1`, `Q8_0`; the CPU
+    /// has AVX-512F): groups of up to 16 inputs per unpacked weight block,
+    /// each result bitwise that of [`Self::matvec`] alone.
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    fn matvec_rows_512(&self, x: &[f32], y: &mut [f32], sel: &[usize]) {
+        use crate::blocks_x86_512::{Inputs, dots};
+        let (rows, cols, n) = (self.rows, self.cols, sel.len());
+        let nb = cols / 32;
+        // The block sums, block-major: `block_sums` per input (the single
+        // matvec's own sums), then block `b` of input `j` at `b * n + j`.
+        let mut sums = Vec::new();
+        if self.dtype == GgmlType::Q4_1 {
+            sums.resize(nb * n, 0.0);
+            let mut s = Vec::new();
+            for (j, &i) in sel.iter().enumerate() {
+                block_sums(&x[i * cols..(i + 1) * cols], &mut s);
+                for (b, &v) in s.iter().enumerate() {
+                    sums[b * n + j] = v;
+                }
+            }
+        }
+        let inp = Inputs {
+            x,
+            sel,
+            sums: &sums,
+            nb,
+        };
+        let c = self.chunk_rows();
+        let yp = SendPtr(y.as_mut_ptr());
+        let yp = &yp;
+        (0..rows.div_ceil(c)).into_par_iter().for_each(|t| {
+            for r in t * c..((t + 1) * c).min(rows) {
+                let out = |j: usize, v: f32| {
+                    // SAFETY: as in `matvec_rows`.
+                    unsafe { *yp.0.add(sel[j] * rows + r) = v }
+                };
+                // SAFETY: AVX-512F was detected for this type; the row holds
+                // `nb` blocks, each selected input `cols = 32 nb` values (the
+                // type's block is 32 and `new` checked the columns) and the
+                // sums `nb` per input.
+                unsafe { dots(self.dtype, self.row(r), &inp, out) };
             }
         });
     }
@@ -496,7 +555,7 @@ mod batch_tests {
                 let (rows, cols) = (37, 96);
                 let mut m = random_matrix(ty, rows, cols, 7);
                 m.set_activations(act);
-                for n in [2usize, 3, 4, 5, 9] {
+                for n in [2usize, 3, 4, 5, 9, 17, 23] {
                     let x: Vec<f32> = (0..n * cols)
                         .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + i as f32 * 1e-3))
                         .collect();

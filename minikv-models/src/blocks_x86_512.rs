@@ -1,0 +1,259 @@
+//! `Q4_1` and `Q8_0` row dot products on 512-bit registers, for CPUs with
+//! AVX-512F (detected at run time), against one input or a group of inputs.
+//!
+//! Each kernel performs the portable loops' arithmetic
+//! ([`crate::blocks::dot_row`]) lane for lane and in the same order, as the
+//! AVX2 kernels of `blocks_x86` do, so every logit is bitwise unchanged. The
+//! portable `Q4_1` loop keeps 16 lanes (one 512-bit register instead of two
+//! 256-bit ones) and the `Q8_0` loop 32 (two instead of four): per input and
+//! block the unpacked weights meet the input in half as many instructions.
+//! With 32 registers a group holds up to 16 inputs (`Q4_1`; 8 for `Q8_0`)
+//! against one unpacking of each weight block, and the minimums' term of
+//! `Q4_1` (`macc += m * s`, one scalar product and sum per input and block in
+//! the portable loop) runs for the whole group in one vector product and sum,
+//! lane `j` being input `j`: for that the inputs' block sums are laid out
+//! block by block (`sums[i * stride + j]`).
+//!
+//! Batched decode (`QMatrix::matvec_rows`) is bound by these multiply-adds
+//! once the weights are unpacked (docs/performance.md, "Depth 0: one
+//! sequence against a batch").
+
+use crate::blocks::GgmlType;
+use crate::blocks_x86::{PREFETCH, scale_pair};
+use std::arch::x86_64::*;
+
+/// True when the CPU has AVX-512F and `ty` has a kernel here.
+#[inline]
+pub(crate) fn available(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) && std::is_x86_feature_detected!("avx512f")
+}
+
+/// Sum of the lanes in index order (the portable `acc.iter().sum()`).
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn lanes_sum(acc: &[__m512]) -> f32 {
+    let mut lanes = [0.0f32; 32];
+    for (k, a) in acc.iter().enumerate() {
+        // SAFETY: at most 2 vectors, 32 lanes.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr().add(16 * k), *a) };
+    }
+    lanes[..16 * acc.len()].iter().sum::<f32>()
+}
+
+/// One `Q4_1` row (`nb` blocks of 20 bytes) dot `N` inputs: `out[j]` is
+/// bitwise the portable `dot_q4_1(src, xs[j], sums of xs[j])`.
+///
+/// # Safety
+/// AVX-512F, AVX2, FMA and F16C must be available; `src` holds `nb` blocks;
+/// each `xs[j]` holds `32 nb` values; `sums + i * stride + j` is input
+/// `j`'s sum of block `i` for every `i < nb`, `j < N` (`N <= 16`).
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_1_n<const N: usize>(
+    src: &[u8],
+    nb: usize,
+    xs: [*const f32; N],
+    sums: *const f32,
+    stride: usize,
+    out: &mut [f32; N],
+) {
+    const { assert!(N >= 1 && N <= 16) };
+    let lanes: __mmask16 = ((1u32 << N) - 1) as __mmask16;
+    // SAFETY: every pointer stays within block `i < nb` of `src`, of each
+    // input and of the sums, as the caller guarantees (the masked load reads
+    // lanes `j < N` only).
+    unsafe {
+        let mask = _mm_set1_epi8(15);
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut macc = _mm512_setzero_ps();
+        for i in 0..nb {
+            let b = src.as_ptr().add(20 * i);
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
+            let dm = scale_pair(b);
+            let d = _mm512_broadcastss_ps(dm);
+            let m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+            // Lane j of every input: m * s_j, then added (not fused), as the
+            // portable `macc += m * s`.
+            let s = _mm512_maskz_loadu_ps(lanes, sums.add(i * stride));
+            macc = _mm512_add_ps(macc, _mm512_mul_ps(m, s));
+            let qs = _mm_loadu_si128(b.add(4) as *const __m128i);
+            let f = |v: __m128i| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+            // Lane j = 0..16: weight j (low nibble, x[j]) and j + 16 (high, x[j + 16]).
+            let wl = f(_mm_and_si128(qs, mask));
+            let wh = f(_mm_and_si128(_mm_srli_epi16(qs, 4), mask));
+            for j in 0..N {
+                let xp = xs[j].add(32 * i);
+                let inner = _mm512_fmadd_ps(
+                    wl,
+                    _mm512_loadu_ps(xp),
+                    _mm512_mul_ps(wh, _mm512_loadu_ps(xp.add(16))),
+                );
+                acc[j] = _mm512_fmadd_ps(d, inner, acc[j]);
+            }
+        }
+        let mut m = [0.0f32; 16];
+        _mm512_storeu_ps(m.as_mut_ptr(), macc);
+        for j in 0..N {
+            out[j] = lanes_sum(&[acc[j]]) + m[j];
+        }
+    }
+}
+
+/// One `Q8_0` row (`nb` blocks of 34 bytes) dot `N` inputs: `out[j]` is
+/// bitwise the portable `dot_q8_0(src, xs[j])`.
+///
+/// # Safety
+/// AVX-512F, AVX2, FMA and F16C must be available; `src` holds `nb` blocks;
+/// each `xs[j]` holds `32 nb` values.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q8_0_n<const N: usize>(
+    src: &[u8],
+    nb: usize,
+    xs: [*const f32; N],
+    out: &mut [f32; N],
+) {
+    // SAFETY: every pointer stays within block `i < nb` of `src` and of each
+    // input (the fp16 scale is read as a 4-byte word: its 2 bytes and the
+    // first two codes, which the conversion ignores).
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        for i in 0..nb {
+            let b = src.as_ptr().add(34 * i);
+            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
+            let d = _mm512_broadcastss_ps(scale_pair(b));
+            let q: [__m512; 2] = std::array::from_fn(|k| {
+                let q8 = _mm_loadu_si128(b.add(2 + 16 * k) as *const __m128i);
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8))
+            });
+            for j in 0..N {
+                let xp = xs[j].add(32 * i);
+                for k in 0..2 {
+                    let qx = _mm512_mul_ps(q[k], _mm512_loadu_ps(xp.add(16 * k)));
+                    acc[j][k] = _mm512_fmadd_ps(d, qx, acc[j][k]);
+                }
+            }
+        }
+        for j in 0..N {
+            out[j] = lanes_sum(&acc[j]);
+        }
+    }
+}
+
+/// `Q4_1` row dot one input ([`dot_q4_1_n`] with `N = 1`).
+///
+/// # Safety
+/// As [`dot_q4_1_n`]: AVX-512F, AVX2, FMA, F16C; `src` holds `x.len() / 32`
+/// blocks and `xsum` as many sums.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_1(src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
+    let mut o = [0.0];
+    // SAFETY: as the caller guarantees; the sums of one input have stride 1.
+    unsafe { dot_q4_1_n::<1>(src, x.len() / 32, [x.as_ptr()], xsum.as_ptr(), 1, &mut o) };
+    o[0]
+}
+
+/// `Q8_0` row dot one input ([`dot_q8_0_n`] with `N = 1`).
+///
+/// # Safety
+/// As [`dot_q8_0_n`]: AVX-512F, AVX2, FMA, F16C; `src` holds `x.len() / 32` blocks.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q8_0(src: &[u8], x: &[f32]) -> f32 {
+    let mut o = [0.0];
+    // SAFETY: as the caller guarantees.
+    unsafe { dot_q8_0_n::<1>(src, x.len() / 32, [x.as_ptr()], &mut o) };
+    o[0]
+}
+
+/// The inputs of a grouped row dot: rows `sel` of `x` (`[.][32 nb]`), and
+/// for `Q4_1` their block sums laid out block by block
+/// (`sums[i * sel.len() + j]`: block `i` of input `j`).
+pub(crate) struct Inputs<'a> {
+    /// The inputs' matrix.
+    pub x: &'a [f32],
+    /// Its rows taken, in order.
+    pub sel: &'a [usize],
+    /// Block sums, block-major (empty for `Q8_0`).
+    pub sums: &'a [f32],
+    /// Blocks per input.
+    pub nb: usize,
+}
+
+impl Inputs<'_> {
+    /// Start of input `j`.
+    fn x(&self, j: usize) -> *const f32 {
+        self.x[self.sel[j] * 32 * self.nb..].as_ptr()
+    }
+}
+
+/// Row `w` dot every input, in groups of up to 16 (`Q4_1`: one accumulator
+/// register per input) or 8 (`Q8_0`: two); `out(j, value)` receives input `j`'s result, bitwise
+/// equal to [`crate::blocks::dot_row`] of that input alone.
+///
+/// # Safety
+/// [`available`] must have returned true for `ty` (`Q4_1` or `Q8_0`); `w`
+/// holds `nb` blocks; each selected row of `x` is whole; for `Q4_1`
+/// `sums.len() >= nb * sel.len()`.
+pub(crate) unsafe fn dots(
+    ty: GgmlType,
+    w: &[u8],
+    inp: &Inputs<'_>,
+    mut out: impl FnMut(usize, f32),
+) {
+    let n = inp.sel.len();
+    let mut j = 0;
+    while j < n {
+        let left = n - j;
+        // SAFETY: as the caller guarantees, for inputs j .. j + N.
+        j += unsafe {
+            match ty {
+                GgmlType::Q4_1 if left >= 16 => group_q4_1::<16>(w, inp, j, &mut out),
+                GgmlType::Q4_1 if left >= 8 => group_q4_1::<8>(w, inp, j, &mut out),
+                GgmlType::Q4_1 if left >= 4 => group_q4_1::<4>(w, inp, j, &mut out),
+                GgmlType::Q4_1 if left >= 2 => group_q4_1::<2>(w, inp, j, &mut out),
+                GgmlType::Q4_1 => group_q4_1::<1>(w, inp, j, &mut out),
+                _ if left >= 8 => group_q8_0::<8>(w, inp, j, &mut out),
+                _ if left >= 4 => group_q8_0::<4>(w, inp, j, &mut out),
+                _ if left >= 2 => group_q8_0::<2>(w, inp, j, &mut out),
+                _ => group_q8_0::<1>(w, inp, j, &mut out),
+            }
+        };
+    }
+}
+
+/// Inputs `j .. j + N` of a `Q4_1` row; returns `N`.
+///
+/// # Safety
+/// As [`dots`].
+unsafe fn group_q4_1<const N: usize>(
+    w: &[u8],
+    inp: &Inputs<'_>,
+    j: usize,
+    out: &mut impl FnMut(usize, f32),
+) -> usize {
+    let mut o = [0.0; N];
+    let xs = std::array::from_fn(|k| inp.x(j + k));
+    let n = inp.sel.len();
+    // SAFETY: as the caller guarantees; lanes j .. j + N of each block's sums.
+    unsafe { dot_q4_1_n::<N>(w, inp.nb, xs, inp.sums.as_ptr().add(j), n, &mut o) };
+    o.iter().enumerate().for_each(|(k, &v)| out(j + k, v));
+    N
+}
+
+/// Inputs `j .. j + N` of a `Q8_0` row; returns `N`.
+///
+/// # Safety
+/// As [`dots`].
+unsafe fn group_q8_0<const N: usize>(
+    w: &[u8],
+    inp: &Inputs<'_>,
+    j: usize,
+    out: &mut impl FnMut(usize, f32),
+) -> usize {
+    let mut o = [0.0; N];
+    let xs = std::array::from_fn(|k| inp.x(j + k));
+    // SAFETY: as the caller guarantees.
+    unsafe { dot_q8_0_n::<N>(w, inp.nb, xs, &mut o) };
+    o.iter().enumerate().for_each(|(k, &v)| out(j + k, v));
+    N
+}
