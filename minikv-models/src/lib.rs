@@ -47,6 +47,13 @@ pub mod llama;
 pub mod matrix;
 pub mod q8;
 pub use q8::Activations;
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+mod q8_x86_512;
 mod safetensors;
 mod sampling;
 mod tokenizer;

@@ -1,0 +1,86 @@
+//! Unit tests of `matrix.rs`: batched products against single ones.
+
+use super::*;
+
+fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u32) -> QMatrix {
+    // Any bytes with finite fp16 scales: write small random codes and
+    // scales through the dequantized-f32 round trip of each type's layout.
+    let mut s = seed;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 17;
+        s ^= s << 5;
+        s
+    };
+    let bs = ty.block_bytes();
+    let mut bytes = vec![0u8; rows * ty.row_bytes(cols)];
+    for blk in bytes.chunks_exact_mut(bs) {
+        for b in blk.iter_mut() {
+            *b = next() as u8;
+        }
+        // fp16 scales/minimums at the front (Q4_1: d, m; Q8_0: d): small
+        // finite values (exponent bits cleared of the top).
+        let n16 = match ty {
+            GgmlType::Q4_1 => 2,
+            _ => 1,
+        };
+        for k in 0..n16 {
+            let v = half::f16::from_f32(((next() % 2000) as f32 - 1000.0) * 1e-5);
+            blk[2 * k..2 * k + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    QMatrix::new("t", ty, rows, cols, crate::gguf::Blob::owned(bytes)).unwrap()
+}
+
+#[test]
+fn batched_rows_are_bitwise_equal_to_single_matvecs() {
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        for act in [Activations::F32, Activations::Q8] {
+            let (rows, cols) = (37, 96);
+            let mut m = random_matrix(ty, rows, cols, 7);
+            m.set_activations(act);
+            for n in [2usize, 3, 4, 5, 9, 17, 23] {
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + i as f32 * 1e-3))
+                    .collect();
+                let sel: Vec<usize> = (0..n).rev().collect();
+                let mut y = vec![f32::NAN; n * rows];
+                m.matvec_rows(&x, &mut y, &sel);
+                for i in 0..n {
+                    let mut one = vec![0.0; rows];
+                    m.matvec(&x[i * cols..(i + 1) * cols], &mut one);
+                    let got = &y[i * rows..(i + 1) * rows];
+                    assert!(
+                        one.iter().zip(got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{ty:?} {act:?} n={n} input {i}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn segments_match_separate_products() {
+    let (rows, cols) = (40, 64);
+    let m = random_matrix(GgmlType::Q4_1, rows, cols, 3);
+    let lens = [1usize, 5, 2, 1, 3];
+    let total: usize = lens.iter().sum();
+    let x: Vec<f32> = (0..total * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    let mut segs = Segments::default();
+    segs.set(lens);
+    assert_eq!(segs.rows(), total);
+    let mut y = vec![f32::NAN; total * rows];
+    m.matmul_segments(&x, &segs, &mut y);
+    let mut a = 0;
+    for n in lens {
+        let mut one = vec![0.0; n * rows];
+        m.matmul(&x[a * cols..(a + n) * cols], n, &mut one);
+        assert!(
+            one.iter()
+                .zip(&y[a * rows..(a + n) * rows])
+                .all(|(p, q)| p.to_bits() == q.to_bits())
+        );
+        a += n;
+    }
+}

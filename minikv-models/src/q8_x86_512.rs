@@ -1,0 +1,214 @@
+//! Batched 8-bit-activation row dots ([`crate::q8`]) on 512-bit registers
+//! with AVX-512 VNNI: two inputs per register, one `vpdpbusd` per pair and
+//! block.
+//!
+//! The portable loop keeps 8 lanes per input; lane `l` of block `b` adds
+//! `d_w d_x * sum(w[4l..4l+4] * x[4l..4l+4])` (an exact integer sum of four
+//! products) to its accumulator. Here a pair of inputs shares one register:
+//! their codes are interleaved four bytes at a time (lane `2l` is the first
+//! input's lane `l`, lane `2l + 1` the second's) and the weight block is
+//! duplicated the same way, so one `vpdpbusd` forms both inputs' eight
+//! integer sums, exactly as `vpmaddubsw` + `vpmaddwd` do on AVX2 (no
+//! saturation: `|w| <= 128`, `|x| <= 127`), one conversion and one fused
+//! multiply-add scale and add them, and the scales `d_w d_x` of both inputs
+//! come from one broadcast pair. `Q4_1`'s minimum terms (`m_w s_x`) run for
+//! up to 16 inputs in one vector product and sum. Every result is bitwise
+//! that of the portable loop (`tests` in `q8.rs`).
+//!
+//! The inputs are laid out once per matrix-vector product ([`Pairs`]), not
+//! per row.
+
+use crate::blocks_x86::{PREFETCH, scale_pair};
+use crate::q8::Q8Vec;
+use std::arch::x86_64::*;
+
+/// True when the CPU has what these kernels use: AVX-512F/BW/DQ and VNNI.
+#[inline]
+pub(crate) fn available() -> bool {
+    std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("avx512dq")
+        && std::is_x86_feature_detected!("avx512vnni")
+}
+
+/// Quantized inputs laid out for the pair kernels; reused across calls.
+#[derive(Debug, Default)]
+pub(crate) struct Pairs {
+    /// Pair `p`, block `b`: 64 bytes at `(p nb + b) 64`, the two inputs'
+    /// codes interleaved four bytes at a time.
+    codes: Vec<i8>,
+    /// Pair `p`, block `b`: the two inputs' scales at `(p nb + b) 2`.
+    d: Vec<f32>,
+    /// Block `b`, input `j`: `d * sum(q)` at `b n2 + j` (`n2` = inputs
+    /// rounded up to even).
+    s: Vec<f32>,
+    /// Blocks per input.
+    nb: usize,
+    /// Inputs.
+    n: usize,
+}
+
+impl Pairs {
+    /// Lays out `a` (every input `nb` blocks); an odd last input is paired
+    /// with zeros (its result is dropped).
+    pub(crate) fn set(&mut self, a: &[Q8Vec]) {
+        let n = a.len();
+        let nb = a.first().map_or(0, |v| v.d.len());
+        let (np, n2) = (n.div_ceil(2), n.div_ceil(2) * 2);
+        self.codes.clear();
+        self.codes.resize(np * nb * 64, 0);
+        self.d.clear();
+        self.d.resize(np * nb * 2, 0.0);
+        self.s.clear();
+        self.s.resize(nb * n2, 0.0);
+        for (j, v) in a.iter().enumerate() {
+            let (p, e) = (j / 2, j % 2);
+            for b in 0..nb {
+                let dst = &mut self.codes[(p * nb + b) * 64..][..64];
+                for (l, q) in v.q[32 * b..32 * b + 32].chunks_exact(4).enumerate() {
+                    dst[8 * l + 4 * e..8 * l + 4 * e + 4].copy_from_slice(q);
+                }
+                self.d[(p * nb + b) * 2 + e] = v.d[b];
+                self.s[b * n2 + j] = v.s[b];
+            }
+        }
+        (self.nb, self.n) = (nb, n);
+    }
+
+    /// Inputs laid out.
+    pub(crate) fn len(&self) -> usize {
+        self.n
+    }
+}
+
+/// Lane `2l` and `2l + 1` of the result: 32-bit word `l` of `w`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn duplicate_words(w: __m256i) -> __m512i {
+    let idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    _mm512_permutexvar_epi32(idx, _mm512_castsi256_si512(w))
+}
+
+/// Per pair, the two inputs' lane sums in index order (even lanes, then odd).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn pair_sums(acc: __m512) -> [f32; 2] {
+    let mut l = [0.0f32; 16];
+    // SAFETY: 16 lanes into 16 floats.
+    unsafe { _mm512_storeu_ps(l.as_mut_ptr(), acc) };
+    let even = (0..8).map(|k| l[2 * k]).sum::<f32>();
+    let odd = (0..8).map(|k| l[2 * k + 1]).sum::<f32>();
+    [even, odd]
+}
+
+/// One row (`Q4_1` when `Q4`, else `Q8_0`) dot inputs `2 p0 .. 2 (p0 + P)`
+/// of `x`: `out[j]` bitwise equal to the portable loop's result.
+///
+/// # Safety
+/// [`available`] returned true; `src` holds `x.nb` blocks of the type;
+/// pairs `p0 .. p0 + P` exist in `x`.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_pairs<const Q4: bool, const P: usize>(
+    src: &[u8],
+    x: &Pairs,
+    p0: usize,
+    out: &mut [f32],
+) {
+    const { assert!(P >= 1 && P <= 8) };
+    let nb = x.nb;
+    let n2 = x.n.div_ceil(2) * 2;
+    let lanes: __mmask16 = ((1u32 << (2 * P)) - 1) as __mmask16;
+    let bb = if Q4 { 20 } else { 34 };
+    // SAFETY: every pointer stays within block `b < nb` of `src` and of
+    // pairs `p0 .. p0 + P` (the masked load reads those pairs' sums only).
+    unsafe {
+        let mask = _mm_set1_epi8(15);
+        let zero = _mm512_setzero_si512();
+        let mut acc = [_mm512_setzero_ps(); P];
+        let mut macc = _mm512_setzero_ps();
+        for b in 0..nb {
+            let blk = src.as_ptr().add(bb * b);
+            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
+            let dm = scale_pair(blk);
+            let dw = _mm512_broadcastss_ps(dm);
+            // The weights as unsigned bytes (the sign moves to the inputs).
+            let (w2, neg) = if Q4 {
+                let qs = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                let lo = _mm_and_si128(qs, mask);
+                let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+                let m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+                let s = _mm512_maskz_loadu_ps(lanes, x.s.as_ptr().add(b * n2 + 2 * p0));
+                macc = _mm512_add_ps(macc, _mm512_mul_ps(m, s));
+                (duplicate_words(_mm256_set_m128i(hi, lo)), 0)
+            } else {
+                let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                let neg = _mm512_movepi8_mask(duplicate_words(w));
+                (duplicate_words(_mm256_abs_epi8(w)), neg)
+            };
+            for (p, acc) in acc.iter_mut().enumerate() {
+                let k = (p0 + p) * nb + b;
+                let mut xq = _mm512_loadu_si512(x.codes.as_ptr().add(64 * k) as *const _);
+                if !Q4 {
+                    xq = _mm512_mask_sub_epi8(xq, neg, zero, xq);
+                }
+                let isum = _mm512_dpbusd_epi32(zero, w2, xq);
+                let dx = _mm_castsi128_ps(_mm_loadl_epi64(x.d.as_ptr().add(2 * k) as *const _));
+                let dd = _mm512_mul_ps(dw, _mm512_broadcast_f32x2(dx));
+                *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(isum), *acc);
+            }
+        }
+        let mut m = [0.0f32; 16];
+        _mm512_storeu_ps(m.as_mut_ptr(), macc);
+        for (p, &a) in acc.iter().enumerate() {
+            for (e, v) in pair_sums(a).into_iter().enumerate() {
+                let j = 2 * p + e;
+                if 2 * p0 + j < x.n {
+                    out[2 * p0 + j] = if Q4 { v + m[j] } else { v };
+                }
+            }
+        }
+    }
+}
+
+/// Row `src` (`Q4_1` when `q4`, else `Q8_0`) dot every input of `x`, into
+/// `out` (`x.len()` values), in groups of up to 8 pairs; bitwise equal to
+/// [`crate::q8::dot_q4_1`] / [`crate::q8::dot_q8_0`] per input.
+///
+/// # Safety
+/// [`available`] returned true; `src` holds the inputs' block count of the
+/// type; `out` holds `x.len()` values.
+pub(crate) unsafe fn dot_many(src: &[u8], q4: bool, x: &Pairs, out: &mut [f32]) {
+    let np = x.n.div_ceil(2);
+    let mut p = 0;
+    while p < np {
+        let left = np - p;
+        // SAFETY: as the caller guarantees, for pairs p .. p + P.
+        p += unsafe {
+            match (q4, left) {
+                (true, 8..) => group::<true, 8>(src, x, p, out),
+                (true, 4..) => group::<true, 4>(src, x, p, out),
+                (true, 2..) => group::<true, 2>(src, x, p, out),
+                (true, _) => group::<true, 1>(src, x, p, out),
+                (false, 8..) => group::<false, 8>(src, x, p, out),
+                (false, 4..) => group::<false, 4>(src, x, p, out),
+                (false, 2..) => group::<false, 2>(src, x, p, out),
+                (false, _) => group::<false, 1>(src, x, p, out),
+            }
+        };
+    }
+}
+
+/// Pairs `p .. p + P` of a row; returns `P`.
+///
+/// # Safety
+/// As [`dot_many`].
+unsafe fn group<const Q4: bool, const P: usize>(
+    src: &[u8],
+    x: &Pairs,
+    p: usize,
+    out: &mut [f32],
+) -> usize {
+    // SAFETY: as the caller guarantees.
+    unsafe { dot_pairs::<Q4, P>(src, x, p, out) };
+    P
+}
