@@ -26,6 +26,15 @@ thread_local! {
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// The 8-bit input of a [`Activations::Q8`] matvec (reused: no allocation per call).
     static Q8_INPUT: RefCell<Q8Vec> = RefCell::new(Q8Vec::default());
+    /// The 8-bit inputs of a batched [`Activations::Q8`] product, laid out
+    /// for the AVX-512 VNNI kernels (reused).
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    static PAIRS: RefCell<crate::q8_x86_512::Pairs> = RefCell::new(Default::default());
 }
 
 /// Output rows dequantized per prefill tile.
@@ -300,10 +309,59 @@ impl QMatrix {
         });
     }
 
+    /// [`Self::matvec_rows_q8`] with AVX-512 VNNI: the inputs quantized and
+    /// laid out in pairs once (into `pairs`, reused), then every row against
+    /// them two at a time; bitwise equal to [`Self::matvec`] per input.
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    fn matvec_rows_pairs(
+        &self,
+        x: &[f32],
+        y: &mut [f32],
+        sel: &[usize],
+        pairs: &mut crate::q8_x86_512::Pairs,
+    ) {
+        let (rows, q4) = (self.rows, self.dtype == GgmlType::Q4_1);
+        pairs.set(x, self.cols, sel);
+        let pairs = &*pairs;
+        let c = self.chunk_rows();
+        let yp = SendPtr(y.as_mut_ptr());
+        let yp = &yp;
+        (0..rows.div_ceil(c)).into_par_iter().for_each(|t| {
+            for r in t * c..((t + 1) * c).min(rows) {
+                let out = |j: usize, v: f32| {
+                    // SAFETY: as in `matvec_rows`.
+                    unsafe { *yp.0.add(sel[j] * rows + r) = v }
+                };
+                // SAFETY: the features were detected; every row holds
+                // `cols / 32` blocks, as many as each input (`new` checked
+                // the columns).
+                unsafe { crate::q8_x86_512::dot_many(self.row(r), q4, pairs, out) };
+            }
+        });
+    }
+
     /// [`Self::matvec_rows`] with each input rounded to 8 bits per block of 32
     /// (as [`Self::matvec`] does under [`Activations::Q8`]).
     fn matvec_rows_q8(&self, x: &[f32], y: &mut [f32], sel: &[usize]) {
         let (rows, cols) = (self.rows, self.cols);
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma",
+            target_feature = "f16c"
+        ))]
+        if crate::q8_x86_512::available() {
+            // A nested call on this thread (rayon work-stealing) gets its own buffer.
+            return PAIRS.with(|cell| match cell.try_borrow_mut() {
+                Ok(mut p) => self.matvec_rows_pairs(x, y, sel, &mut p),
+                Err(_) => self.matvec_rows_pairs(x, y, sel, &mut Default::default()),
+            });
+        }
         let qs: Vec<Q8Vec> = sel
             .iter()
             .map(|&i| {
@@ -316,31 +374,6 @@ impl QMatrix {
         let c = self.chunk_rows();
         let yp = SendPtr(y.as_mut_ptr());
         let yp = &yp;
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma",
-            target_feature = "f16c"
-        ))]
-        if crate::q8_x86_512::available() {
-            let mut pairs = crate::q8_x86_512::Pairs::default();
-            pairs.set(&qs);
-            let pairs = &pairs;
-            (0..rows.div_ceil(c)).into_par_iter().for_each(|t| {
-                let mut o = vec![0.0f32; pairs.len()];
-                for r in t * c..((t + 1) * c).min(rows) {
-                    // SAFETY: the features were detected; every row holds
-                    // `cols / 32` blocks, as many as each input (`new`
-                    // checked the columns); `o` holds one value per input.
-                    unsafe { crate::q8_x86_512::dot_many(self.row(r), q4, pairs, &mut o) };
-                    for (j, &v) in o.iter().enumerate() {
-                        // SAFETY: as in `matvec_rows`.
-                        unsafe { *yp.0.add(sel[j] * rows + r) = v };
-                    }
-                }
-            });
-            return;
-        }
         let refs: Vec<&Q8Vec> = qs.iter().collect();
         (0..rows.div_ceil(c)).into_par_iter().for_each(|t| {
             let mut o = vec![0.0f32; refs.len()];

@@ -42,6 +42,8 @@ pub(crate) struct Pairs {
     /// Block `b`, input `j`: `d * sum(q)` at `b n2 + j` (`n2` = inputs
     /// rounded up to even).
     s: Vec<f32>,
+    /// One input quantized ([`Q8Vec::quantize`]), before it is laid out.
+    one: Q8Vec,
     /// Blocks per input.
     nb: usize,
     /// Inputs.
@@ -49,11 +51,11 @@ pub(crate) struct Pairs {
 }
 
 impl Pairs {
-    /// Lays out `a` (every input `nb` blocks); an odd last input is paired
-    /// with zeros (its result is dropped).
-    pub(crate) fn set(&mut self, a: &[Q8Vec]) {
-        let n = a.len();
-        let nb = a.first().map_or(0, |v| v.d.len());
+    /// Quantizes rows `sel` of `x` (`[.][cols]`, `cols` a multiple of 32)
+    /// as [`Q8Vec::quantize`] does and lays them out; an odd last input is
+    /// paired with zeros (its result is never handed out).
+    pub(crate) fn set(&mut self, x: &[f32], cols: usize, sel: &[usize]) {
+        let (n, nb) = (sel.len(), cols / 32);
         let (np, n2) = (n.div_ceil(2), n.div_ceil(2) * 2);
         self.codes.clear();
         self.codes.resize(np * nb * 64, 0);
@@ -61,8 +63,10 @@ impl Pairs {
         self.d.resize(np * nb * 2, 0.0);
         self.s.clear();
         self.s.resize(nb * n2, 0.0);
-        for (j, v) in a.iter().enumerate() {
+        for (j, &i) in sel.iter().enumerate() {
+            self.one.quantize(&x[i * cols..(i + 1) * cols]);
             let (p, e) = (j / 2, j % 2);
+            let v = &self.one;
             for b in 0..nb {
                 let dst = &mut self.codes[(p * nb + b) * 64..][..64];
                 for (l, q) in v.q[32 * b..32 * b + 32].chunks_exact(4).enumerate() {
@@ -73,11 +77,6 @@ impl Pairs {
             }
         }
         (self.nb, self.n) = (nb, n);
-    }
-
-    /// Inputs laid out.
-    pub(crate) fn len(&self) -> usize {
-        self.n
     }
 }
 
@@ -102,7 +101,8 @@ fn pair_sums(acc: __m512) -> [f32; 2] {
 }
 
 /// One row (`Q4_1` when `Q4`, else `Q8_0`) dot inputs `2 p0 .. 2 (p0 + P)`
-/// of `x`: `out[j]` bitwise equal to the portable loop's result.
+/// of `x`: `out(j, value)` gets input `j`'s result, bitwise the portable
+/// loop's.
 ///
 /// # Safety
 /// [`available`] returned true; `src` holds `x.nb` blocks of the type;
@@ -112,7 +112,7 @@ unsafe fn dot_pairs<const Q4: bool, const P: usize>(
     src: &[u8],
     x: &Pairs,
     p0: usize,
-    out: &mut [f32],
+    out: &mut impl FnMut(usize, f32),
 ) {
     const { assert!(P >= 1 && P <= 8) };
     let nb = x.nb;
@@ -163,21 +163,21 @@ unsafe fn dot_pairs<const Q4: bool, const P: usize>(
             for (e, v) in pair_sums(a).into_iter().enumerate() {
                 let j = 2 * p + e;
                 if 2 * p0 + j < x.n {
-                    out[2 * p0 + j] = if Q4 { v + m[j] } else { v };
+                    out(2 * p0 + j, if Q4 { v + m[j] } else { v });
                 }
             }
         }
     }
 }
 
-/// Row `src` (`Q4_1` when `q4`, else `Q8_0`) dot every input of `x`, into
-/// `out` (`x.len()` values), in groups of up to 8 pairs; bitwise equal to
-/// [`crate::q8::dot_q4_1`] / [`crate::q8::dot_q8_0`] per input.
+/// Row `src` (`Q4_1` when `q4`, else `Q8_0`) dot every input of `x`, in
+/// groups of up to 8 pairs; `out(j, value)` gets input `j`'s result, bitwise
+/// equal to [`crate::q8::dot_q4_1`] / [`crate::q8::dot_q8_0`] of it alone.
 ///
 /// # Safety
 /// [`available`] returned true; `src` holds the inputs' block count of the
-/// type; `out` holds `x.len()` values.
-pub(crate) unsafe fn dot_many(src: &[u8], q4: bool, x: &Pairs, out: &mut [f32]) {
+/// type.
+pub(crate) unsafe fn dot_many(src: &[u8], q4: bool, x: &Pairs, mut out: impl FnMut(usize, f32)) {
     let np = x.n.div_ceil(2);
     let mut p = 0;
     while p < np {
@@ -185,14 +185,14 @@ pub(crate) unsafe fn dot_many(src: &[u8], q4: bool, x: &Pairs, out: &mut [f32]) 
         // SAFETY: as the caller guarantees, for pairs p .. p + P.
         p += unsafe {
             match (q4, left) {
-                (true, 8..) => group::<true, 8>(src, x, p, out),
-                (true, 4..) => group::<true, 4>(src, x, p, out),
-                (true, 2..) => group::<true, 2>(src, x, p, out),
-                (true, _) => group::<true, 1>(src, x, p, out),
-                (false, 8..) => group::<false, 8>(src, x, p, out),
-                (false, 4..) => group::<false, 4>(src, x, p, out),
-                (false, 2..) => group::<false, 2>(src, x, p, out),
-                (false, _) => group::<false, 1>(src, x, p, out),
+                (true, 8..) => group::<true, 8>(src, x, p, &mut out),
+                (true, 4..) => group::<true, 4>(src, x, p, &mut out),
+                (true, 2..) => group::<true, 2>(src, x, p, &mut out),
+                (true, _) => group::<true, 1>(src, x, p, &mut out),
+                (false, 8..) => group::<false, 8>(src, x, p, &mut out),
+                (false, 4..) => group::<false, 4>(src, x, p, &mut out),
+                (false, 2..) => group::<false, 2>(src, x, p, &mut out),
+                (false, _) => group::<false, 1>(src, x, p, &mut out),
             }
         };
     }
@@ -206,7 +206,7 @@ unsafe fn group<const Q4: bool, const P: usize>(
     src: &[u8],
     x: &Pairs,
     p: usize,
-    out: &mut [f32],
+    out: &mut impl FnMut(usize, f32),
 ) -> usize {
     // SAFETY: as the caller guarantees.
     unsafe { dot_pairs::<Q4, P>(src, x, p, out) };
