@@ -303,6 +303,15 @@ pub(crate) fn dot_q8_0_portable(src: &[u8], x: &[f32]) -> f32 {
 /// (for `Q4_1` and `Q4_K`: their minimums multiply sums of 32 inputs).
 #[inline]
 pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    if let Some(v) = crate::blocks_x86::dot_row(ty, src, x, xsum) {
+        return v;
+    }
     match ty {
         GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => {
             let mut buf = [0.0f32; 64];
@@ -330,35 +339,6 @@ pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
             }
             acc.iter().sum()
         }
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma",
-            target_feature = "f16c"
-        ))]
-        // SAFETY: the features are enabled (cfg), AVX-512F where detected; a
-        // row holds `x.len() / 32` blocks and `xsum` one sum per block.
-        GgmlType::Q4_1 if src.len() >= x.len() / 32 * 20 && xsum.len() >= x.len() / 32 => unsafe {
-            if crate::blocks_x86_512::available(ty) {
-                crate::blocks_x86_512::dot_q4_1(src, x, xsum)
-            } else {
-                crate::blocks_x86::dot_q4_1(src, x, xsum)
-            }
-        },
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma",
-            target_feature = "f16c"
-        ))]
-        // SAFETY: as above, `x.len() / 32` blocks of 34 bytes.
-        GgmlType::Q8_0 if src.len() >= x.len() / 32 * 34 => unsafe {
-            if crate::blocks_x86_512::available(ty) {
-                crate::blocks_x86_512::dot_q8_0(src, x)
-            } else {
-                crate::blocks_x86::dot_q8_0(src, x)
-            }
-        },
         GgmlType::Q4_1 => dot_q4_1_portable(src, x, xsum),
         GgmlType::Q8_0 => dot_q8_0_portable(src, x),
         GgmlType::Q5_0 => {

@@ -11,6 +11,7 @@
 //! values are read as one 32-bit word into a fresh register (`vmovd`) and
 //! widened together (`vcvtph2ps`).
 
+use crate::blocks::GgmlType;
 use std::arch::x86_64::*;
 
 /// Software prefetch distance in bytes.
@@ -34,6 +35,32 @@ pub(crate) unsafe fn lanes_sum(acc: &[__m256]) -> f32 {
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * k), *a) };
     }
     lanes[..8 * acc.len()].iter().sum::<f32>()
+}
+
+/// [`crate::blocks::dot_row`] for `Q4_1` and `Q8_0` rows on the widest
+/// kernel the CPU has (512-bit where AVX-512F is detected, else these AVX2
+/// ones); `None` for other types (or a row or sums too short, which the
+/// portable loops handle as they do).
+#[inline]
+pub(crate) fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> Option<f32> {
+    use crate::blocks_x86_512 as wide;
+    let nb = x.len() / 32;
+    let w = wide::available(ty);
+    // SAFETY: AVX2/FMA/F16C are enabled (this module's cfg), AVX-512F where
+    // detected; the row holds `nb` blocks and `xsum` one sum per block.
+    unsafe {
+        match ty {
+            GgmlType::Q4_1 if src.len() >= nb * 20 && xsum.len() >= nb => Some(match w {
+                true => wide::dot_q4_1(src, x, xsum),
+                false => dot_q4_1(src, x, xsum),
+            }),
+            GgmlType::Q8_0 if src.len() >= nb * 34 => Some(match w {
+                true => wide::dot_q8_0(src, x),
+                false => dot_q8_0(src, x),
+            }),
+            _ => None,
+        }
+    }
 }
 
 /// `Q4_1` row (`x.len() / 32` blocks of 20 bytes) dot `x`, with `xsum` the

@@ -209,8 +209,13 @@ impl QMatrix {
     /// inputs (`Q4_1`, `Q8_0` with AVX2) or re-read from L1 (other types).
     pub fn matvec_rows(&self, x: &[f32], y: &mut [f32], sel: &[usize]) {
         let (rows, cols) = (self.rows, self.cols);
-        debug_assert!(sel.iter().all(|&i| (i + 1) * cols <= x.len()));
-        debug_assert!(sel.iter().all(|&i| (i + 1) * rows <= y.len()));
+        // The products below write through raw pointers: every input and
+        // output row must be whole.
+        assert!(
+            sel.iter()
+                .all(|&i| (i + 1) * cols <= x.len() && (i + 1) * rows <= y.len()),
+            "matvec_rows: a selected row is past the end of x or y"
+        );
         match sel {
             [] => return,
             &[i] => {
@@ -243,18 +248,34 @@ impl QMatrix {
             }
         }
         let per = sums.len() / sel.len();
+        self.rows_into(y, sel, |w, out| {
+            dots(self.dtype, w, nb, cols, x, sel, &sums, per, out)
+        });
+    }
+
+    /// Runs `f(row r's bytes, out)` for every weight row `r`, rows split
+    /// between rayon tasks, where `out(j, v)` stores `v` as output `r` of
+    /// input `sel[j]` (`y[sel[j] * rows + r]`). The caller has checked that
+    /// every `sel[j]` indexes a whole row of `y`.
+    fn rows_into(
+        &self,
+        y: &mut [f32],
+        sel: &[usize],
+        f: impl Fn(&[u8], &mut dyn FnMut(usize, f32)) + Sync,
+    ) {
+        let rows = self.rows;
         let c = self.chunk_rows();
         let yp = SendPtr(y.as_mut_ptr());
         let yp = &yp;
         (0..rows.div_ceil(c)).into_par_iter().for_each(|t| {
             for r in t * c..((t + 1) * c).min(rows) {
-                let w = self.row(r);
-                let out = |j: usize, v: f32| {
+                let mut out = |j: usize, v: f32| {
                     // SAFETY: output (sel[j], r) is written by this task only
-                    // (rows are split between tasks); in bounds (checked above).
+                    // (rows are split between tasks); in bounds (the caller
+                    // checked every selected row).
                     unsafe { *yp.0.add(sel[j] * rows + r) = v }
                 };
-                dots(self.dtype, w, nb, cols, x, sel, &sums, per, out);
+                f(self.row(r), &mut out);
             }
         });
     }
@@ -270,7 +291,7 @@ impl QMatrix {
     ))]
     fn matvec_rows_512(&self, x: &[f32], y: &mut [f32], sel: &[usize]) {
         use crate::blocks_x86_512::{Inputs, dots};
-        let (rows, cols, n) = (self.rows, self.cols, sel.len());
+        let (cols, n) = (self.cols, sel.len());
         let nb = cols / 32;
         // The block sums, block-major: `block_sums` per input (the single
         // matvec's own sums), then block `b` of input `j` at `b * n + j`.
@@ -291,22 +312,10 @@ impl QMatrix {
             sums: &sums,
             nb,
         };
-        let c = self.chunk_rows();
-        let yp = SendPtr(y.as_mut_ptr());
-        let yp = &yp;
-        (0..rows.div_ceil(c)).into_par_iter().for_each(|t| {
-            for r in t * c..((t + 1) * c).min(rows) {
-                let out = |j: usize, v: f32| {
-                    // SAFETY: as in `matvec_rows`.
-                    unsafe { *yp.0.add(sel[j] * rows + r) = v }
-                };
-                // SAFETY: AVX-512F was detected for this type; the row holds
-                // `nb` blocks, each selected input `cols = 32 nb` values (the
-                // type's block is 32 and `new` checked the columns) and the
-                // sums `nb` per input.
-                unsafe { dots(self.dtype, self.row(r), &inp, out) };
-            }
-        });
+        // SAFETY: AVX-512F was detected for this type; the row holds `nb`
+        // blocks, each selected input `cols = 32 nb` values (the type's block
+        // is 32 and `new` checked the columns) and the sums `nb` per input.
+        self.rows_into(y, sel, |w, out| unsafe { dots(self.dtype, w, &inp, out) });
     }
 
     /// [`Self::matvec_rows_q8`] with AVX-512 VNNI: the inputs quantized and
@@ -325,23 +334,13 @@ impl QMatrix {
         sel: &[usize],
         pairs: &mut crate::q8_x86_512::Pairs,
     ) {
-        let (rows, q4) = (self.rows, self.dtype == GgmlType::Q4_1);
+        let q4 = self.dtype == GgmlType::Q4_1;
         pairs.set(x, self.cols, sel);
         let pairs = &*pairs;
-        let c = self.chunk_rows();
-        let yp = SendPtr(y.as_mut_ptr());
-        let yp = &yp;
-        (0..rows.div_ceil(c)).into_par_iter().for_each(|t| {
-            for r in t * c..((t + 1) * c).min(rows) {
-                let out = |j: usize, v: f32| {
-                    // SAFETY: as in `matvec_rows`.
-                    unsafe { *yp.0.add(sel[j] * rows + r) = v }
-                };
-                // SAFETY: the features were detected; every row holds
-                // `cols / 32` blocks, as many as each input (`new` checked
-                // the columns).
-                unsafe { crate::q8_x86_512::dot_many(self.row(r), q4, pairs, out) };
-            }
+        // SAFETY: the features were detected; every row holds `cols / 32`
+        // blocks, as many as each input (`new` checked the columns).
+        self.rows_into(y, sel, |w, out| unsafe {
+            crate::q8_x86_512::dot_many(w, q4, pairs, out)
         });
     }
 
@@ -503,7 +502,7 @@ fn dots(
     sel: &[usize],
     sums: &[f32],
     per: usize,
-    out: impl Fn(usize, f32),
+    mut out: impl FnMut(usize, f32),
 ) {
     let xrow = |j: usize| &x[sel[j] * cols..(sel[j] + 1) * cols];
     let srow = |j: usize| &sums[j * per..(j + 1) * per];
