@@ -158,6 +158,28 @@ fn dot_equals_dequantized_dot() {
     }
 }
 
+/// A random `Q4_1` row and a random `Q8_0` row of `nb` blocks each (random
+/// scales, minimums and codes).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+fn random_rows(rng: &mut rand::rngs::StdRng, nb: usize) -> (Vec<u8>, Vec<u8>) {
+    use rand::Rng;
+    let mut q41 = Vec::new();
+    let mut q80 = Vec::new();
+    for _ in 0..nb {
+        q41.extend(f16b(rng.random_range(-0.1..0.1)));
+        q41.extend(f16b(rng.random_range(-1.0..1.0)));
+        q41.extend((0..16).map(|_| rng.random::<u8>()));
+        q80.extend(f16b(rng.random_range(-0.1..0.1)));
+        q80.extend((0..32).map(|_| rng.random::<u8>()));
+    }
+    (q41, q80)
+}
+
 /// The AVX2 `Q4_1` and `Q8_0` dots are bitwise equal to the portable loops
 /// on random rows (random scales, minimums, codes and inputs, including
 /// rows of one block and of SmolLM2's 18 and 48 blocks).
@@ -176,15 +198,7 @@ fn x86_dots_are_bitwise_equal_to_the_portable_loops() {
             let x: Vec<f32> = (0..32 * nb).map(|_| rng.random_range(-3.0..3.0)).collect();
             let mut xs = Vec::new();
             block_sums(&x, &mut xs);
-            let mut q41 = Vec::new();
-            let mut q80 = Vec::new();
-            for _ in 0..nb {
-                q41.extend(f16b(rng.random_range(-0.1..0.1)));
-                q41.extend(f16b(rng.random_range(-1.0..1.0)));
-                q41.extend((0..16).map(|_| rng.random::<u8>()));
-                q80.extend(f16b(rng.random_range(-0.1..0.1)));
-                q80.extend((0..32).map(|_| rng.random::<u8>()));
-            }
+            let (q41, q80) = random_rows(&mut rng, nb);
             // SAFETY: the features are enabled (cfg); nb blocks each.
             let (a, b) = unsafe {
                 (
@@ -227,15 +241,7 @@ fn x86_512_dots_are_bitwise_equal_to_the_portable_loops() {
             sel.swap(0, n + 1);
             sel.truncate(n);
             sel.reverse();
-            let mut q41 = Vec::new();
-            let mut q80 = Vec::new();
-            for _ in 0..nb {
-                q41.extend(f16b(rng.random_range(-0.1..0.1)));
-                q41.extend(f16b(rng.random_range(-1.0..1.0)));
-                q41.extend((0..16).map(|_| rng.random::<u8>()));
-                q80.extend(f16b(rng.random_range(-0.1..0.1)));
-                q80.extend((0..32).map(|_| rng.random::<u8>()));
-            }
+            let (q41, q80) = random_rows(&mut rng, nb);
             let row = |j: usize| &x[sel[j] * cols..(sel[j] + 1) * cols];
             let mut sums = vec![0.0f32; nb * n];
             let mut s = Vec::new();
