@@ -28,6 +28,21 @@ pub(crate) fn available(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) && std::is_x86_feature_detected!("avx512f")
 }
 
+/// 16 floats at `p` (unaligned). A load under an all-lanes mask rather
+/// than `_mm512_loadu_ps`: that one is a `read_unaligned`, which in a build
+/// with debug assertions (the tests' profile) keeps std's checks and goes
+/// through the stack as two 256-bit halves and one 512-bit reload, which
+/// store forwarding cannot serve.
+///
+/// # Safety
+/// AVX-512F; 64 readable bytes at `p`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn load(p: *const f32) -> __m512 {
+    // SAFETY: as the caller guarantees.
+    unsafe { _mm512_maskz_loadu_ps(0xFFFF, p) }
+}
+
 /// Sum of the lanes in index order (the portable `acc.iter().sum()`).
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
@@ -82,11 +97,7 @@ pub(crate) unsafe fn dot_q4_1_n<const N: usize>(
             let wh = f(_mm_and_si128(_mm_srli_epi16(qs, 4), mask));
             for j in 0..N {
                 let xp = xs[j].add(32 * i);
-                let inner = _mm512_fmadd_ps(
-                    wl,
-                    _mm512_loadu_ps(xp),
-                    _mm512_mul_ps(wh, _mm512_loadu_ps(xp.add(16))),
-                );
+                let inner = _mm512_fmadd_ps(wl, load(xp), _mm512_mul_ps(wh, load(xp.add(16))));
                 acc[j] = _mm512_fmadd_ps(d, inner, acc[j]);
             }
         }
@@ -127,7 +138,7 @@ pub(crate) unsafe fn dot_q8_0_n<const N: usize>(
             for j in 0..N {
                 let xp = xs[j].add(32 * i);
                 for k in 0..2 {
-                    let qx = _mm512_mul_ps(q[k], _mm512_loadu_ps(xp.add(16 * k)));
+                    let qx = _mm512_mul_ps(q[k], load(xp.add(16 * k)));
                     acc[j][k] = _mm512_fmadd_ps(d, qx, acc[j][k]);
                 }
             }
@@ -207,25 +218,22 @@ pub(crate) unsafe fn dots(
         // SAFETY: as the caller guarantees, for inputs j .. j + N.
         j += unsafe {
             match ty {
-                GgmlType::Q4_1 if left >= 16 => group_q4_1::<16>(w, inp, j, &mut out),
-                GgmlType::Q4_1 if left >= 8 => group_q4_1::<8>(w, inp, j, &mut out),
-                GgmlType::Q4_1 if left >= 4 => group_q4_1::<4>(w, inp, j, &mut out),
-                GgmlType::Q4_1 if left >= 2 => group_q4_1::<2>(w, inp, j, &mut out),
-                GgmlType::Q4_1 => group_q4_1::<1>(w, inp, j, &mut out),
-                _ if left >= 8 => group_q8_0::<8>(w, inp, j, &mut out),
-                _ if left >= 4 => group_q8_0::<4>(w, inp, j, &mut out),
-                _ if left >= 2 => group_q8_0::<2>(w, inp, j, &mut out),
-                _ => group_q8_0::<1>(w, inp, j, &mut out),
+                GgmlType::Q4_1 if left >= 16 => group::<16>(ty, w, inp, j, &mut out),
+                _ if left >= 8 => group::<8>(ty, w, inp, j, &mut out),
+                _ if left >= 4 => group::<4>(ty, w, inp, j, &mut out),
+                _ if left >= 2 => group::<2>(ty, w, inp, j, &mut out),
+                _ => group::<1>(ty, w, inp, j, &mut out),
             }
         };
     }
 }
 
-/// Inputs `j .. j + N` of a `Q4_1` row; returns `N`.
+/// Inputs `j .. j + N` of a row of type `ty`; returns `N`.
 ///
 /// # Safety
-/// As [`dots`].
-unsafe fn group_q4_1<const N: usize>(
+/// As [`dots`] (and `N <= 8` for `Q8_0`: two accumulators per input).
+unsafe fn group<const N: usize>(
+    ty: GgmlType,
     w: &[u8],
     inp: &Inputs<'_>,
     j: usize,
@@ -235,25 +243,12 @@ unsafe fn group_q4_1<const N: usize>(
     let xs = std::array::from_fn(|k| inp.x(j + k));
     let n = inp.sel.len();
     // SAFETY: as the caller guarantees; lanes j .. j + N of each block's sums.
-    unsafe { dot_q4_1_n::<N>(w, inp.nb, xs, inp.sums.as_ptr().add(j), n, &mut o) };
-    o.iter().enumerate().for_each(|(k, &v)| out(j + k, v));
-    N
-}
-
-/// Inputs `j .. j + N` of a `Q8_0` row; returns `N`.
-///
-/// # Safety
-/// As [`dots`].
-unsafe fn group_q8_0<const N: usize>(
-    w: &[u8],
-    inp: &Inputs<'_>,
-    j: usize,
-    out: &mut impl FnMut(usize, f32),
-) -> usize {
-    let mut o = [0.0; N];
-    let xs = std::array::from_fn(|k| inp.x(j + k));
-    // SAFETY: as the caller guarantees.
-    unsafe { dot_q8_0_n::<N>(w, inp.nb, xs, &mut o) };
+    unsafe {
+        match ty {
+            GgmlType::Q4_1 => dot_q4_1_n::<N>(w, inp.nb, xs, inp.sums.as_ptr().add(j), n, &mut o),
+            _ => dot_q8_0_n::<N>(w, inp.nb, xs, &mut o),
+        }
+    }
     o.iter().enumerate().for_each(|(k, &v)| out(j + k, v));
     N
 }

@@ -147,7 +147,8 @@ unsafe fn dot_pairs<const Q4: bool, const P: usize>(
             };
             for (p, acc) in acc.iter_mut().enumerate() {
                 let k = (p0 + p) * nb + b;
-                let mut xq = _mm512_loadu_si512(x.codes.as_ptr().add(64 * k) as *const _);
+                // A masked load, not `_mm512_loadu_si512` (see `blocks_x86_512::load`).
+                let mut xq = _mm512_maskz_loadu_epi8(!0, x.codes.as_ptr().add(64 * k));
                 if !Q4 {
                     xq = _mm512_mask_sub_epi8(xq, neg, zero, xq);
                 }
