@@ -61,8 +61,39 @@ fn prefetch_rows(rows: &[f16], at: usize, n: usize) {
 #[inline]
 unsafe fn load_row(rows: &[f16], at: usize) -> __m256 {
     debug_assert!(at + 8 <= rows.len());
-    // SAFETY: 8 halves at `at` are in bounds (callers' loop bounds).
-    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(rows.as_ptr().add(at) as *const __m128i)) }
+    // SAFETY: 8 halves (16 bytes) at `at` are in bounds (callers' loop
+    // bounds). Loaded under an all-lanes mask, as in `load8`.
+    unsafe {
+        let p = rows.as_ptr().add(at) as *const i32;
+        _mm256_cvtph_ps(_mm_maskload_epi32(p, _mm_set1_epi32(-1)))
+    }
+}
+
+/// 8 floats at `p`, loaded under an all-lanes mask rather than with
+/// `_mm256_loadu_ps`: that one is a `read_unaligned`, which with debug
+/// assertions (the tests' profile, where this crate is still optimized)
+/// keeps std's checks and sends each vector through the stack. In release
+/// builds the compiler turns the all-lanes masked load into the same plain
+/// `vmovups`.
+///
+/// # Safety
+/// AVX2; 32 readable bytes at `p`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load8(p: *const f32) -> __m256 {
+    // SAFETY: as the caller guarantees.
+    unsafe { _mm256_maskload_ps(p, _mm256_set1_epi32(-1)) }
+}
+
+/// Stores 8 floats at `p` under an all-lanes mask (see [`load8`]).
+///
+/// # Safety
+/// AVX2; 32 writable bytes at `p`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn store8(p: *mut f32, x: __m256) {
+    // SAFETY: as the caller guarantees.
+    unsafe { _mm256_maskstore_ps(p, _mm256_set1_epi32(-1), x) }
 }
 
 /// [`crate::simd::dot`]'s reduction of 4 accumulators at once:
@@ -96,7 +127,7 @@ unsafe fn scores_g<const G: usize>(
                 let x = unsafe { load_row(rows, (r + k) * d + c) };
                 for (j, a) in acc.iter_mut().enumerate() {
                     // SAFETY: j < G queries of d channels.
-                    let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(j * d + c)) };
+                    let qv = unsafe { load8(q.as_ptr().add(j * d + c)) };
                     a[k] = _mm256_fmadd_ps(qv, x, a[k]);
                 }
             }
@@ -116,7 +147,7 @@ unsafe fn scores_g<const G: usize>(
         while c < d {
             let x = unsafe { load_row(rows, r * d + c) };
             for (j, a) in acc.iter_mut().enumerate() {
-                let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(j * d + c)) };
+                let qv = unsafe { load8(q.as_ptr().add(j * d + c)) };
                 *a = _mm256_fmadd_ps(qv, x, *a);
             }
             c += 8;
@@ -207,7 +238,7 @@ unsafe fn accumulate_chunks<const G: usize, const NC: usize>(
         for (j, y) in y.iter_mut().enumerate() {
             for (u, y) in y.iter_mut().enumerate() {
                 // SAFETY: output row j < G, channels c + 8u + 8 <= d.
-                *y = unsafe { _mm256_loadu_ps(out.as_ptr().add(j * d + c + 8 * u)) };
+                *y = unsafe { load8(out.as_ptr().add(j * d + c + 8 * u)) };
             }
         }
         for r in r0..r1 {
@@ -230,7 +261,7 @@ unsafe fn accumulate_chunks<const G: usize, const NC: usize>(
         for (j, y) in y.iter().enumerate() {
             for (u, y) in y.iter().enumerate() {
                 // SAFETY: as the loads above.
-                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(j * d + c + 8 * u), *y) };
+                unsafe { store8(out.as_mut_ptr().add(j * d + c + 8 * u), *y) };
             }
         }
         r0 = r1;

@@ -225,8 +225,16 @@ mod exp512 {
         let zero = _mm512_setzero_ps();
         let (mut xv, mut keep, mut k) = ([zero; U], [0u16; U], [zero; U]);
         for u in 0..U {
-            // SAFETY: the vector lies within the caller's `16 U` floats.
-            xv[u] = _mm512_sub_ps(unsafe { _mm512_loadu_ps(ptr.add(16 * u)) }, c.vm);
+            // SAFETY: the vector lies within the caller's `16 U` floats. An
+            // all-lanes masked load and store, not `_mm512_loadu_ps` /
+            // `_mm512_storeu_ps`: with debug assertions (the tests' profile)
+            // std's checks in those send each vector through the stack in
+            // halves that store forwarding cannot serve; in release builds
+            // the two forms are the same instruction.
+            xv[u] = _mm512_sub_ps(
+                unsafe { _mm512_maskz_loadu_ps(0xFFFF, ptr.add(16 * u)) },
+                c.vm,
+            );
             keep[u] = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(xv[u], c.lo);
             let y = _mm512_mul_ps(xv[u], c.l2e);
             // half | (y & sign): 0.49999997 with y's sign.
@@ -249,7 +257,7 @@ mod exp512 {
         for u in 0..U {
             let e = _mm512_maskz_scalef_ps(keep[u], p[u], k[u]);
             // SAFETY: as the load.
-            unsafe { _mm512_storeu_ps(ptr.add(16 * u), e) };
+            unsafe { _mm512_mask_storeu_ps(ptr.add(16 * u), 0xFFFF, e) };
             *acc = _mm512_add_ps(*acc, e);
         }
     }

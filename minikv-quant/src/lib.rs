@@ -34,6 +34,8 @@ mod int8;
 #[cfg(target_arch = "x86_64")]
 mod prefetch;
 pub mod residual;
+#[cfg(target_arch = "x86_64")]
+mod simd512;
 mod store;
 #[cfg(all(
     target_arch = "x86_64",

@@ -43,7 +43,7 @@ unsafe fn key_vectors<const P: usize, const NG: usize, const B: usize, const V: 
         for v in 0..V {
             for j in 0..NG {
                 let x = bank_sum(&acc, (v, j), bias[v][j]);
-                _mm512_storeu_ps(out[j].add(16 * v), x);
+                store_ps(out[j].add(16 * v), x);
             }
         }
     }
@@ -103,7 +103,7 @@ unsafe fn key_vectors_pair<const NG: usize, const B: usize, const V: usize>(
                     x = _mm512_add_ps(x, lanes(st, odd));
                 }
                 x = _mm512_add_ps(x, _mm512_set1_ps(bias[v][j]));
-                _mm512_storeu_ps(out[j].add(16 * v), x);
+                store_ps(out[j].add(16 * v), x);
             }
         }
     }
@@ -171,8 +171,8 @@ impl MinMaxStore {
                     for k in (0..d).step_by(16) {
                         let sv = rs.ld16((first + s) * d + k);
                         for j in 0..NG {
-                            let x = _mm512_mul_ps(_mm512_loadu_ps(qp.add(j * d + k)), sv);
-                            _mm512_storeu_ps(qs.add((s * NG + j) * d + k), x);
+                            let x = _mm512_mul_ps(load_ps(qp.add(j * d + k)), sv);
+                            store_ps(qs.add((s * NG + j) * d + k), x);
                         }
                     }
                 }

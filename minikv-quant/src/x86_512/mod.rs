@@ -21,6 +21,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use crate::int8::{SyncPtr, give_back, take};
+use crate::simd512::{load_ps, load_si, store_ps};
 use crate::store::{Buf, MinMaxStore};
 use std::arch::x86_64::*;
 
@@ -53,12 +54,7 @@ fn shifts<const P: usize>(bits: u32) -> (__m512i, __m512) {
     let sh: [i32; 16] = std::array::from_fn(|l| (bits as usize * (l % P)) as i32);
     let lut: [f32; 16] = std::array::from_fn(|i| (i & ((1 << bits) - 1)) as f32);
     // SAFETY: AVX-512F is enabled at compile time; the arrays hold 16 lanes.
-    unsafe {
-        (
-            _mm512_loadu_si512(sh.as_ptr().cast()),
-            _mm512_loadu_ps(lut.as_ptr()),
-        )
-    }
+    unsafe { (load_si(sh.as_ptr().cast()), load_ps(lut.as_ptr())) }
 }
 
 /// 16 four-bit codes of two adjacent words `w` (a token's 16 channels of a
@@ -108,7 +104,7 @@ impl Raw {
         unsafe {
             match self {
                 Raw::H(p) => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(i).cast())),
-                Raw::S(p) => _mm512_loadu_ps(p.add(i)),
+                Raw::S(p) => load_ps(p.add(i)),
             }
         }
     }

@@ -79,7 +79,7 @@ unsafe fn value_flush<const P: usize, const NG: usize, const B: usize, const U: 
                     x = _mm512_permutexvar_ps(order, x);
                 }
                 let o = out[u].add(j * d);
-                _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), x));
+                store_ps(o, _mm512_add_ps(load_ps(o), x));
             }
         }
     }
@@ -187,8 +187,8 @@ impl MinMaxStore {
                         let aj = tile.add((u * NG + j) * TILE);
                         let mut k = 0;
                         while k + 16 <= m {
-                            let x = _mm512_mul_ps(_mm512_loadu_ps(pj.add(k)), rs[u].ld16(t0 + k));
-                            _mm512_storeu_ps(aj.add(k), x);
+                            let x = _mm512_mul_ps(load_ps(pj.add(k)), rs[u].ld16(t0 + k));
+                            store_ps(aj.add(k), x);
                             k += 16;
                         }
                         for k in k..m {

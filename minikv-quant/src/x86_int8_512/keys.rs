@@ -123,7 +123,7 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
             std::array::from_fn(|s| _mm512_set1_epi8((((1u32 << bits) - 1) << (bits * s)) as i8));
         // Token t's code position: t % 4 at 2 bits, t % 2 at 4.
         let unshift: [f32; 16] = std::array::from_fn(|t| 1.0 / (1u32 << (bits * (t % CPB))) as f32);
-        let unshift = _mm512_loadu_ps(unshift.as_ptr());
+        let unshift = load_ps(unshift.as_ptr());
         // sig 2^-(bits s) in one product: exact while it stays a normal
         // number (then sum 2^(bits s) times it rounds as sig times sum).
         let fold = sig
@@ -158,7 +158,7 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
                     let wp = words.add(blk * d) as *const __m512i;
                     let mut acc = [[_mm512_setzero_si512(); CPB]; NG];
                     for m in 0..nm {
-                        let x = _mm512_permutexvar_epi8(tr, _mm512_loadu_si512(wp.add(m)));
+                        let x = _mm512_permutexvar_epi8(tr, load_si(wp.add(m).cast()));
                         let qv: [__m512i; NG] =
                             std::array::from_fn(|j| _mm512_broadcast_i32x4(q8[j * nm + m]));
                         // Code position s stays in place (times 2^(bits s),
@@ -184,7 +184,7 @@ unsafe fn keys_k<const CPB: usize, const NG: usize, const H: bool, const NM: usi
                     for j in 0..NG {
                         let (f, o) = (v[j], out.add(j * stride + blk * per - origin));
                         if CPB == 4 {
-                            _mm512_storeu_ps(o, f);
+                            store_ps(o, f);
                             mx[j] = _mm512_max_ps(f, mx[j]);
                         } else {
                             _mm512_mask_storeu_ps(o, 0x00ff, f);
@@ -284,14 +284,14 @@ unsafe fn group_bias<const NG: usize, const H: bool>(
             for m in 0..nm {
                 let mv = ld::<H>(mn, (gc + k) * d + 16 * m, 0xffff);
                 for j in 0..NG {
-                    b[j][k] = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(j * d + 16 * m)), mv, b[j][k]);
+                    b[j][k] = _mm512_fmadd_ps(load_ps(q.add(j * d + 16 * m)), mv, b[j][k]);
                 }
             }
         }
         let mut bias = [[0.0f32; 4]; NG];
         for j in 0..NG {
             let mut t = [0.0f32; 16];
-            _mm512_storeu_ps(t.as_mut_ptr(), tree16x4(b[j]));
+            store_ps(t.as_mut_ptr(), tree16x4(b[j]));
             bias[j] = [t[0], t[4], t[8], t[12]];
         }
         bias
@@ -352,14 +352,13 @@ unsafe fn segment_query<const NG: usize, const H: bool>(
         for j in 0..NG {
             let mut mx = zero;
             for m in 0..nm {
-                let x = _mm512_abs_ps(_mm512_loadu_ps(q.add(j * d + 16 * m)));
+                let x = _mm512_abs_ps(load_ps(q.add(j * d + 16 * m)));
                 mx = _mm512_max_ps(mx, _mm512_mul_ps(x, smax[m]));
             }
             let (s, inv) = crate::int8::steps(_mm512_reduce_max_ps(mx), 127.0);
             sig[j] = s;
             for m in 0..nm {
-                qi[j * nm + m] =
-                    _mm512_mul_ps(_mm512_loadu_ps(q.add(j * d + 16 * m)), _mm512_set1_ps(inv));
+                qi[j * nm + m] = _mm512_mul_ps(load_ps(q.add(j * d + 16 * m)), _mm512_set1_ps(inv));
             }
         }
     }

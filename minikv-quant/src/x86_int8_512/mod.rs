@@ -32,6 +32,7 @@
 
 use crate::int8::TB;
 use crate::prefetch::{PREFETCH_TOKENS, lines as prefetch};
+use crate::simd512::{load_ps, load_si, store_ps};
 use crate::store::{Buf, MinMaxStore};
 use std::arch::x86_64::*;
 

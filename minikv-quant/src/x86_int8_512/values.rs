@@ -353,8 +353,7 @@ unsafe fn interleaved(
     // SAFETY: the caller's rows hold `valid` rows of `rb` bytes from `r0`.
     unsafe {
         if valid == 4 && rb == 32 {
-            let (lo, hi) = (r0 as *const __m512i, r0.add(64) as *const __m512i);
-            _mm512_permutex2var_epi8(_mm512_loadu_si512(lo), il2[h], _mm512_loadu_si512(hi))
+            _mm512_permutex2var_epi8(load_si(r0), il2[h], load_si(r0.add(64)))
         } else {
             _mm512_permutexvar_epi8(il, quad(r0.add(16 * h), rb, valid))
         }
@@ -369,7 +368,7 @@ unsafe fn quad(r0: *const u8, rb: usize, valid: usize) -> __m512i {
     // SAFETY: the caller's rows hold `valid` chunks from `r0`.
     unsafe {
         if valid == 4 && rb == 16 {
-            return _mm512_loadu_si512(r0 as *const __m512i);
+            return load_si(r0);
         }
         let mut z = _mm512_setzero_si512();
         for r in 0..valid {
@@ -490,7 +489,7 @@ unsafe fn flush<const CPB: usize>(acc: &[__m512i; CPB], tv: __m512, o: *mut f32)
                 _mm512_cvtepi32_ps(acc[s]),
                 _mm512_set1_ps(1.0 / (1u32 << e) as f32),
             );
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(tv, f, _mm512_loadu_ps(o)));
+            store_ps(o, _mm512_fmadd_ps(tv, f, load_ps(o)));
         }
     }
 }
