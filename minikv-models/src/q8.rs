@@ -70,20 +70,56 @@ impl Q8Vec {
         self.q.resize(nb * 32, 0);
         self.d.resize(nb, 0.0);
         self.s.resize(nb, 0.0);
-        for (b, xb) in x.chunks_exact(32).enumerate() {
-            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, v) in self.q[b * 32..(b + 1) * 32].iter_mut().zip(xb) {
-                let r = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
-                *q = r;
-                sum += r as i32;
-            }
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma",
+            target_feature = "f16c"
+        ))]
+        let fast = crate::q8_x86_512::available();
+        for (b, (xb, q)) in x
+            .chunks_exact(32)
+            .zip(self.q.chunks_exact_mut(32))
+            .enumerate()
+        {
+            #[cfg(all(
+                target_arch = "x86_64",
+                target_feature = "avx2",
+                target_feature = "fma",
+                target_feature = "f16c"
+            ))]
+            // SAFETY: the features were detected; 32 values and 32 codes.
+            let r = fast
+                .then(|| unsafe { crate::q8_x86_512::quantize_block(xb, q) })
+                .flatten();
+            #[cfg(not(all(
+                target_arch = "x86_64",
+                target_feature = "avx2",
+                target_feature = "fma",
+                target_feature = "f16c"
+            )))]
+            let r = None;
+            let (d, sum) = r.unwrap_or_else(|| quantize_block(xb, q));
             self.d[b] = d;
             self.s[b] = d * sum as f32;
         }
     }
+}
+
+/// One block of 32 values to codes `q`: returns the scale `d = max|x| / 127`
+/// and the codes' sum. Each code is `x / d` rounded to nearest, ties to
+/// even, within `[-127, 127]` (0 where `d` is 0).
+pub(crate) fn quantize_block(xb: &[f32], q: &mut [i8]) -> (f32, i32) {
+    let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut sum = 0i32;
+    for (q, v) in q.iter_mut().zip(xb) {
+        let r = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+        *q = r;
+        sum += r as i32;
+    }
+    (d, sum)
 }
 
 /// `Q4_1` row dot a quantized input: per block `d_w d_x sum(w_q x_q) + m_w s_x`,
@@ -440,6 +476,64 @@ mod tests {
                 (g80 as f64 - want80).abs() <= 1e-4 * (1.0 + want80.abs()),
                 "{g80} vs {want80}"
             );
+        }
+    }
+
+    /// The 512-bit block quantizer gives the portable loop's codes, scale
+    /// and sum, bit for bit: random blocks of several magnitudes, exact
+    /// ties (max 127, so `x / d = x`: 2.5 -> 2, -3.5 -> -4, 0.5 -> 0), a
+    /// zero block, and values one ulp past the clamp; it declines blocks
+    /// with an infinity or a NaN.
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    #[test]
+    fn x86_512_quantize_equals_portable_bitwise() {
+        if !crate::q8_x86_512::available() {
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let mut blocks: Vec<Vec<f32>> = (0..2000)
+            .map(|i| {
+                let scale = [1e-6f32, 0.01, 1.0, 300.0, 1e30][i % 5];
+                (0..32)
+                    .map(|_| rng.random_range(-1.0..1.0) * scale)
+                    .collect()
+            })
+            .collect();
+        let mut ties = vec![127.0f32, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5];
+        ties.resize(32, 4.5);
+        blocks.push(ties);
+        blocks.push(vec![0.0; 32]);
+        let mut near = vec![-127.0f32; 32];
+        near[3] = 127.0f32.next_up();
+        blocks.push(near);
+        for xb in &blocks {
+            let (mut q1, mut q2) = ([0i8; 32], [0i8; 32]);
+            let want = quantize_block(xb, &mut q1);
+            // SAFETY: the features were detected; 32 values and codes.
+            let got = unsafe { crate::q8_x86_512::quantize_block(xb, &mut q2) }.unwrap();
+            assert_eq!(
+                (got.0.to_bits(), got.1),
+                (want.0.to_bits(), want.1),
+                "{xb:?}"
+            );
+            assert_eq!(q1, q2, "{xb:?}");
+        }
+        let tie_codes = {
+            let mut q = [0i8; 32];
+            quantize_block(&blocks[2000], &mut q);
+            q
+        };
+        assert_eq!(tie_codes[..8], [127, 2, -4, 0, 0, 2, 126, -126]);
+        for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+            let mut xb = blocks[0].clone();
+            xb[17] = bad;
+            // SAFETY: as above.
+            assert!(unsafe { crate::q8_x86_512::quantize_block(&xb, &mut [0; 32]) }.is_none());
         }
     }
 

@@ -80,6 +80,48 @@ impl Pairs {
     }
 }
 
+/// [`crate::q8::quantize_block`] on 512-bit registers, bitwise equal: the
+/// maximum is exact in any order, and the product, the rounding (to
+/// nearest, ties to even), the clamp and the sum are those of the portable
+/// loop lane by lane. `None` (the caller runs the portable loop) when a value
+/// is not finite, whose handling is left to that loop alone.
+///
+/// # Safety
+/// [`available`] returned true; `xb` and `q` hold 32 values each.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn quantize_block(xb: &[f32], q: &mut [i8]) -> Option<(f32, i32)> {
+    assert!(xb.len() >= 32 && q.len() >= 32);
+    // SAFETY: 32 floats in `xb`, 32 bytes in `q` (asserted).
+    unsafe {
+        let lo = _mm512_maskz_loadu_ps(0xFFFF, xb.as_ptr());
+        let hi = _mm512_maskz_loadu_ps(0xFFFF, xb.as_ptr().add(16));
+        let (alo, ahi) = (_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+        let inf = _mm512_set1_ps(f32::INFINITY);
+        // Ordered comparisons: false for NaN and infinity.
+        let finite =
+            _mm512_cmp_ps_mask::<_CMP_LT_OQ>(alo, inf) & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(ahi, inf);
+        if finite != 0xFFFF {
+            return None;
+        }
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi));
+        let d = amax / 127.0;
+        let id = _mm512_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        let (lim, neg) = (_mm512_set1_ps(127.0), _mm512_set1_ps(-127.0));
+        let code = |v: __m512| {
+            const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            let r = _mm512_roundscale_ps::<NEAREST>(_mm512_mul_ps(v, id));
+            _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, neg), lim))
+        };
+        let (qlo, qhi) = (code(lo), code(hi));
+        _mm_storeu_si128(q.as_mut_ptr() as *mut __m128i, _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128(
+            q.as_mut_ptr().add(16) as *mut __m128i,
+            _mm512_cvtepi32_epi8(qhi),
+        );
+        Some((d, _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi))))
+    }
+}
+
 /// Lane `2l` and `2l + 1` of the result: 32-bit word `l` of `w`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")]
