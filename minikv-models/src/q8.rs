@@ -70,40 +70,39 @@ impl Q8Vec {
         self.q.resize(nb * 32, 0);
         self.d.resize(nb, 0.0);
         self.s.resize(nb, 0.0);
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma",
-            target_feature = "f16c"
-        ))]
-        let fast = crate::q8_x86_512::available();
+        let fast = fast_quantizer();
         for (b, (xb, q)) in x
             .chunks_exact(32)
             .zip(self.q.chunks_exact_mut(32))
             .enumerate()
         {
-            #[cfg(all(
-                target_arch = "x86_64",
-                target_feature = "avx2",
-                target_feature = "fma",
-                target_feature = "f16c"
-            ))]
-            // SAFETY: the features were detected; 32 values and 32 codes.
-            let r = fast
-                .then(|| unsafe { crate::q8_x86_512::quantize_block(xb, q) })
-                .flatten();
-            #[cfg(not(all(
-                target_arch = "x86_64",
-                target_feature = "avx2",
-                target_feature = "fma",
-                target_feature = "f16c"
-            )))]
-            let r = None;
-            let (d, sum) = r.unwrap_or_else(|| quantize_block(xb, q));
+            let (d, sum) = fast
+                .and_then(|f| f(xb, q))
+                .unwrap_or_else(|| quantize_block(xb, q));
             self.d[b] = d;
             self.s[b] = d * sum as f32;
         }
     }
+}
+
+/// This CPU's vectorized [`quantize_block`] (bitwise equal; `None` from it
+/// for a block it leaves to the portable loop), when it has one.
+type FastBlock = fn(&[f32], &mut [i8]) -> Option<(f32, i32)>;
+
+/// The [`FastBlock`] of this CPU, detected at run time.
+fn fast_quantizer() -> Option<FastBlock> {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    if crate::q8_x86_512::available() {
+        // SAFETY: the features were just detected; the kernel asserts that
+        // it has 32 values and 32 codes.
+        return Some(|xb, q| unsafe { crate::q8_x86_512::quantize_block(xb, q) });
+    }
+    None
 }
 
 /// One block of 32 values to codes `q`: returns the scale `d = max|x| / 127`
