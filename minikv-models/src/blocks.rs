@@ -408,4 +408,4 @@ pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
 
 #[cfg(test)]
 #[path = "blocks_tests.rs"]
-mod tests;
+pub(crate) mod tests;

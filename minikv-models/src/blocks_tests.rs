@@ -166,7 +166,7 @@ fn dot_equals_dequantized_dot() {
     target_feature = "fma",
     target_feature = "f16c"
 ))]
-fn random_rows(rng: &mut rand::rngs::StdRng, nb: usize) -> (Vec<u8>, Vec<u8>) {
+pub(crate) fn random_rows(rng: &mut rand::rngs::StdRng, nb: usize) -> (Vec<u8>, Vec<u8>) {
     use rand::Rng;
     let mut q41 = Vec::new();
     let mut q80 = Vec::new();

@@ -551,15 +551,7 @@ mod tests {
                 let x: Vec<f32> = (0..32 * nb).map(|_| rng.random_range(-4.0..4.0)).collect();
                 let mut a = Q8Vec::default();
                 a.quantize(&x);
-                let mut q41 = Vec::new();
-                let mut q80 = Vec::new();
-                for _ in 0..nb {
-                    q41.extend(f16b(rng.random_range(-0.1..0.1)));
-                    q41.extend(f16b(rng.random_range(-1.0..1.0)));
-                    q41.extend((0..16).map(|_| rng.random::<u8>()));
-                    q80.extend(f16b(rng.random_range(-0.1..0.1)));
-                    q80.extend((0..32).map(|_| rng.random::<u8>()));
-                }
+                let (q41, q80) = crate::blocks::tests::random_rows(&mut rng, nb);
                 // SAFETY: AVX2/FMA enabled (cfg); nb blocks each.
                 let (g41, g80) = unsafe { (x86::dot_q4_1(&q41, &a), x86::dot_q8_0(&q80, &a)) };
                 assert_eq!(g41.to_bits(), dot_q4_1_portable(&q41, &a).to_bits());
