@@ -287,3 +287,58 @@ fn x86_512_dots_are_bitwise_equal_to_the_portable_loops() {
         }
     }
 }
+
+/// The single-input matvec on 512-bit registers (four rows side by side,
+/// then one at a time) gives each row bitwise the portable loop's dot:
+/// row counts 1-13 (every split into fours and a remainder), rows of 1-48
+/// blocks.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+#[test]
+fn x86_512_row_groups_are_bitwise_equal_to_the_portable_loops() {
+    use crate::blocks_x86_512 as k;
+    use rand::{Rng, SeedableRng};
+    if !k::available(GgmlType::Q4_1) {
+        eprintln!("no AVX-512F on this CPU: the 512-bit kernels are not compared");
+        return;
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+    for &nb in &[1usize, 2, 5, 18, 48] {
+        let x: Vec<f32> = (0..32 * nb)
+            .map(|_| rng.random_range(-3.0f32..3.0) * 2f32.powi(rng.random_range(-8..8)))
+            .collect();
+        let mut xs = Vec::new();
+        block_sums(&x, &mut xs);
+        for rows in 1..=13usize {
+            let (mut q41, mut q80) = (Vec::new(), Vec::new());
+            for _ in 0..rows {
+                let (a, b) = random_rows(&mut rng, nb);
+                q41.extend(a);
+                q80.extend(b);
+            }
+            for (ty, w) in [(GgmlType::Q4_1, &q41), (GgmlType::Q8_0, &q80)] {
+                let rb = ty.row_bytes(32 * nb);
+                let want: Vec<u32> = (0..rows)
+                    .map(|r| {
+                        let row = &w[r * rb..(r + 1) * rb];
+                        match ty {
+                            GgmlType::Q4_1 => dot_q4_1_portable(row, &x, &xs),
+                            _ => dot_q8_0_portable(row, &x),
+                        }
+                        .to_bits()
+                    })
+                    .collect();
+                let mut got = vec![f32::NAN; rows];
+                // SAFETY: AVX-512F detected; `w` holds `rows` rows of `nb`
+                // blocks, `xs` the input's block sums.
+                unsafe { k::matvec(ty, w, &x, &xs, &mut got) };
+                let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, want, "{ty:?} nb={nb} rows={rows}");
+            }
+        }
+    }
+}

@@ -14,6 +14,12 @@
 //! lane `j` being input `j`: for that the inputs' block sums are laid out
 //! block by block (`sums[i * stride + j]`).
 //!
+//! One input against many rows (`QMatrix::matvec`, single-sequence decode)
+//! takes four rows side by side ([`matvec`]): one row alone is a single
+//! chain of fused multiply-adds, one block after another, and four rows
+//! keep four chains in flight, share each block of the input, and prefetch
+//! the next four rows as they go.
+//!
 //! Batched decode (`QMatrix::matvec_rows`) is bound by these multiply-adds
 //! once the weights are unpacked (docs/performance.md, "Depth 0: one
 //! sequence against a batch").
@@ -21,6 +27,7 @@
 use crate::blocks::GgmlType;
 use crate::blocks_x86::{PREFETCH, scale_pair};
 use std::arch::x86_64::*;
+const PF: usize = 8;
 
 /// True when the CPU has AVX-512F and `ty` has a kernel here.
 #[inline]
@@ -146,6 +153,142 @@ pub(crate) unsafe fn dot_q8_0_n<const N: usize>(
         for j in 0..N {
             out[j] = lanes_sum(&acc[j]);
         }
+    }
+}
+
+/// `R` consecutive `Q4_1` rows (`nb` blocks each, the first at `src`) dot
+/// one input: `out[r]` is bitwise [`dot_q4_1`] of row `r` (each row's
+/// multiply-adds in its own accumulator, in the same order, and its
+/// minimums' term `macc += m * s` in its own scalar). A row alone is one
+/// chain of fused multiply-adds, one block after another; `R` rows side by
+/// side keep `R` chains in flight and share each block of the input.
+///
+/// # Safety
+/// AVX-512F, AVX2, FMA and F16C must be available; `src` holds `R` rows of
+/// `nb` blocks; `x` holds `32 nb` values and `xsum` `nb` sums.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_1_rows<const R: usize>(
+    src: &[u8],
+    nb: usize,
+    x: &[f32],
+    xsum: &[f32],
+    out: &mut [f32],
+) {
+    const { assert!(R >= 1 && R <= 8) };
+    debug_assert!(src.len() >= R * nb * 20 && x.len() >= 32 * nb && xsum.len() >= nb);
+    // SAFETY: every pointer stays within block `i < nb` of each of the `R`
+    // rows, of `x` and of `xsum`, as the caller guarantees.
+    unsafe {
+        let lo4 = _mm512_set1_epi32(15);
+        let mut acc = [_mm512_setzero_ps(); R];
+        let mut macc = [0.0f32; R];
+        let rb = 20 * nb;
+        for i in 0..nb {
+            let xp = x.as_ptr().add(32 * i);
+            let (xl, xh) = (load(xp), load(xp.add(16)));
+            let s = *xsum.get_unchecked(i);
+            for r in 0..R {
+                let b = src.as_ptr().add(r * rb + 20 * i);
+                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PF * rb) as *const i8);
+                let dm = scale_pair(b);
+                macc[r] += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * s;
+                // Byte j zero-extended to lane j: its low nibble is weight j,
+                // its high nibble weight j + 16 (the single-row kernel's lanes).
+                let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(4) as *const __m128i));
+                let wl = _mm512_cvtepi32_ps(_mm512_and_si512(q, lo4));
+                let wh = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
+                let inner = _mm512_fmadd_ps(wl, xl, _mm512_mul_ps(wh, xh));
+                acc[r] = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), inner, acc[r]);
+            }
+        }
+        for r in 0..R {
+            out[r] = lanes_sum(&[acc[r]]) + macc[r];
+        }
+    }
+}
+
+/// `R` consecutive `Q8_0` rows (`nb` blocks each, the first at `src`) dot
+/// one input: `out[r]` is bitwise [`dot_q8_0`] of row `r`, as
+/// [`dot_q4_1_rows`] does for `Q4_1`.
+///
+/// # Safety
+/// AVX-512F, AVX2, FMA and F16C must be available; `src` holds `R` rows of
+/// `nb` blocks; `x` holds `32 nb` values.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q8_0_rows<const R: usize>(
+    src: &[u8],
+    nb: usize,
+    x: &[f32],
+    out: &mut [f32],
+) {
+    const { assert!(R >= 1 && R <= 8) };
+    debug_assert!(src.len() >= R * nb * 34 && x.len() >= 32 * nb);
+    // SAFETY: every pointer stays within block `i < nb` of each of the `R`
+    // rows and of `x`, as the caller guarantees (the fp16 scale is read as a
+    // 4-byte word: its 2 bytes and the first two codes, which the
+    // conversion ignores).
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        let rb = 34 * nb;
+        for i in 0..nb {
+            let xp = x.as_ptr().add(32 * i);
+            let xv = [load(xp), load(xp.add(16))];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let b = src.as_ptr().add(r * rb + 34 * i);
+                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PF * rb) as *const i8);
+                let d = _mm512_broadcastss_ps(scale_pair(b));
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let q8 = _mm_loadu_si128(b.add(2 + 16 * k) as *const __m128i);
+                    let q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8));
+                    *a = _mm512_fmadd_ps(d, _mm512_mul_ps(q, xv[k]), *a);
+                }
+            }
+        }
+        for r in 0..R {
+            out[r] = lanes_sum(&acc[r]);
+        }
+    }
+}
+
+/// `out[r] = row r . x` for the consecutive rows of `w` (`out.len()` rows of
+/// type `ty`, `x.len() / 32` blocks each), four rows at a time
+/// ([`dot_q4_1_rows`], [`dot_q8_0_rows`]), each result bitwise
+/// [`crate::blocks::dot_row`] of its row alone.
+///
+/// # Safety
+/// [`available`] must have returned true for `ty` (`Q4_1` or `Q8_0`); `w`
+/// holds `out.len()` rows; for `Q4_1` `xsum` holds the `x.len() / 32`
+/// block sums of `x`.
+pub(crate) unsafe fn matvec(ty: GgmlType, w: &[u8], x: &[f32], xsum: &[f32], out: &mut [f32]) {
+    let nb = x.len() / 32;
+    let rb = ty.row_bytes(32 * nb);
+    assert!(w.len() >= out.len() * rb && (ty != GgmlType::Q4_1 || xsum.len() >= nb));
+    let mut r = 0;
+    while r < out.len() {
+        let left = out.len() - r;
+        let (w, o) = (&w[r * rb..], &mut out[r..]);
+        // SAFETY: AVX-512F and the rest (the caller checked `available`);
+        // `w` holds the `left` remaining rows (asserted above).
+        r += unsafe {
+            match (ty, left) {
+                (GgmlType::Q4_1, 4..) => {
+                    dot_q4_1_rows::<4>(w, nb, x, xsum, o);
+                    4
+                }
+                (GgmlType::Q4_1, _) => {
+                    dot_q4_1_rows::<1>(w, nb, x, xsum, o);
+                    1
+                }
+                (_, 4..) => {
+                    dot_q8_0_rows::<4>(w, nb, x, o);
+                    4
+                }
+                _ => {
+                    dot_q8_0_rows::<1>(w, nb, x, o);
+                    1
+                }
+            }
+        };
     }
 }
 

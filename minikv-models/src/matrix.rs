@@ -177,27 +177,66 @@ impl QMatrix {
         if crate::blocks::needs_block_sums(self.dtype) {
             block_sums(x, &mut xs);
         }
-        let c = self.chunk_rows();
-        y.par_chunks_mut(c).enumerate().for_each(|(i, yc)| {
-            for (j, o) in yc.iter_mut().enumerate() {
-                *o = dot_row(self.dtype, self.row(i * c + j), x, &xs);
-            }
+        let (ty, rb) = (self.dtype, self.dtype.row_bytes(self.cols));
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma",
+            target_feature = "f16c"
+        ))]
+        if crate::blocks_x86_512::available(ty) && x.len() == self.cols {
+            // SAFETY: AVX-512F and the rest are available for this type
+            // (checked); a task's rows are whole, `xs` holds the block sums.
+            let f = |w: &[u8], o: &mut [f32]| unsafe {
+                crate::blocks_x86_512::matvec(ty, w, x, &xs, o)
+            };
+            return self.tasks_into(y, f);
+        }
+        self.tasks_into(y, |w, o| {
+            let rows = w.chunks_exact(rb).zip(o);
+            rows.for_each(|(row, o)| *o = dot_row(ty, row, x, &xs));
         });
     }
 
     /// [`Self::matvec`] with the input rounded to 8 bits per block of 32.
     fn matvec_q8(&self, x: &[f32], a: &mut Q8Vec, y: &mut [f32]) {
         a.quantize(x);
-        let a = &*a;
-        let c = self.chunk_rows();
-        let dot = match self.dtype {
-            GgmlType::Q4_1 => crate::q8::dot_q4_1,
-            _ => crate::q8::dot_q8_0,
+        let (a, q4, rb) = (
+            &*a,
+            self.dtype == GgmlType::Q4_1,
+            self.dtype.row_bytes(self.cols),
+        );
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma",
+            target_feature = "f16c"
+        ))]
+        if crate::q8_x86_512::available() && 32 * a.d.len() == self.cols {
+            // SAFETY: AVX-512 VNNI and the rest are available (checked); a
+            // task's rows are whole rows of the input's block count.
+            let f = |w: &[u8], o: &mut [f32]| unsafe { crate::q8_x86_512::matvec(q4, w, a, o) };
+            return self.tasks_into(y, f);
+        }
+        let dot = if q4 {
+            crate::q8::dot_q4_1
+        } else {
+            crate::q8::dot_q8_0
         };
-        y.par_chunks_mut(c).enumerate().for_each(|(i, yc)| {
-            for (j, o) in yc.iter_mut().enumerate() {
-                *o = dot(self.row(i * c + j), a);
-            }
+        self.tasks_into(y, |w, o| {
+            w.chunks_exact(rb)
+                .zip(o)
+                .for_each(|(row, o)| *o = dot(row, a));
+        });
+    }
+
+    /// Runs `f(rows' bytes, their outputs)` over consecutive rows, split
+    /// between rayon tasks of [`Self::chunk_rows`] rows (`y` has one output
+    /// per row).
+    fn tasks_into(&self, y: &mut [f32], f: impl Fn(&[u8], &mut [f32]) + Sync) {
+        let (c, rb) = (self.chunk_rows(), self.dtype.row_bytes(self.cols));
+        y.par_chunks_mut(c).enumerate().for_each(|(i, o)| {
+            f(&self.bytes()[i * c * rb..(i * c + o.len()) * rb], o);
         });
     }
 
@@ -280,74 +319,10 @@ impl QMatrix {
         });
     }
 
-    /// [`Self::matvec_rows`] on 512-bit registers (`Q4_1`, `Q8_0`; the CPU
-    /// has AVX-512F): groups of up to 16 inputs per unpacked weight block,
-    /// each result bitwise that of [`Self::matvec`] alone.
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
-    fn matvec_rows_512(&self, x: &[f32], y: &mut [f32], sel: &[usize]) {
-        use crate::blocks_x86_512::{Inputs, dots};
-        let (cols, n) = (self.cols, sel.len());
-        let nb = cols / 32;
-        // The block sums, block-major: `block_sums` per input (the single
-        // matvec's own sums), then block `b` of input `j` at `b * n + j`.
-        let mut sums = Vec::new();
-        if self.dtype == GgmlType::Q4_1 {
-            sums.resize(nb * n, 0.0);
-            let mut s = Vec::new();
-            for (j, &i) in sel.iter().enumerate() {
-                block_sums(&x[i * cols..(i + 1) * cols], &mut s);
-                for (b, &v) in s.iter().enumerate() {
-                    sums[b * n + j] = v;
-                }
-            }
-        }
-        let inp = Inputs {
-            x,
-            sel,
-            sums: &sums,
-            nb,
-        };
-        // SAFETY: AVX-512F was detected for this type; the row holds `nb`
-        // blocks, each selected input `cols = 32 nb` values (the type's block
-        // is 32 and `new` checked the columns) and the sums `nb` per input.
-        self.rows_into(y, sel, |w, out| unsafe { dots(self.dtype, w, &inp, out) });
-    }
-
-    /// [`Self::matvec_rows_q8`] with AVX-512 VNNI: the inputs quantized and
-    /// laid out in pairs once (into `pairs`, reused), then every row against
-    /// them two at a time; bitwise equal to [`Self::matvec`] per input.
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
-    fn matvec_rows_pairs(
-        &self,
-        x: &[f32],
-        y: &mut [f32],
-        sel: &[usize],
-        pairs: &mut crate::q8_x86_512::Pairs,
-    ) {
-        let q4 = self.dtype == GgmlType::Q4_1;
-        pairs.set(x, self.cols, sel);
-        let pairs = &*pairs;
-        // SAFETY: the features were detected; every row holds `cols / 32`
-        // blocks, as many as each input (`new` checked the columns).
-        self.rows_into(y, sel, |w, out| unsafe {
-            crate::q8_x86_512::dot_many(w, q4, pairs, out)
-        });
-    }
-
     /// [`Self::matvec_rows`] with each input rounded to 8 bits per block of 32
     /// (as [`Self::matvec`] does under [`Activations::Q8`]).
     fn matvec_rows_q8(&self, x: &[f32], y: &mut [f32], sel: &[usize]) {
-        let (rows, cols) = (self.rows, self.cols);
+        let cols = self.cols;
         #[cfg(all(
             target_arch = "x86_64",
             target_feature = "avx2",
@@ -370,18 +345,17 @@ impl QMatrix {
             })
             .collect();
         let q4 = self.dtype == GgmlType::Q4_1;
-        let c = self.chunk_rows();
-        let yp = SendPtr(y.as_mut_ptr());
-        let yp = &yp;
         let refs: Vec<&Q8Vec> = qs.iter().collect();
-        (0..rows.div_ceil(c)).into_par_iter().for_each(|t| {
-            let mut o = vec![0.0f32; refs.len()];
-            for r in t * c..((t + 1) * c).min(rows) {
-                crate::q8::dot_many(self.row(r), q4, &refs, &mut o);
-                for (j, &v) in o.iter().enumerate() {
-                    // SAFETY: as in `matvec_rows`.
-                    unsafe { *yp.0.add(sel[j] * rows + r) = v };
-                }
+        self.rows_into(y, sel, |w, out| {
+            // Each input's result is that of its dot alone: groups of 32
+            // inputs give the same values without a buffer per row.
+            for (g, part) in refs.chunks(32).enumerate() {
+                let mut o = [0.0f32; 32];
+                crate::q8::dot_many(w, q4, part, &mut o[..part.len()]);
+                o[..part.len()]
+                    .iter()
+                    .enumerate()
+                    .for_each(|(j, &v)| out(32 * g + j, v));
             }
         });
     }
@@ -570,6 +544,15 @@ fn dots(
         out(j, dot_row(ty, w, xrow(j), s));
     }
 }
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+#[path = "matrix_x86.rs"]
+mod x86;
 
 #[cfg(test)]
 #[path = "matrix_tests.rs"]

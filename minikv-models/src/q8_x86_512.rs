@@ -255,3 +255,132 @@ unsafe fn group<const Q4: bool, const P: usize>(
     unsafe { dot_pairs::<Q4, P>(src, x, p, out) };
     P
 }
+
+/// Rows `2 P` consecutive rows (`Q4_1` when `Q4`, else `Q8_0`; `nb` blocks
+/// each, the first at `src`) dot one quantized input: `out[r]` is bitwise
+/// [`crate::q8::dot_q4_1`] / [`crate::q8::dot_q8_0`] of row `r`. Two rows
+/// share a register (lanes 0-7 the first row's eight lanes, 8-15 the
+/// second's) against the input's block in both halves: one `vpdpbusd` forms
+/// both rows' integer sums, one conversion and one fused multiply-add scale
+/// and add them; `Q4_1`'s minimum terms stay one scalar per row, in block
+/// order. A row alone is one chain of multiply-adds; `P` pairs keep `P`
+/// chains in flight and prefetch the rows [`ROWS_AHEAD`] further on.
+///
+/// # Safety
+/// [`available`] returned true; `src` holds `2 P` rows of `a.d.len()` blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_row_pairs<const Q4: bool, const P: usize>(src: &[u8], a: &Q8Vec, out: &mut [f32]) {
+    const { assert!(P >= 1 && P <= 4) };
+    let nb = a.d.len();
+    let bb = if Q4 { 20 } else { 34 };
+    let rb = bb * nb;
+    assert!(src.len() >= 2 * P * rb && a.q.len() >= 32 * nb && out.len() >= 2 * P);
+    // SAFETY: every pointer stays within block `b < nb` of the `2 P` rows
+    // (asserted) and of the input.
+    unsafe {
+        let mask = _mm_set1_epi8(15);
+        let zero = _mm512_setzero_si512();
+        let mut acc = [_mm512_setzero_ps(); P];
+        let mut macc = [[0.0f32; 2]; P];
+        for b in 0..nb {
+            let xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(a.q.as_ptr().add(32 * b).cast()));
+            let dx = _mm512_set1_ps(a.d[b]);
+            for (p, acc) in acc.iter_mut().enumerate() {
+                let blk = [0, 1].map(|e| src.as_ptr().add((2 * p + e) * rb + bb * b));
+                for k in blk {
+                    _mm_prefetch::<_MM_HINT_T0>(k.wrapping_add(ROWS_AHEAD * rb) as *const i8);
+                }
+                let dm = blk.map(|k| scale_pair(k));
+                let codes = |k: *const u8| {
+                    if Q4 {
+                        let qs = _mm_loadu_si128(k.add(4) as *const __m128i);
+                        let lo = _mm_and_si128(qs, mask);
+                        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), lo)
+                    } else {
+                        _mm256_loadu_si256(k.add(2) as *const __m256i)
+                    }
+                };
+                let w =
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(codes(blk[0])), codes(blk[1]));
+                let isum = if Q4 {
+                    for e in 0..2 {
+                        macc[p][e] += _mm_cvtss_f32(_mm_movehdup_ps(dm[e])) * a.s[b];
+                    }
+                    _mm512_dpbusd_epi32(zero, w, xq)
+                } else {
+                    // The sign of each weight moves onto the input byte.
+                    let neg = _mm512_movepi8_mask(w);
+                    let xs = _mm512_mask_sub_epi8(xq, neg, zero, xq);
+                    _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), xs)
+                };
+                let dw = _mm512_insertf32x8::<1>(
+                    _mm512_castps256_ps512(_mm256_broadcastss_ps(dm[0])),
+                    _mm256_broadcastss_ps(dm[1]),
+                );
+                let dd = _mm512_mul_ps(dw, dx);
+                *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(isum), *acc);
+            }
+        }
+        for (p, &v) in acc.iter().enumerate() {
+            let mut l = [0.0f32; 16];
+            _mm512_storeu_ps(l.as_mut_ptr(), v);
+            for e in 0..2 {
+                let s = l[8 * e..8 * e + 8].iter().sum::<f32>();
+                out[2 * p + e] = if Q4 { s + macc[p][e] } else { s };
+            }
+        }
+    }
+}
+
+/// Rows ahead that [`dot_row_pairs`] prefetches (block `b` of row `r` asks
+/// for block `b` of row `r + ROWS_AHEAD`).
+const ROWS_AHEAD: usize = 4;
+
+/// `out[r] = row r . a` for the consecutive rows of `w` (`out.len()` rows,
+/// `Q4_1` when `q4`, else `Q8_0`), four rows at a time
+/// ([`dot_row_pairs`]), an odd last row through the single-row kernel; each
+/// result bitwise [`crate::q8::dot_q4_1`] / [`crate::q8::dot_q8_0`] of its
+/// row alone.
+///
+/// # Safety
+/// [`available`] returned true; `w` holds `out.len()` rows of `a.d.len()`
+/// blocks of the type.
+pub(crate) unsafe fn matvec(q4: bool, w: &[u8], a: &Q8Vec, out: &mut [f32]) {
+    let rb = if q4 { 20 } else { 34 } * a.d.len();
+    assert!(w.len() >= out.len() * rb);
+    let mut r = 0;
+    while r < out.len() {
+        let left = out.len() - r;
+        let (w, o) = (&w[r * rb..], &mut out[r..]);
+        // SAFETY: `available` returned true (the caller's contract); `w`
+        // holds the `left` remaining rows (asserted above).
+        r += unsafe {
+            match (q4, left) {
+                (true, 4..) => {
+                    dot_row_pairs::<true, 2>(w, a, o);
+                    4
+                }
+                (false, 4..) => {
+                    dot_row_pairs::<false, 2>(w, a, o);
+                    4
+                }
+                (true, 2..) => {
+                    dot_row_pairs::<true, 1>(w, a, o);
+                    2
+                }
+                (false, 2..) => {
+                    dot_row_pairs::<false, 1>(w, a, o);
+                    2
+                }
+                (true, _) => {
+                    o[0] = crate::q8::dot_q4_1(&w[..rb], a);
+                    1
+                }
+                (false, _) => {
+                    o[0] = crate::q8::dot_q8_0(&w[..rb], a);
+                    1
+                }
+            }
+        };
+    }
+}
