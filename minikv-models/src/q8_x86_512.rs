@@ -256,7 +256,7 @@ unsafe fn group<const Q4: bool, const P: usize>(
     P
 }
 
-/// Rows `2 P` consecutive rows (`Q4_1` when `Q4`, else `Q8_0`; `nb` blocks
+/// `2 P` consecutive rows (`Q4_1` when `Q4`, else `Q8_0`; `nb` blocks
 /// each, the first at `src`) dot one quantized input: `out[r]` is bitwise
 /// [`crate::q8::dot_q4_1`] / [`crate::q8::dot_q8_0`] of row `r`. Two rows
 /// share a register (lanes 0-7 the first row's eight lanes, 8-15 the
