@@ -212,8 +212,9 @@ fn x86_dots_are_bitwise_equal_to_the_portable_loops() {
     }
 }
 
-/// The 512-bit kernels, one input and grouped (every group size, inputs in
-/// any order), against the portable loops, bit for bit. On a CPU without
+/// The 512-bit kernels, one input and grouped (every group size, tiles of
+/// rows for small batches and the rows left over, inputs in any order),
+/// against the portable loops, bit for bit. On a CPU without
 /// AVX-512F there is nothing to compare (the kernels never run there).
 #[cfg(all(
     target_arch = "x86_64",
@@ -231,7 +232,7 @@ fn x86_512_dots_are_bitwise_equal_to_the_portable_loops() {
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     for &nb in &[1usize, 2, 5, 18, 48] {
-        for n in [1usize, 2, 3, 7, 8, 15, 16, 17, 31] {
+        for n in [1usize, 2, 3, 4, 5, 6, 7, 8, 15, 16, 17, 31] {
             let cols = 32 * nb;
             // Inputs of every magnitude's sign; rows taken out of order.
             let x: Vec<f32> = (0..(n + 2) * cols)
@@ -241,7 +242,14 @@ fn x86_512_dots_are_bitwise_equal_to_the_portable_loops() {
             sel.swap(0, n + 1);
             sel.truncate(n);
             sel.reverse();
-            let (q41, q80) = random_rows(&mut rng, nb);
+            // 9 weight rows: whole tiles of 4 or 2 rows and a row left over.
+            let rows = 9;
+            let (mut q41, mut q80) = (Vec::new(), Vec::new());
+            for _ in 0..rows {
+                let (a, b) = random_rows(&mut rng, nb);
+                q41.extend(a);
+                q80.extend(b);
+            }
             let row = |j: usize| &x[sel[j] * cols..(sel[j] + 1) * cols];
             let mut sums = vec![0.0f32; nb * n];
             let mut s = Vec::new();
@@ -252,34 +260,36 @@ fn x86_512_dots_are_bitwise_equal_to_the_portable_loops() {
                 }
             }
             for (ty, w) in [(GgmlType::Q4_1, &q41), (GgmlType::Q8_0, &q80)] {
-                let want: Vec<u32> = (0..n)
-                    .map(|j| {
+                let rb = ty.row_bytes(cols);
+                let want: Vec<u32> = (0..rows * n)
+                    .map(|i| {
+                        let (wr, j) = (&w[i / n * rb..(i / n + 1) * rb], i % n);
                         block_sums(row(j), &mut s);
                         match ty {
-                            GgmlType::Q4_1 => dot_q4_1_portable(w, row(j), &s),
-                            _ => dot_q8_0_portable(w, row(j)),
+                            GgmlType::Q4_1 => dot_q4_1_portable(wr, row(j), &s),
+                            _ => dot_q8_0_portable(wr, row(j)),
                         }
                         .to_bits()
                     })
                     .collect();
-                let mut got = vec![f32::NAN.to_bits(); n];
+                let mut got = vec![f32::NAN.to_bits(); rows * n];
                 let inp = k::Inputs {
                     x: &x,
                     sel: &sel,
                     sums: &sums,
                     nb,
                 };
-                // SAFETY: AVX-512F detected; nb blocks per row and input,
-                // nb * n sums.
-                unsafe { k::dots(ty, w, &inp, |j, v| got[j] = v.to_bits()) };
+                // SAFETY: AVX-512F detected; `rows` rows of nb blocks, nb
+                // blocks per input, nb * n sums.
+                unsafe { k::dots(ty, w, rows, &inp, |r, j, v| got[r * n + j] = v.to_bits()) };
                 assert_eq!(got, want, "{ty:?} nb={nb} n={n}");
                 // One input alone, through `dot_row`'s kernels.
                 block_sums(row(0), &mut s);
                 // SAFETY: as above, one input.
                 let one = unsafe {
                     match ty {
-                        GgmlType::Q4_1 => k::dot_q4_1(w, row(0), &s),
-                        _ => k::dot_q8_0(w, row(0)),
+                        GgmlType::Q4_1 => k::dot_q4_1(&w[..rb], row(0), &s),
+                        _ => k::dot_q8_0(&w[..rb], row(0)),
                     }
                 };
                 assert_eq!(one.to_bits(), want[0], "{ty:?} nb={nb} alone");

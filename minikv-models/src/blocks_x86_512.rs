@@ -7,12 +7,15 @@
 //! portable `Q4_1` loop keeps 16 lanes (one 512-bit register instead of two
 //! 256-bit ones) and the `Q8_0` loop 32 (two instead of four): per input and
 //! block the unpacked weights meet the input in half as many instructions.
-//! With 32 registers a group holds up to 16 inputs (`Q4_1`; 8 for `Q8_0`)
-//! against one unpacking of each weight block, and the minimums' term of
-//! `Q4_1` (`macc += m * s`, one scalar product and sum per input and block in
-//! the portable loop) runs for the whole group in one vector product and sum,
-//! lane `j` being input `j`: for that the inputs' block sums are laid out
-//! block by block (`sums[i * stride + j]`).
+//! Batched decode (several inputs) goes through tiles of rows x inputs
+//! ([`dot_q4_1_tile`], [`dot_q8_0_tile`]): each weight block is unpacked
+//! once for the tile's inputs, each input block loaded once for its rows,
+//! and the tile's products keep up to 16 accumulators in flight (32
+//! registers). The minimums' term of `Q4_1` (`macc += m * s`, one scalar
+//! product and sum per input and block in the portable loop) runs for a
+//! row's inputs in one vector product and sum, lane `j` being input `j`:
+//! for that the inputs' block sums are laid out block by block
+//! (`sums[i * stride + j]`).
 //!
 //! One input against many rows (`QMatrix::matvec`, single-sequence decode)
 //! takes four rows side by side ([`matvec`]): one row alone is a single
@@ -21,8 +24,8 @@
 //! the rows two groups ahead as they go.
 //!
 //! Batched decode (`QMatrix::matvec_rows`) is bound by these multiply-adds
-//! once the weights are unpacked (docs/performance.md, "Depth 0: one
-//! sequence against a batch").
+//! and the unpacking (docs/performance.md, "Depth 0: one sequence against a
+//! batch", and "Small batches: tiles of rows x inputs").
 
 use crate::blocks::GgmlType;
 use crate::blocks_x86::{PREFETCH, scale_pair};
@@ -68,96 +71,127 @@ unsafe fn lanes_sum(acc: &[__m512]) -> f32 {
     lanes[..16 * acc.len()].iter().sum::<f32>()
 }
 
-/// One `Q4_1` row (`nb` blocks of 20 bytes) dot `N` inputs: `out[j]` is
-/// bitwise the portable `dot_q4_1(src, xs[j], sums of xs[j])`.
+/// `R` consecutive `Q4_1` rows (`rb` bytes apart, `nb` blocks of 20 bytes
+/// each) dot `N` inputs: `out[r][j]` is bitwise the portable
+/// `dot_q4_1(row r, xs[j], sums of xs[j])`. Each weight block is unpacked
+/// once for the `N` inputs, and the `R N` products keep as many chains of
+/// multiply-adds in flight (a row against one or two inputs alone is only
+/// one or two chains, each block waiting for the previous one).
 ///
 /// # Safety
-/// AVX-512F, AVX2, FMA and F16C must be available; `src` holds `nb` blocks;
-/// each `xs[j]` holds `32 nb` values; `sums + i * stride + j` is input
-/// `j`'s sum of block `i` for every `i < nb`, `j < N` (`N <= 16`).
+/// AVX-512F, AVX2, FMA and F16C must be available; `src` holds `R` rows of
+/// `nb` blocks, `rb` bytes apart; each `xs[j]` holds `32 nb` values;
+/// `sums + i * stride + j` is input `j`'s sum of block `i` for every
+/// `i < nb`, `j < N` (`N <= 16`).
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(crate) unsafe fn dot_q4_1_n<const N: usize>(
+pub(crate) unsafe fn dot_q4_1_tile<const R: usize, const N: usize>(
     src: &[u8],
+    rb: usize,
     nb: usize,
     xs: [*const f32; N],
     sums: *const f32,
     stride: usize,
-    out: &mut [f32; N],
+    out: &mut [[f32; N]; R],
 ) {
-    const { assert!(N >= 1 && N <= 16) };
+    const { assert!(N >= 1 && N <= 16 && R >= 1 && R * N <= 16) };
     let lanes: __mmask16 = ((1u32 << N) - 1) as __mmask16;
-    // SAFETY: every pointer stays within block `i < nb` of `src`, of each
-    // input and of the sums, as the caller guarantees (the masked load reads
-    // lanes `j < N` only).
+    // SAFETY: every pointer stays within block `i < nb` of each of the `R`
+    // rows, of each input and of the sums, as the caller guarantees (the
+    // masked load reads lanes `j < N` only).
     unsafe {
-        let mask = _mm_set1_epi8(15);
-        let mut acc = [_mm512_setzero_ps(); N];
-        let mut macc = _mm512_setzero_ps();
+        let lo4 = _mm512_set1_epi32(15);
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
+        let mut macc = [_mm512_setzero_ps(); R];
         for i in 0..nb {
-            let b = src.as_ptr().add(20 * i);
-            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
-            let dm = scale_pair(b);
-            let d = _mm512_broadcastss_ps(dm);
-            let m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-            // Lane j of every input: m * s_j, then added (not fused), as the
-            // portable `macc += m * s`.
             let s = _mm512_maskz_loadu_ps(lanes, sums.add(i * stride));
-            macc = _mm512_add_ps(macc, _mm512_mul_ps(m, s));
-            let qs = _mm_loadu_si128(b.add(4) as *const __m128i);
-            let f = |v: __m128i| _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
-            // Lane j = 0..16: weight j (low nibble, x[j]) and j + 16 (high, x[j + 16]).
-            let wl = f(_mm_and_si128(qs, mask));
-            let wh = f(_mm_and_si128(_mm_srli_epi16(qs, 4), mask));
+            // Each row's block unpacked once: byte l zero-extended to lane
+            // l, its low nibble weight l (against x[l]), its high nibble
+            // weight l + 16 (against x[l + 16]).
+            let mut wl = [_mm512_setzero_ps(); R];
+            let mut wh = [_mm512_setzero_ps(); R];
+            let mut d = [_mm512_setzero_ps(); R];
+            for r in 0..R {
+                let b = src.as_ptr().add(r * rb + 20 * i);
+                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
+                let dm = scale_pair(b);
+                d[r] = _mm512_broadcastss_ps(dm);
+                let m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+                // Lane j of every input: m * s_j, then added (not fused), as
+                // the portable `macc += m * s`.
+                macc[r] = _mm512_add_ps(macc[r], _mm512_mul_ps(m, s));
+                let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(4) as *const __m128i));
+                wl[r] = _mm512_cvtepi32_ps(_mm512_and_si512(q, lo4));
+                wh[r] = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
+            }
+            // Each input's block loaded once for the R rows.
             for j in 0..N {
                 let xp = xs[j].add(32 * i);
-                let inner = _mm512_fmadd_ps(wl, load(xp), _mm512_mul_ps(wh, load(xp.add(16))));
-                acc[j] = _mm512_fmadd_ps(d, inner, acc[j]);
+                let (xl, xh) = (load(xp), load(xp.add(16)));
+                for r in 0..R {
+                    let inner = _mm512_fmadd_ps(wl[r], xl, _mm512_mul_ps(wh[r], xh));
+                    acc[r][j] = _mm512_fmadd_ps(d[r], inner, acc[r][j]);
+                }
             }
         }
-        let mut m = [0.0f32; 16];
-        _mm512_storeu_ps(m.as_mut_ptr(), macc);
-        for j in 0..N {
-            out[j] = lanes_sum(&[acc[j]]) + m[j];
+        for r in 0..R {
+            let mut m = [0.0f32; 16];
+            _mm512_storeu_ps(m.as_mut_ptr(), macc[r]);
+            for j in 0..N {
+                out[r][j] = lanes_sum(&[acc[r][j]]) + m[j];
+            }
         }
     }
 }
 
-/// One `Q8_0` row (`nb` blocks of 34 bytes) dot `N` inputs: `out[j]` is
-/// bitwise the portable `dot_q8_0(src, xs[j])`.
+/// `R` consecutive `Q8_0` rows (`rb` bytes apart, `nb` blocks of 34 bytes
+/// each) dot `N` inputs: `out[r][j]` is bitwise the portable
+/// `dot_q8_0(row r, xs[j])`, as [`dot_q4_1_tile`] does for `Q4_1`.
 ///
 /// # Safety
-/// AVX-512F, AVX2, FMA and F16C must be available; `src` holds `nb` blocks;
-/// each `xs[j]` holds `32 nb` values.
+/// AVX-512F, AVX2, FMA and F16C must be available; `src` holds `R` rows of
+/// `nb` blocks, `rb` bytes apart; each `xs[j]` holds `32 nb` values.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(crate) unsafe fn dot_q8_0_n<const N: usize>(
+pub(crate) unsafe fn dot_q8_0_tile<const R: usize, const N: usize>(
     src: &[u8],
+    rb: usize,
     nb: usize,
     xs: [*const f32; N],
-    out: &mut [f32; N],
+    out: &mut [[f32; N]; R],
 ) {
-    // SAFETY: every pointer stays within block `i < nb` of `src` and of each
-    // input (the fp16 scale is read as a 4-byte word: its 2 bytes and the
-    // first two codes, which the conversion ignores).
+    const { assert!(N >= 1 && R >= 1 && R * N <= 8) };
+    // SAFETY: every pointer stays within block `i < nb` of each of the `R`
+    // rows and of each input (the fp16 scale is read as a 4-byte word: its
+    // 2 bytes and the first two codes, which the conversion ignores).
     unsafe {
-        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        let mut acc = [[[_mm512_setzero_ps(); 2]; N]; R];
         for i in 0..nb {
-            let b = src.as_ptr().add(34 * i);
-            _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
-            let d = _mm512_broadcastss_ps(scale_pair(b));
-            let q: [__m512; 2] = std::array::from_fn(|k| {
-                let q8 = _mm_loadu_si128(b.add(2 + 16 * k) as *const __m128i);
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8))
-            });
+            // Each row's block converted once, each input's loaded once.
+            let mut q = [[_mm512_setzero_ps(); 2]; R];
+            let mut d = [_mm512_setzero_ps(); R];
+            for r in 0..R {
+                let b = src.as_ptr().add(r * rb + 34 * i);
+                _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
+                d[r] = _mm512_broadcastss_ps(scale_pair(b));
+                q[r] = std::array::from_fn(|k| {
+                    let q8 = _mm_loadu_si128(b.add(2 + 16 * k) as *const __m128i);
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8))
+                });
+            }
             for j in 0..N {
                 let xp = xs[j].add(32 * i);
                 for k in 0..2 {
-                    let qx = _mm512_mul_ps(q[k], load(xp.add(16 * k)));
-                    acc[j][k] = _mm512_fmadd_ps(d, qx, acc[j][k]);
+                    let xk = load(xp.add(16 * k));
+                    for r in 0..R {
+                        let qx = _mm512_mul_ps(q[r][k], xk);
+                        acc[r][j][k] = _mm512_fmadd_ps(d[r], qx, acc[r][j][k]);
+                    }
                 }
             }
         }
-        for j in 0..N {
-            out[j] = lanes_sum(&acc[j]);
+        for r in 0..R {
+            for j in 0..N {
+                out[r][j] = lanes_sum(&acc[r][j]);
+            }
         }
     }
 }
@@ -298,31 +332,32 @@ pub(crate) unsafe fn matvec(ty: GgmlType, w: &[u8], x: &[f32], xsum: &[f32], out
     }
 }
 
-/// `Q4_1` row dot one input ([`dot_q4_1_n`] with `N = 1`).
+/// `Q4_1` row dot one input ([`dot_q4_1_tile`] with `R = N = 1`).
 ///
 /// # Safety
-/// As [`dot_q4_1_n`]: AVX-512F, AVX2, FMA, F16C; `src` holds `x.len() / 32`
+/// As [`dot_q4_1_tile`]: AVX-512F, AVX2, FMA, F16C; `src` holds `x.len() / 32`
 /// blocks and `xsum` as many sums.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 pub(crate) unsafe fn dot_q4_1(src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
-    let mut o = [0.0];
+    let mut o = [[0.0]];
+    let (xs, nb) = ([x.as_ptr()], x.len() / 32);
     // SAFETY: as the caller guarantees; the sums of one input have stride 1.
-    unsafe { dot_q4_1_n::<1>(src, x.len() / 32, [x.as_ptr()], xsum.as_ptr(), 1, &mut o) };
-    o[0]
+    unsafe { dot_q4_1_tile::<1, 1>(src, 0, nb, xs, xsum.as_ptr(), 1, &mut o) };
+    o[0][0]
 }
 
-/// `Q8_0` row dot one input ([`dot_q8_0_n`] with `N = 1`).
+/// `Q8_0` row dot one input ([`dot_q8_0_tile`] with `R = N = 1`).
 ///
 /// # Safety
-/// As [`dot_q8_0_n`]: AVX-512F, AVX2, FMA, F16C; `src` holds `x.len() / 32` blocks.
+/// As [`dot_q8_0_tile`]: AVX-512F, AVX2, FMA, F16C; `src` holds `x.len() / 32` blocks.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 pub(crate) unsafe fn dot_q8_0(src: &[u8], x: &[f32]) -> f32 {
-    let mut o = [0.0];
+    let mut o = [[0.0]];
     // SAFETY: as the caller guarantees.
-    unsafe { dot_q8_0_n::<1>(src, x.len() / 32, [x.as_ptr()], &mut o) };
-    o[0]
+    unsafe { dot_q8_0_tile::<1, 1>(src, 0, x.len() / 32, [x.as_ptr()], &mut o) };
+    o[0][0]
 }
 
 /// The inputs of a grouped row dot: rows `sel` of `x` (`[.][32 nb]`), and
@@ -346,58 +381,201 @@ impl Inputs<'_> {
     }
 }
 
-/// Row `w` dot every input, in groups of up to 16 (`Q4_1`: one accumulator
-/// register per input) or 8 (`Q8_0`: two); `out(j, value)` receives input `j`'s result, bitwise
-/// equal to [`crate::blocks::dot_row`] of that input alone.
-///
-/// # Safety
-/// [`available`] must have returned true for `ty` (`Q4_1` or `Q8_0`); `w`
-/// holds `nb` blocks; each selected row of `x` is whole; for `Q4_1`
-/// `sums.len() >= nb * sel.len()`.
-pub(crate) unsafe fn dots(
-    ty: GgmlType,
-    w: &[u8],
-    inp: &Inputs<'_>,
-    mut out: impl FnMut(usize, f32),
-) {
-    let n = inp.sel.len();
-    let mut j = 0;
-    while j < n {
-        let left = n - j;
-        // SAFETY: as the caller guarantees, for inputs j .. j + N.
-        j += unsafe {
-            match ty {
-                GgmlType::Q4_1 if left >= 16 => group::<16>(ty, w, inp, j, &mut out),
-                _ if left >= 8 => group::<8>(ty, w, inp, j, &mut out),
-                _ if left >= 4 => group::<4>(ty, w, inp, j, &mut out),
-                _ if left >= 2 => group::<2>(ty, w, inp, j, &mut out),
-                _ => group::<1>(ty, w, inp, j, &mut out),
-            }
-        };
+/// Weight rows per tile for a batch of `n` inputs of type `ty`. A tile
+/// unpacks each weight block once for its inputs and loads each input
+/// block once for its rows, and keeps `rows x inputs` chains of
+/// multiply-adds in flight (a row against one or two inputs alone keeps one
+/// or two). Chosen on `benches/matvec.rs` (docs/performance.md): four rows
+/// for 2-4 `Q4_1` inputs and two for more (the accumulators of 8 inputs
+/// per row fill the registers at two rows); two for 2-3 `Q8_0` inputs and
+/// one for more (two accumulators per input: four inputs already keep
+/// eight in flight, and two rows measured no faster).
+fn tile_rows(ty: GgmlType, n: usize) -> usize {
+    match (ty, n) {
+        (GgmlType::Q4_1, 2..=4) => 4,
+        (GgmlType::Q4_1, 5..) | (_, 2 | 3) => 2,
+        _ => 1,
     }
 }
 
-/// Inputs `j .. j + N` of a row of type `ty`; returns `N`.
+/// The `rows` consecutive rows of `w` (`nb` blocks each) dot every input:
+/// `out(r, j, value)` receives row `r`'s result for input `j`, bitwise
+/// equal to [`crate::blocks::dot_row`] of that row and input alone. Rows go
+/// in tiles of [`tile_rows`] (the rows left over in smaller ones), inputs
+/// in groups of up to 16 register accumulators (`Q4_1`: one per row and
+/// input; `Q8_0`: two).
 ///
 /// # Safety
-/// As [`dots`] (and `N <= 8` for `Q8_0`: two accumulators per input).
-unsafe fn group<const N: usize>(
+/// [`available`] must have returned true for `ty` (`Q4_1` or `Q8_0`); `w`
+/// holds `rows` rows of `nb` blocks; each selected row of `x` is whole; for
+/// `Q4_1` `sums.len() >= nb * sel.len()`.
+pub(crate) unsafe fn dots(
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    inp: &Inputs<'_>,
+    mut out: impl FnMut(usize, usize, f32),
+) {
+    let (rb, n) = (ty.row_bytes(32 * inp.nb), inp.sel.len());
+    let g = tile_rows(ty, n);
+    let mut r = 0;
+    while r < rows {
+        let (w, o) = (&w[r * rb..], &mut |dr: usize, j: usize, v: f32| {
+            out(r + dr, j, v)
+        });
+        let t = match rows - r {
+            left if left >= 4 && g >= 4 => 4,
+            left if left >= 2 && g >= 2 => 2,
+            _ => 1,
+        };
+        let mut j = 0;
+        while j < n {
+            // SAFETY: as the caller guarantees, for rows r .. r + t and
+            // inputs j .. j + (what the tile returns).
+            j += unsafe {
+                match t {
+                    4 => tile_4(ty, w, rb, inp, j, o),
+                    2 => tile_2(ty, w, rb, inp, j, o),
+                    _ => tile_1(ty, w, inp, j, o),
+                }
+            };
+        }
+        r += t;
+    }
+}
+
+/// One row against the next group of inputs from `j`; returns its size.
+///
+/// # Safety
+/// As [`dots`], for one row.
+unsafe fn tile_1(
     ty: GgmlType,
     w: &[u8],
     inp: &Inputs<'_>,
     j: usize,
-    out: &mut impl FnMut(usize, f32),
+    out: &mut impl FnMut(usize, usize, f32),
 ) -> usize {
-    let mut o = [0.0; N];
-    let xs = std::array::from_fn(|k| inp.x(j + k));
-    let n = inp.sel.len();
-    // SAFETY: as the caller guarantees; lanes j .. j + N of each block's sums.
+    // SAFETY: as the caller guarantees.
     unsafe {
-        match ty {
-            GgmlType::Q4_1 => dot_q4_1_n::<N>(w, inp.nb, xs, inp.sums.as_ptr().add(j), n, &mut o),
-            _ => dot_q8_0_n::<N>(w, inp.nb, xs, &mut o),
+        match (ty, inp.sel.len() - j) {
+            (GgmlType::Q4_1, 16..) => q4::<1, 16>(w, 0, inp, j, out),
+            (GgmlType::Q4_1, 8..) => q4::<1, 8>(w, 0, inp, j, out),
+            (GgmlType::Q4_1, 4..) => q4::<1, 4>(w, 0, inp, j, out),
+            (GgmlType::Q4_1, 2..) => q4::<1, 2>(w, 0, inp, j, out),
+            (GgmlType::Q4_1, _) => q4::<1, 1>(w, 0, inp, j, out),
+            (_, 8..) => q8::<1, 8>(w, 0, inp, j, out),
+            (_, 4..) => q8::<1, 4>(w, 0, inp, j, out),
+            (_, 2..) => q8::<1, 2>(w, 0, inp, j, out),
+            _ => q8::<1, 1>(w, 0, inp, j, out),
         }
     }
-    o.iter().enumerate().for_each(|(k, &v)| out(j + k, v));
+}
+
+/// Two rows (`rb` bytes apart) against the next group of inputs from `j`;
+/// returns its size.
+///
+/// # Safety
+/// As [`dots`], for two rows.
+unsafe fn tile_2(
+    ty: GgmlType,
+    w: &[u8],
+    rb: usize,
+    inp: &Inputs<'_>,
+    j: usize,
+    out: &mut impl FnMut(usize, usize, f32),
+) -> usize {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        match (ty, inp.sel.len() - j) {
+            (GgmlType::Q4_1, 8..) => q4::<2, 8>(w, rb, inp, j, out),
+            (GgmlType::Q4_1, 7) => q4::<2, 7>(w, rb, inp, j, out),
+            (GgmlType::Q4_1, 6) => q4::<2, 6>(w, rb, inp, j, out),
+            (GgmlType::Q4_1, 5) => q4::<2, 5>(w, rb, inp, j, out),
+            (GgmlType::Q4_1, 4) => q4::<2, 4>(w, rb, inp, j, out),
+            (GgmlType::Q4_1, 3) => q4::<2, 3>(w, rb, inp, j, out),
+            (GgmlType::Q4_1, 2) => q4::<2, 2>(w, rb, inp, j, out),
+            (GgmlType::Q4_1, _) => q4::<2, 1>(w, rb, inp, j, out),
+            (_, 4..) => q8::<2, 4>(w, rb, inp, j, out),
+            (_, 3) => q8::<2, 3>(w, rb, inp, j, out),
+            (_, 2) => q8::<2, 2>(w, rb, inp, j, out),
+            _ => q8::<2, 1>(w, rb, inp, j, out),
+        }
+    }
+}
+
+/// Four rows (`rb` bytes apart) against the next group of inputs from `j`;
+/// returns its size.
+///
+/// # Safety
+/// As [`dots`], for four rows.
+unsafe fn tile_4(
+    ty: GgmlType,
+    w: &[u8],
+    rb: usize,
+    inp: &Inputs<'_>,
+    j: usize,
+    out: &mut impl FnMut(usize, usize, f32),
+) -> usize {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        match (ty, inp.sel.len() - j) {
+            (GgmlType::Q4_1, 4..) => q4::<4, 4>(w, rb, inp, j, out),
+            (GgmlType::Q4_1, 3) => q4::<4, 3>(w, rb, inp, j, out),
+            (GgmlType::Q4_1, 2) => q4::<4, 2>(w, rb, inp, j, out),
+            (GgmlType::Q4_1, _) => q4::<4, 1>(w, rb, inp, j, out),
+            (_, 2..) => q8::<4, 2>(w, rb, inp, j, out),
+            _ => q8::<4, 1>(w, rb, inp, j, out),
+        }
+    }
+}
+
+/// `Q4_1` rows `0 .. R` of `w` (`rb` bytes apart) dot inputs `j .. j + N`
+/// ([`dot_q4_1_tile`]); returns `N`.
+///
+/// # Safety
+/// As [`dots`], for those rows and inputs.
+unsafe fn q4<const R: usize, const N: usize>(
+    w: &[u8],
+    rb: usize,
+    inp: &Inputs<'_>,
+    j: usize,
+    out: &mut impl FnMut(usize, usize, f32),
+) -> usize {
+    let mut o = [[0.0; N]; R];
+    let xs = std::array::from_fn(|k| inp.x(j + k));
+    let (sums, n) = (inp.sums[j..].as_ptr(), inp.sel.len());
+    // SAFETY: as the caller guarantees; lanes j .. j + N of each block's sums.
+    unsafe { dot_q4_1_tile::<R, N>(w, rb, inp.nb, xs, sums, n, &mut o) };
+    emit(&o, j, out)
+}
+
+/// `Q8_0` rows `0 .. R` of `w` (`rb` bytes apart) dot inputs `j .. j + N`
+/// ([`dot_q8_0_tile`]); returns `N`.
+///
+/// # Safety
+/// As [`dots`], for those rows and inputs.
+unsafe fn q8<const R: usize, const N: usize>(
+    w: &[u8],
+    rb: usize,
+    inp: &Inputs<'_>,
+    j: usize,
+    out: &mut impl FnMut(usize, usize, f32),
+) -> usize {
+    let mut o = [[0.0; N]; R];
+    let xs = std::array::from_fn(|k| inp.x(j + k));
+    // SAFETY: as the caller guarantees.
+    unsafe { dot_q8_0_tile::<R, N>(w, rb, inp.nb, xs, &mut o) };
+    emit(&o, j, out)
+}
+
+/// Hands out a tile's results (row `r`, input `j + k`); returns `N`.
+fn emit<const R: usize, const N: usize>(
+    o: &[[f32; N]; R],
+    j: usize,
+    out: &mut impl FnMut(usize, usize, f32),
+) -> usize {
+    for (r, o) in o.iter().enumerate() {
+        o.iter().enumerate().for_each(|(k, &v)| out(r, j + k, v));
+    }
     N
 }

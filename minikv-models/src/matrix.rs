@@ -302,19 +302,37 @@ impl QMatrix {
         sel: &[usize],
         f: impl Fn(&[u8], &mut dyn FnMut(usize, f32)) + Sync,
     ) {
-        let rows = self.rows;
+        self.row_groups_into(y, sel, 1, |w, _, out| f(w, &mut |j, v| out(0, j, v)));
+    }
+
+    /// [`Self::rows_into`] for groups of up to `g` consecutive rows:
+    /// `f(rows' bytes, k rows, out)` for each group of `k <= g` rows starting
+    /// at row `r`, where `out(i, j, v)` stores `v` as output `r + i` of input
+    /// `sel[j]`. A group never spans two rayon tasks.
+    pub(super) fn row_groups_into(
+        &self,
+        y: &mut [f32],
+        sel: &[usize],
+        g: usize,
+        f: impl Fn(&[u8], usize, &mut dyn FnMut(usize, usize, f32)) + Sync,
+    ) {
+        let (rows, rb) = (self.rows, self.dtype.row_bytes(self.cols));
         let c = self.chunk_rows();
         let yp = SendPtr(y.as_mut_ptr());
         let yp = &yp;
         (0..rows.div_ceil(c)).into_par_iter().for_each(|t| {
-            for r in t * c..((t + 1) * c).min(rows) {
-                let mut out = |j: usize, v: f32| {
-                    // SAFETY: output (sel[j], r) is written by this task only
-                    // (rows are split between tasks); in bounds (the caller
-                    // checked every selected row).
-                    unsafe { *yp.0.add(sel[j] * rows + r) = v }
+            let end = ((t + 1) * c).min(rows);
+            for r in (t * c..end).step_by(g.max(1)) {
+                let k = g.max(1).min(end - r);
+                let mut out = |i: usize, j: usize, v: f32| {
+                    debug_assert!(i < k);
+                    // SAFETY: output (sel[j], r + i) is written by this task
+                    // only (rows are split between tasks, and `i < k` keeps
+                    // it in this group); in bounds (the caller checked every
+                    // selected row).
+                    unsafe { *yp.0.add(sel[j] * rows + r + i) = v }
                 };
-                f(self.row(r), &mut out);
+                f(&self.bytes()[r * rb..(r + k) * rb], k, &mut out);
             }
         });
     }

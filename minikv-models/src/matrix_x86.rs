@@ -32,10 +32,15 @@ impl QMatrix {
             sums: &sums,
             nb,
         };
-        // SAFETY: AVX-512F was detected for this type; the row holds `nb`
-        // blocks, each selected input `cols = 32 nb` values (the type's block
-        // is 32 and `new` checked the columns) and the sums `nb` per input.
-        self.rows_into(y, sel, |w, out| unsafe { dots(self.dtype, w, &inp, out) });
+        // A task's rows in groups of 64: tiles of rows for small batches
+        // (`dots`) without a call per row.
+        // SAFETY: AVX-512F was detected for this type; the `k` rows hold `nb`
+        // blocks each, each selected input `cols = 32 nb` values (the type's
+        // block is 32 and `new` checked the columns) and the sums `nb` per
+        // input.
+        self.row_groups_into(y, sel, 64, |w, k, out| unsafe {
+            dots(self.dtype, w, k, &inp, out)
+        });
     }
 
     /// [`Self::matvec_rows_q8`] with AVX-512 VNNI: the inputs quantized and

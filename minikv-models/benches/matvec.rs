@@ -1,0 +1,52 @@
+//! Decode matrix-vector products on the real model's weights (needs
+//! `scripts/fetch-assets.sh`): one weight matrix against a batch of `n`
+//! inputs (`QMatrix::matvec_rows`, one input per sequence of a batched
+//! decode step), f32 and 8-bit activations, for the three shapes that carry
+//! a SmolLM2-135M token's bytes: `ffn_up` (1536 x 576, `Q4_1`), `ffn_down`
+//! (576 x 1536, `Q4_1`) and the tied output head (49152 x 576, `Q8_0`).
+//! Throughput is in inputs per second: at `n = 1` it is one sequence's rate
+//! for that matrix; how it grows with `n` is what batching buys.
+//! `cargo bench -p minikv-models --bench matvec`
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use minikv_models::Activations;
+use minikv_models::gguf::Gguf;
+use minikv_models::matrix::QMatrix;
+use std::path::Path;
+
+fn bench(c: &mut Criterion) {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let g = Gguf::open(&path).expect("run scripts/fetch-assets.sh first");
+    let shapes = [
+        ("ffn_up", "blk.0.ffn_up.weight", 1536, 576),
+        ("ffn_down", "blk.0.ffn_down.weight", 576, 1536),
+        ("head", "token_embd.weight", 49152, 576),
+    ];
+    for (label, name, rows, cols) in shapes {
+        let mut m = QMatrix::from_gguf(&g, name, rows, cols).expect("tensor");
+        for act in [Activations::F32, Activations::Q8] {
+            m.set_activations(act);
+            let mut grp = c.benchmark_group(format!("matvec/{label}/{act:?}"));
+            grp.sample_size(20);
+            grp.warm_up_time(std::time::Duration::from_millis(300));
+            grp.measurement_time(std::time::Duration::from_secs(1));
+            for n in [1usize, 2, 3, 4, 6, 8, 16] {
+                // Inputs of decode-like magnitude, distinct per sequence.
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i * 7919 % 1999) as f32 / 999.5 - 1.0) * 0.7)
+                    .collect();
+                let sel: Vec<usize> = (0..n).collect();
+                let mut y = vec![0.0f32; n * rows];
+                grp.throughput(Throughput::Elements(n as u64));
+                grp.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
+                    b.iter(|| m.matvec_rows(&x, &mut y, &sel))
+                });
+            }
+            grp.finish();
+        }
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
