@@ -39,7 +39,7 @@ fn batched_rows_are_bitwise_equal_to_single_matvecs() {
             let (rows, cols) = (37, 96);
             let mut m = random_matrix(ty, rows, cols, 7);
             m.set_activations(act);
-            for n in [2usize, 3, 4, 5, 6, 7, 8, 9, 17, 23] {
+            for n in [2usize, 3, 4, 5, 6, 7, 8, 9, 17, 20, 23] {
                 let x: Vec<f32> = (0..n * cols)
                     .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + i as f32 * 1e-3))
                     .collect();

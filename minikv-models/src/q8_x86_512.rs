@@ -12,8 +12,12 @@
 //! saturation: `|w| <= 128`, `|x| <= 127`), one conversion and one fused
 //! multiply-add scale and add them, and the scales `d_w d_x` of both inputs
 //! come from one broadcast pair. `Q4_1`'s minimum terms (`m_w s_x`) run for
-//! up to 16 inputs in one vector product and sum. Every result is bitwise
-//! that of the portable loop (`tests` in `q8.rs`).
+//! a row's inputs in one vector product and sum. A batch goes through tiles
+//! of rows x pairs ([`dots`]): each row's block is unpacked once for the
+//! tile's pairs and each pair's block loaded once for its rows. Every
+//! result is bitwise that of the portable loop (`matrix::batch_tests`
+//! against the single-input product, itself checked against the portable
+//! loop there and in `q8.rs`'s tests).
 //!
 //! The inputs are laid out once per matrix-vector product ([`Pairs`]), not
 //! per row.
@@ -142,117 +146,175 @@ fn pair_sums(acc: __m512) -> [f32; 2] {
     [even, odd]
 }
 
-/// One row (`Q4_1` when `Q4`, else `Q8_0`) dot inputs `2 p0 .. 2 (p0 + P)`
-/// of `x`: `out(j, value)` gets input `j`'s result, bitwise the portable
-/// loop's.
+/// `R` consecutive rows (`Q4_1` when `Q4`, else `Q8_0`; `rb` bytes apart)
+/// dot inputs `2 p0 .. 2 (p0 + P)` of `x`: `out(r, j, value)` gets row
+/// `r`'s result for input `j`, bitwise the portable loop's. Each row's
+/// block is unpacked once for the `P` pairs and each pair's block loaded
+/// once for the `R` rows; the `R P` accumulators are as many chains of
+/// multiply-adds in flight.
 ///
 /// # Safety
-/// [`available`] returned true; `src` holds `x.nb` blocks of the type;
-/// pairs `p0 .. p0 + P` exist in `x`.
+/// [`available`] returned true; `src` holds `R` rows of `x.nb` blocks of the
+/// type, `rb` bytes apart; pairs `p0 .. p0 + P` exist in `x`.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn dot_pairs<const Q4: bool, const P: usize>(
+// `acc[r][p]` is taken pair by pair with the rows inside.
+#[allow(clippy::needless_range_loop)]
+unsafe fn dot_pairs<const Q4: bool, const R: usize, const P: usize>(
     src: &[u8],
+    rb: usize,
     x: &Pairs,
     p0: usize,
-    out: &mut impl FnMut(usize, f32),
+    out: &mut impl FnMut(usize, usize, f32),
 ) {
-    const { assert!(P >= 1 && P <= 8) };
+    const { assert!(P >= 1 && R >= 1 && R * P <= 16) };
     let nb = x.nb;
     let n2 = x.n.div_ceil(2) * 2;
     let lanes: __mmask16 = ((1u32 << (2 * P)) - 1) as __mmask16;
     let bb = if Q4 { 20 } else { 34 };
-    // SAFETY: every pointer stays within block `b < nb` of `src` and of
-    // pairs `p0 .. p0 + P` (the masked load reads those pairs' sums only).
+    // SAFETY: every pointer stays within block `b < nb` of the `R` rows and
+    // of pairs `p0 .. p0 + P` (the masked load reads those pairs' sums only).
     unsafe {
         let mask = _mm_set1_epi8(15);
         let zero = _mm512_setzero_si512();
-        let mut acc = [_mm512_setzero_ps(); P];
-        let mut macc = _mm512_setzero_ps();
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        let mut macc = [_mm512_setzero_ps(); R];
         for b in 0..nb {
-            let blk = src.as_ptr().add(bb * b);
-            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
-            let dm = scale_pair(blk);
-            let dw = _mm512_broadcastss_ps(dm);
             // The weights as unsigned bytes (the sign moves to the inputs).
-            let (w2, neg) = if Q4 {
-                let qs = _mm_loadu_si128(blk.add(4) as *const __m128i);
-                let lo = _mm_and_si128(qs, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-                let m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-                let s = _mm512_maskz_loadu_ps(lanes, x.s.as_ptr().add(b * n2 + 2 * p0));
-                macc = _mm512_add_ps(macc, _mm512_mul_ps(m, s));
-                (duplicate_words(_mm256_set_m128i(hi, lo)), 0)
-            } else {
-                let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                let neg = _mm512_movepi8_mask(duplicate_words(w));
-                (duplicate_words(_mm256_abs_epi8(w)), neg)
-            };
-            for (p, acc) in acc.iter_mut().enumerate() {
+            let mut w2 = [zero; R];
+            let mut neg: [__mmask64; R] = [0; R];
+            let mut dw = [_mm512_setzero_ps(); R];
+            for r in 0..R {
+                let blk = src.as_ptr().add(r * rb + bb * b);
+                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
+                let dm = scale_pair(blk);
+                dw[r] = _mm512_broadcastss_ps(dm);
+                if Q4 {
+                    let qs = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                    let lo = _mm_and_si128(qs, mask);
+                    let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+                    let m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+                    let s = _mm512_maskz_loadu_ps(lanes, x.s.as_ptr().add(b * n2 + 2 * p0));
+                    macc[r] = _mm512_add_ps(macc[r], _mm512_mul_ps(m, s));
+                    w2[r] = duplicate_words(_mm256_set_m128i(hi, lo));
+                } else {
+                    let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                    neg[r] = _mm512_movepi8_mask(duplicate_words(w));
+                    w2[r] = duplicate_words(_mm256_abs_epi8(w));
+                }
+            }
+            for p in 0..P {
                 let k = (p0 + p) * nb + b;
                 // A masked load, not `_mm512_loadu_si512` (see `blocks_x86_512::load`).
-                let mut xq = _mm512_maskz_loadu_epi8(!0, x.codes.as_ptr().add(64 * k));
-                if !Q4 {
-                    xq = _mm512_mask_sub_epi8(xq, neg, zero, xq);
-                }
-                let isum = _mm512_dpbusd_epi32(zero, w2, xq);
+                let xq = _mm512_maskz_loadu_epi8(!0, x.codes.as_ptr().add(64 * k));
                 let dx = _mm_castsi128_ps(_mm_loadl_epi64(x.d.as_ptr().add(2 * k) as *const _));
-                let dd = _mm512_mul_ps(dw, _mm512_broadcast_f32x2(dx));
-                *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(isum), *acc);
+                let dx = _mm512_broadcast_f32x2(dx);
+                for r in 0..R {
+                    let xs = if Q4 {
+                        xq
+                    } else {
+                        _mm512_mask_sub_epi8(xq, neg[r], zero, xq)
+                    };
+                    let isum = _mm512_dpbusd_epi32(zero, w2[r], xs);
+                    let dd = _mm512_mul_ps(dw[r], dx);
+                    acc[r][p] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(isum), acc[r][p]);
+                }
             }
         }
-        let mut m = [0.0f32; 16];
-        _mm512_storeu_ps(m.as_mut_ptr(), macc);
-        for (p, &a) in acc.iter().enumerate() {
-            for (e, v) in pair_sums(a).into_iter().enumerate() {
-                let j = 2 * p + e;
-                if 2 * p0 + j < x.n {
-                    out(2 * p0 + j, if Q4 { v + m[j] } else { v });
+        for r in 0..R {
+            let mut m = [0.0f32; 16];
+            _mm512_storeu_ps(m.as_mut_ptr(), macc[r]);
+            for (p, &a) in acc[r].iter().enumerate() {
+                for (e, v) in pair_sums(a).into_iter().enumerate() {
+                    let j = 2 * p + e;
+                    if 2 * p0 + j < x.n {
+                        out(r, 2 * p0 + j, if Q4 { v + m[j] } else { v });
+                    }
                 }
             }
         }
     }
 }
 
-/// Row `src` (`Q4_1` when `q4`, else `Q8_0`) dot every input of `x`, in
-/// groups of up to 8 pairs; `out(j, value)` gets input `j`'s result, bitwise
-/// equal to [`crate::q8::dot_q4_1`] / [`crate::q8::dot_q8_0`] of it alone.
+/// The `rows` consecutive rows of `w` (`Q4_1` when `q4`, else `Q8_0`) dot
+/// every input of `x`: `out(r, j, value)` gets row `r`'s result for input
+/// `j`, bitwise equal to [`crate::q8::dot_q4_1`] / [`crate::q8::dot_q8_0`]
+/// of that row and input alone. Rows go four at a time against up to two
+/// pairs (a batch of 2-4 inputs: one row against one pair alone is a single
+/// chain of multiply-adds), else two at a time against up to eight pairs,
+/// except `Q8_0` rows against 8 pairs or more, one at a time (two measured
+/// slower there on `benches/matvec.rs`); the rows left over one at a time.
 ///
 /// # Safety
-/// [`available`] returned true; `src` holds the inputs' block count of the
-/// type.
-pub(crate) unsafe fn dot_many(src: &[u8], q4: bool, x: &Pairs, mut out: impl FnMut(usize, f32)) {
+/// [`available`] returned true; `w` holds `rows` rows of the inputs' block
+/// count of the type.
+pub(crate) unsafe fn dots(
+    w: &[u8],
+    rows: usize,
+    q4: bool,
+    x: &Pairs,
+    mut out: impl FnMut(usize, usize, f32),
+) {
     let np = x.n.div_ceil(2);
-    let mut p = 0;
-    while p < np {
-        let left = np - p;
-        // SAFETY: as the caller guarantees, for pairs p .. p + P.
-        p += unsafe {
-            match (q4, left) {
-                (true, 8..) => group::<true, 8>(src, x, p, &mut out),
-                (true, 4..) => group::<true, 4>(src, x, p, &mut out),
-                (true, 2..) => group::<true, 2>(src, x, p, &mut out),
-                (true, _) => group::<true, 1>(src, x, p, &mut out),
-                (false, 8..) => group::<false, 8>(src, x, p, &mut out),
-                (false, 4..) => group::<false, 4>(src, x, p, &mut out),
-                (false, 2..) => group::<false, 2>(src, x, p, &mut out),
-                (false, _) => group::<false, 1>(src, x, p, &mut out),
-            }
-        };
+    let rb = if q4 { 20 } else { 34 } * x.nb;
+    let g = match np {
+        ..=2 => 4,
+        8.. if !q4 => 1,
+        _ => 2,
+    };
+    let mut r = 0;
+    while r < rows {
+        let (w, o) = (&w[r * rb..], &mut |dr: usize, j: usize, v: f32| {
+            out(r + dr, j, v)
+        });
+        let t = if rows - r >= g { g } else { 1 };
+        let mut p = 0;
+        while p < np {
+            // SAFETY: as the caller guarantees, for rows r .. r + t and the
+            // pairs the group takes.
+            p += unsafe {
+                match (q4, t, np - p) {
+                    (true, 4, 2..) => group::<true, 4, 2>(w, rb, x, p, o),
+                    (true, 4, _) => group::<true, 4, 1>(w, rb, x, p, o),
+                    (false, 4, 2..) => group::<false, 4, 2>(w, rb, x, p, o),
+                    (false, 4, _) => group::<false, 4, 1>(w, rb, x, p, o),
+                    (true, 2, 8..) => group::<true, 2, 8>(w, rb, x, p, o),
+                    (true, 2, 4..) => group::<true, 2, 4>(w, rb, x, p, o),
+                    (true, 2, 3) => group::<true, 2, 3>(w, rb, x, p, o),
+                    (true, 2, 2) => group::<true, 2, 2>(w, rb, x, p, o),
+                    (true, 2, _) => group::<true, 2, 1>(w, rb, x, p, o),
+                    (false, 2, 8..) => group::<false, 2, 8>(w, rb, x, p, o),
+                    (false, 2, 4..) => group::<false, 2, 4>(w, rb, x, p, o),
+                    (false, 2, 3) => group::<false, 2, 3>(w, rb, x, p, o),
+                    (false, 2, 2) => group::<false, 2, 2>(w, rb, x, p, o),
+                    (false, 2, _) => group::<false, 2, 1>(w, rb, x, p, o),
+                    (true, _, 8..) => group::<true, 1, 8>(w, rb, x, p, o),
+                    (true, _, 4..) => group::<true, 1, 4>(w, rb, x, p, o),
+                    (true, _, 2..) => group::<true, 1, 2>(w, rb, x, p, o),
+                    (true, _, _) => group::<true, 1, 1>(w, rb, x, p, o),
+                    (false, _, 8..) => group::<false, 1, 8>(w, rb, x, p, o),
+                    (false, _, 4..) => group::<false, 1, 4>(w, rb, x, p, o),
+                    (false, _, 2..) => group::<false, 1, 2>(w, rb, x, p, o),
+                    (false, _, _) => group::<false, 1, 1>(w, rb, x, p, o),
+                }
+            };
+        }
+        r += t;
     }
 }
 
-/// Pairs `p .. p + P` of a row; returns `P`.
+/// Rows `0 .. R` against pairs `p .. p + P`; returns `P`.
 ///
 /// # Safety
-/// As [`dot_many`].
-unsafe fn group<const Q4: bool, const P: usize>(
+/// As [`dots`], for those rows and pairs.
+unsafe fn group<const Q4: bool, const R: usize, const P: usize>(
     src: &[u8],
+    rb: usize,
     x: &Pairs,
     p: usize,
-    out: &mut impl FnMut(usize, f32),
+    out: &mut impl FnMut(usize, usize, f32),
 ) -> usize {
     // SAFETY: as the caller guarantees.
-    unsafe { dot_pairs::<Q4, P>(src, x, p, out) };
+    unsafe { dot_pairs::<Q4, R, P>(src, rb, x, p, out) };
     P
 }
 
