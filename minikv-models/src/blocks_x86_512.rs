@@ -432,99 +432,57 @@ pub(crate) unsafe fn dots(
         while j < n {
             // SAFETY: as the caller guarantees, for rows r .. r + t and
             // inputs j .. j + (what the tile returns).
-            j += unsafe {
-                match t {
-                    4 => tile_4(ty, w, rb, inp, j, o),
-                    2 => tile_2(ty, w, rb, inp, j, o),
-                    _ => tile_1(ty, w, inp, j, o),
-                }
-            };
+            j += unsafe { tile(ty, t, w, rb, inp, j, o) };
         }
         r += t;
     }
 }
 
-/// One row against the next group of inputs from `j`; returns its size.
+/// Rows `0 .. t` of `w` (`rb` bytes apart; `t` is 1, 2 or 4) against the
+/// next group of inputs from `j`; returns the group's size.
 ///
 /// # Safety
-/// As [`dots`], for one row.
-unsafe fn tile_1(
+/// As [`dots`], for those rows.
+unsafe fn tile(
     ty: GgmlType,
-    w: &[u8],
-    inp: &Inputs<'_>,
-    j: usize,
-    out: &mut impl FnMut(usize, usize, f32),
-) -> usize {
-    // SAFETY: as the caller guarantees.
-    unsafe {
-        match (ty, inp.sel.len() - j) {
-            (GgmlType::Q4_1, 16..) => q4::<1, 16>(w, 0, inp, j, out),
-            (GgmlType::Q4_1, 8..) => q4::<1, 8>(w, 0, inp, j, out),
-            (GgmlType::Q4_1, 4..) => q4::<1, 4>(w, 0, inp, j, out),
-            (GgmlType::Q4_1, 2..) => q4::<1, 2>(w, 0, inp, j, out),
-            (GgmlType::Q4_1, _) => q4::<1, 1>(w, 0, inp, j, out),
-            (_, 8..) => q8::<1, 8>(w, 0, inp, j, out),
-            (_, 4..) => q8::<1, 4>(w, 0, inp, j, out),
-            (_, 2..) => q8::<1, 2>(w, 0, inp, j, out),
-            _ => q8::<1, 1>(w, 0, inp, j, out),
-        }
-    }
-}
-
-/// Two rows (`rb` bytes apart) against the next group of inputs from `j`;
-/// returns its size.
-///
-/// # Safety
-/// As [`dots`], for two rows.
-unsafe fn tile_2(
-    ty: GgmlType,
+    t: usize,
     w: &[u8],
     rb: usize,
     inp: &Inputs<'_>,
     j: usize,
     out: &mut impl FnMut(usize, usize, f32),
 ) -> usize {
+    use GgmlType::Q4_1;
     // SAFETY: as the caller guarantees.
     unsafe {
-        match (ty, inp.sel.len() - j) {
-            (GgmlType::Q4_1, 8..) => q4::<2, 8>(w, rb, inp, j, out),
-            (GgmlType::Q4_1, 7) => q4::<2, 7>(w, rb, inp, j, out),
-            (GgmlType::Q4_1, 6) => q4::<2, 6>(w, rb, inp, j, out),
-            (GgmlType::Q4_1, 5) => q4::<2, 5>(w, rb, inp, j, out),
-            (GgmlType::Q4_1, 4) => q4::<2, 4>(w, rb, inp, j, out),
-            (GgmlType::Q4_1, 3) => q4::<2, 3>(w, rb, inp, j, out),
-            (GgmlType::Q4_1, 2) => q4::<2, 2>(w, rb, inp, j, out),
-            (GgmlType::Q4_1, _) => q4::<2, 1>(w, rb, inp, j, out),
-            (_, 4..) => q8::<2, 4>(w, rb, inp, j, out),
-            (_, 3) => q8::<2, 3>(w, rb, inp, j, out),
-            (_, 2) => q8::<2, 2>(w, rb, inp, j, out),
-            _ => q8::<2, 1>(w, rb, inp, j, out),
-        }
-    }
-}
-
-/// Four rows (`rb` bytes apart) against the next group of inputs from `j`;
-/// returns its size.
-///
-/// # Safety
-/// As [`dots`], for four rows.
-unsafe fn tile_4(
-    ty: GgmlType,
-    w: &[u8],
-    rb: usize,
-    inp: &Inputs<'_>,
-    j: usize,
-    out: &mut impl FnMut(usize, usize, f32),
-) -> usize {
-    // SAFETY: as the caller guarantees.
-    unsafe {
-        match (ty, inp.sel.len() - j) {
-            (GgmlType::Q4_1, 4..) => q4::<4, 4>(w, rb, inp, j, out),
-            (GgmlType::Q4_1, 3) => q4::<4, 3>(w, rb, inp, j, out),
-            (GgmlType::Q4_1, 2) => q4::<4, 2>(w, rb, inp, j, out),
-            (GgmlType::Q4_1, _) => q4::<4, 1>(w, rb, inp, j, out),
-            (_, 2..) => q8::<4, 2>(w, rb, inp, j, out),
-            _ => q8::<4, 1>(w, rb, inp, j, out),
+        match (ty, t, inp.sel.len() - j) {
+            (Q4_1, 4, 4..) => q4::<4, 4>(w, rb, inp, j, out),
+            (Q4_1, 4, 3) => q4::<4, 3>(w, rb, inp, j, out),
+            (Q4_1, 4, 2) => q4::<4, 2>(w, rb, inp, j, out),
+            (Q4_1, 4, _) => q4::<4, 1>(w, rb, inp, j, out),
+            (Q4_1, 2, 8..) => q4::<2, 8>(w, rb, inp, j, out),
+            (Q4_1, 2, 7) => q4::<2, 7>(w, rb, inp, j, out),
+            (Q4_1, 2, 6) => q4::<2, 6>(w, rb, inp, j, out),
+            (Q4_1, 2, 5) => q4::<2, 5>(w, rb, inp, j, out),
+            (Q4_1, 2, 4) => q4::<2, 4>(w, rb, inp, j, out),
+            (Q4_1, 2, 3) => q4::<2, 3>(w, rb, inp, j, out),
+            (Q4_1, 2, 2) => q4::<2, 2>(w, rb, inp, j, out),
+            (Q4_1, 2, _) => q4::<2, 1>(w, rb, inp, j, out),
+            (Q4_1, _, 16..) => q4::<1, 16>(w, rb, inp, j, out),
+            (Q4_1, _, 8..) => q4::<1, 8>(w, rb, inp, j, out),
+            (Q4_1, _, 4..) => q4::<1, 4>(w, rb, inp, j, out),
+            (Q4_1, _, 2..) => q4::<1, 2>(w, rb, inp, j, out),
+            (Q4_1, _, _) => q4::<1, 1>(w, rb, inp, j, out),
+            (_, 4, 2..) => q8::<4, 2>(w, rb, inp, j, out),
+            (_, 4, _) => q8::<4, 1>(w, rb, inp, j, out),
+            (_, 2, 4..) => q8::<2, 4>(w, rb, inp, j, out),
+            (_, 2, 3) => q8::<2, 3>(w, rb, inp, j, out),
+            (_, 2, 2) => q8::<2, 2>(w, rb, inp, j, out),
+            (_, 2, _) => q8::<2, 1>(w, rb, inp, j, out),
+            (_, _, 8..) => q8::<1, 8>(w, rb, inp, j, out),
+            (_, _, 4..) => q8::<1, 4>(w, rb, inp, j, out),
+            (_, _, 2..) => q8::<1, 2>(w, rb, inp, j, out),
+            _ => q8::<1, 1>(w, rb, inp, j, out),
         }
     }
 }
