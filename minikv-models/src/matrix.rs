@@ -325,7 +325,8 @@ impl QMatrix {
             for r in (t * c..end).step_by(g.max(1)) {
                 let k = g.max(1).min(end - r);
                 let mut out = |i: usize, j: usize, v: f32| {
-                    debug_assert!(i < k);
+                    // A row outside the group could be another task's.
+                    assert!(i < k, "row {i} of a group of {k}");
                     // SAFETY: output (sel[j], r + i) is written by this task
                     // only (rows are split between tasks, and `i < k` keeps
                     // it in this group); in bounds (the caller checked every
