@@ -180,6 +180,23 @@ pub(crate) fn random_rows(rng: &mut rand::rngs::StdRng, nb: usize) -> (Vec<u8>, 
     (q41, q80)
 }
 
+/// `rows` consecutive rows of [`random_rows`] (`Q4_1`, `Q8_0`).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+fn random_row_set(rng: &mut rand::rngs::StdRng, rows: usize, nb: usize) -> (Vec<u8>, Vec<u8>) {
+    let (mut q41, mut q80) = (Vec::new(), Vec::new());
+    for _ in 0..rows {
+        let (a, b) = random_rows(rng, nb);
+        q41.extend(a);
+        q80.extend(b);
+    }
+    (q41, q80)
+}
+
 /// The AVX2 `Q4_1` and `Q8_0` dots are bitwise equal to the portable loops
 /// on random rows (random scales, minimums, codes and inputs, including
 /// rows of one block and of SmolLM2's 18 and 48 blocks).
@@ -244,12 +261,7 @@ fn x86_512_dots_are_bitwise_equal_to_the_portable_loops() {
             sel.reverse();
             // 9 weight rows: whole tiles of 4 or 2 rows and a row left over.
             let rows = 9;
-            let (mut q41, mut q80) = (Vec::new(), Vec::new());
-            for _ in 0..rows {
-                let (a, b) = random_rows(&mut rng, nb);
-                q41.extend(a);
-                q80.extend(b);
-            }
+            let (q41, q80) = random_row_set(&mut rng, rows, nb);
             let row = |j: usize| &x[sel[j] * cols..(sel[j] + 1) * cols];
             let mut sums = vec![0.0f32; nb * n];
             let mut s = Vec::new();
@@ -324,12 +336,7 @@ fn x86_512_row_groups_are_bitwise_equal_to_the_portable_loops() {
         let mut xs = Vec::new();
         block_sums(&x, &mut xs);
         for rows in 1..=13usize {
-            let (mut q41, mut q80) = (Vec::new(), Vec::new());
-            for _ in 0..rows {
-                let (a, b) = random_rows(&mut rng, nb);
-                q41.extend(a);
-                q80.extend(b);
-            }
+            let (q41, q80) = random_row_set(&mut rng, rows, nb);
             for (ty, w) in [(GgmlType::Q4_1, &q41), (GgmlType::Q8_0, &q80)] {
                 let rb = ty.row_bytes(32 * nb);
                 let want: Vec<u32> = (0..rows)

@@ -183,6 +183,11 @@ unsafe fn dot_pairs<const Q4: bool, const R: usize, const P: usize>(
             let mut w2 = [zero; R];
             let mut neg: [__mmask64; R] = [0; R];
             let mut dw = [_mm512_setzero_ps(); R];
+            // The pairs' block sums, the same for every row.
+            let s = match Q4 {
+                true => _mm512_maskz_loadu_ps(lanes, x.s.as_ptr().add(b * n2 + 2 * p0)),
+                false => _mm512_setzero_ps(),
+            };
             for r in 0..R {
                 let blk = src.as_ptr().add(r * rb + bb * b);
                 _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
@@ -193,7 +198,6 @@ unsafe fn dot_pairs<const Q4: bool, const R: usize, const P: usize>(
                     let lo = _mm_and_si128(qs, mask);
                     let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
                     let m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-                    let s = _mm512_maskz_loadu_ps(lanes, x.s.as_ptr().add(b * n2 + 2 * p0));
                     macc[r] = _mm512_add_ps(macc[r], _mm512_mul_ps(m, s));
                     w2[r] = duplicate_words(_mm256_set_m128i(hi, lo));
                 } else {
