@@ -293,7 +293,13 @@ fn x86_512_dots_are_bitwise_equal_to_the_portable_loops() {
                 };
                 // SAFETY: AVX-512F detected; `rows` rows of nb blocks, nb
                 // blocks per input, nb * n sums.
-                unsafe { k::dots(ty, w, rows, &inp, |r, j, v| got[r * n + j] = v.to_bits()) };
+                unsafe {
+                    k::dots(ty, w, rows, &inp, |r, j, v| {
+                        for (t, v) in v.iter().enumerate() {
+                            got[r * n + j + t] = v.to_bits();
+                        }
+                    })
+                };
                 assert_eq!(got, want, "{ty:?} nb={nb} n={n}");
                 // One input alone, through `dot_row`'s kernels.
                 block_sums(row(0), &mut s);

@@ -15,7 +15,9 @@
 //! product and sum per input and block in the portable loop) runs for a
 //! row's inputs in one vector product and sum, lane `j` being input `j`:
 //! for that the inputs' block sums are laid out block by block
-//! (`sums[i * stride + j]`).
+//! (`sums[i * stride + j]`). A tile of four accumulators or more sums
+//! their lanes all at once ([`crate::lanes_x86_512`]), in the portable
+//! order, and hands out a row's results for its inputs in one call.
 //!
 //! One input against many rows (`QMatrix::matvec`, single-sequence decode)
 //! takes four rows side by side ([`matvec`]): one row alone is a single
@@ -59,6 +61,21 @@ unsafe fn load(p: *const f32) -> __m512 {
     unsafe { _mm512_maskz_loadu_ps(0xFFFF, p) }
 }
 
+/// Accumulators from which a tile sums its lanes all at once
+/// ([`crate::lanes_x86_512`]: 64 shuffles and 15 additions for up to 16),
+/// not one accumulator after another (a store and 16 scalar additions each).
+const MANY: usize = 4;
+
+/// The 16 lanes of `v`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn lanes(v: __m512) -> [f32; 16] {
+    let mut o = [0.0f32; 16];
+    // SAFETY: 16 lanes into 16 floats.
+    unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+    o
+}
+
 /// Sum of the lanes in index order (the portable `acc.iter().sum()`).
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
@@ -94,7 +111,7 @@ pub(crate) unsafe fn dot_q4_1_tile<const R: usize, const N: usize>(
     out: &mut [[f32; N]; R],
 ) {
     const { assert!(N >= 1 && N <= 16 && R >= 1 && R * N <= 16) };
-    let lanes: __mmask16 = ((1u32 << N) - 1) as __mmask16;
+    let live: __mmask16 = ((1u32 << N) - 1) as __mmask16;
     // SAFETY: every pointer stays within block `i < nb` of each of the `R`
     // rows, of each input and of the sums, as the caller guarantees (the
     // masked load reads lanes `j < N` only).
@@ -103,7 +120,7 @@ pub(crate) unsafe fn dot_q4_1_tile<const R: usize, const N: usize>(
         let mut acc = [[_mm512_setzero_ps(); N]; R];
         let mut macc = [_mm512_setzero_ps(); R];
         for i in 0..nb {
-            let s = _mm512_maskz_loadu_ps(lanes, sums.add(i * stride));
+            let s = _mm512_maskz_loadu_ps(live, sums.add(i * stride));
             // Each row's block unpacked once: byte l zero-extended to lane
             // l, its low nibble weight l (against x[l]), its high nibble
             // weight l + 16 (against x[l + 16]).
@@ -133,11 +150,23 @@ pub(crate) unsafe fn dot_q4_1_tile<const R: usize, const N: usize>(
                 }
             }
         }
+        let o = if R * N >= MANY {
+            let zero = _mm512_setzero_ps();
+            let v = std::array::from_fn(|k| if k < R * N { acc[k / N][k % N] } else { zero });
+            lanes(crate::lanes_x86_512::sums(v))
+        } else {
+            std::array::from_fn(|k| {
+                if k < R * N {
+                    lanes_sum(&[acc[k / N][k % N]])
+                } else {
+                    0.0
+                }
+            })
+        };
         for r in 0..R {
-            let mut m = [0.0f32; 16];
-            _mm512_storeu_ps(m.as_mut_ptr(), macc[r]);
+            let m = lanes(macc[r]);
             for j in 0..N {
-                out[r][j] = lanes_sum(&[acc[r][j]]) + m[j];
+                out[r][j] = o[r * N + j] + m[j];
             }
         }
     }
@@ -188,10 +217,24 @@ pub(crate) unsafe fn dot_q8_0_tile<const R: usize, const N: usize>(
                 }
             }
         }
+        let o = if R * N >= MANY {
+            let zero = _mm512_setzero_ps();
+            let v = std::array::from_fn(|k| match (k % 8 < R * N, k / 8) {
+                (true, h) => acc[k % 8 / N][k % 8 % N][h],
+                (false, _) => zero,
+            });
+            lanes(crate::lanes_x86_512::sums32(v))
+        } else {
+            std::array::from_fn(|k| {
+                if k < R * N {
+                    lanes_sum(&acc[k / N][k % N])
+                } else {
+                    0.0
+                }
+            })
+        };
         for r in 0..R {
-            for j in 0..N {
-                out[r][j] = lanes_sum(&acc[r][j]);
-            }
+            out[r].copy_from_slice(&o[r * N..(r + 1) * N]);
         }
     }
 }
@@ -399,7 +442,7 @@ fn tile_rows(ty: GgmlType, n: usize) -> usize {
 }
 
 /// The `rows` consecutive rows of `w` (`nb` blocks each) dot every input:
-/// `out(r, j, value)` receives row `r`'s result for input `j`, bitwise
+/// `out(r, j, values)` receives row `r`'s results for inputs `j ..`, bitwise
 /// equal to [`crate::blocks::dot_row`] of that row and input alone. Rows go
 /// in tiles of [`tile_rows`] (the rows left over in smaller ones), inputs
 /// in groups of up to 16 register accumulators (`Q4_1`: one per row and
@@ -414,13 +457,13 @@ pub(crate) unsafe fn dots(
     w: &[u8],
     rows: usize,
     inp: &Inputs<'_>,
-    mut out: impl FnMut(usize, usize, f32),
+    mut out: impl FnMut(usize, usize, &[f32]),
 ) {
     let (rb, n) = (ty.row_bytes(32 * inp.nb), inp.sel.len());
     let g = tile_rows(ty, n);
     let mut r = 0;
     while r < rows {
-        let (w, o) = (&w[r * rb..], &mut |dr: usize, j: usize, v: f32| {
+        let (w, o) = (&w[r * rb..], &mut |dr: usize, j: usize, v: &[f32]| {
             out(r + dr, j, v)
         });
         let t = match rows - r {
@@ -450,7 +493,7 @@ unsafe fn tile(
     rb: usize,
     inp: &Inputs<'_>,
     j: usize,
-    out: &mut impl FnMut(usize, usize, f32),
+    out: &mut impl FnMut(usize, usize, &[f32]),
 ) -> usize {
     use GgmlType::Q4_1;
     // SAFETY: as the caller guarantees.
@@ -497,7 +540,7 @@ unsafe fn q4<const R: usize, const N: usize>(
     rb: usize,
     inp: &Inputs<'_>,
     j: usize,
-    out: &mut impl FnMut(usize, usize, f32),
+    out: &mut impl FnMut(usize, usize, &[f32]),
 ) -> usize {
     let mut o = [[0.0; N]; R];
     let xs = std::array::from_fn(|k| inp.x(j + k));
@@ -517,7 +560,7 @@ unsafe fn q8<const R: usize, const N: usize>(
     rb: usize,
     inp: &Inputs<'_>,
     j: usize,
-    out: &mut impl FnMut(usize, usize, f32),
+    out: &mut impl FnMut(usize, usize, &[f32]),
 ) -> usize {
     let mut o = [[0.0; N]; R];
     let xs = std::array::from_fn(|k| inp.x(j + k));
@@ -526,14 +569,14 @@ unsafe fn q8<const R: usize, const N: usize>(
     emit(&o, j, out)
 }
 
-/// Hands out a tile's results (row `r`, input `j + k`); returns `N`.
+/// Hands out a tile's results (row `r`, inputs from `j`); returns `N`.
 fn emit<const R: usize, const N: usize>(
     o: &[[f32; N]; R],
     j: usize,
-    out: &mut impl FnMut(usize, usize, f32),
+    out: &mut impl FnMut(usize, usize, &[f32]),
 ) -> usize {
     for (r, o) in o.iter().enumerate() {
-        o.iter().enumerate().for_each(|(k, &v)| out(r, j + k, v));
+        out(r, j, o);
     }
     N
 }

@@ -43,6 +43,13 @@ pub mod chat;
 pub mod gemma3;
 mod generate;
 pub mod gguf;
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+mod lanes_x86_512;
 pub mod llama;
 pub mod matrix;
 pub mod q8;

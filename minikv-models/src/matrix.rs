@@ -302,19 +302,22 @@ impl QMatrix {
         sel: &[usize],
         f: impl Fn(&[u8], &mut dyn FnMut(usize, f32)) + Sync,
     ) {
-        self.row_groups_into(y, sel, 1, |w, _, out| f(w, &mut |j, v| out(0, j, v)));
+        self.row_groups_into(y, sel, 1, |w, _, out| {
+            f(w, &mut |j, v| out(0, j, std::slice::from_ref(&v)))
+        });
     }
 
     /// [`Self::rows_into`] for groups of up to `g` consecutive rows:
     /// `f(rows' bytes, k rows, out)` for each group of `k <= g` rows starting
-    /// at row `r`, where `out(i, j, v)` stores `v` as output `r + i` of input
-    /// `sel[j]`. A group never spans two rayon tasks.
+    /// at row `r`, where `out(i, j, v)` stores `v[t]` as output `r + i` of
+    /// input `sel[j + t]` (a row's results for a run of inputs in one call).
+    /// A group never spans two rayon tasks.
     pub(super) fn row_groups_into(
         &self,
         y: &mut [f32],
         sel: &[usize],
         g: usize,
-        f: impl Fn(&[u8], usize, &mut dyn FnMut(usize, usize, f32)) + Sync,
+        f: impl Fn(&[u8], usize, &mut dyn FnMut(usize, usize, &[f32])) + Sync,
     ) {
         let (rows, rb) = (self.rows, self.dtype.row_bytes(self.cols));
         let c = self.chunk_rows();
@@ -324,14 +327,16 @@ impl QMatrix {
             let end = ((t + 1) * c).min(rows);
             for r in (t * c..end).step_by(g.max(1)) {
                 let k = g.max(1).min(end - r);
-                let mut out = |i: usize, j: usize, v: f32| {
+                let mut out = |i: usize, j: usize, v: &[f32]| {
                     // A row outside the group could be another task's.
                     assert!(i < k, "row {i} of a group of {k}");
-                    // SAFETY: output (sel[j], r + i) is written by this task
-                    // only (rows are split between tasks, and `i < k` keeps
-                    // it in this group); in bounds (the caller checked every
-                    // selected row).
-                    unsafe { *yp.0.add(sel[j] * rows + r + i) = v }
+                    for (&s, &v) in sel[j..j + v.len()].iter().zip(v) {
+                        // SAFETY: output (s, r + i) is written by this task
+                        // only (rows are split between tasks, and `i < k`
+                        // keeps it in this group); in bounds (the caller
+                        // checked every selected row).
+                        unsafe { *yp.0.add(s * rows + r + i) = v }
+                    }
                 };
                 f(&self.bytes()[r * rb..(r + k) * rb], k, &mut out);
             }
@@ -384,14 +389,9 @@ impl QMatrix {
     /// [`Self::matmul`] computes it alone (bitwise equal), segments of at most
     /// two rows together through [`Self::matvec_rows`].
     pub fn matmul_segments(&self, x: &[f32], segs: &Segments, y: &mut [f32]) {
-        let (rows, cols) = (self.rows, self.cols);
         self.matvec_rows(x, y, &segs.small);
-        for &(a, n) in &segs.big {
-            self.matmul(
-                &x[a * cols..(a + n) * cols],
-                n,
-                &mut y[a * rows..(a + n) * rows],
-            );
+        if !segs.big.is_empty() {
+            self.matmul_parts(x, &segs.big, y);
         }
     }
 
@@ -405,7 +405,20 @@ impl QMatrix {
             }
             return;
         }
+        self.matmul_parts(x, &[(0, n)], y);
+    }
+
+    /// `Y = X W^T` for each part `(first row, rows)` of `X` (`rows >= 3`):
+    /// every tile of `W` is dequantized once for all the parts, then each
+    /// part gets its own `sgemm` against it, the call [`Self::matmul`] makes
+    /// for that part alone (so each part's rows are bitwise what they are
+    /// alone, and several sequences' prefill chunks in one batch unpack the
+    /// weights once instead of once each).
+    fn matmul_parts(&self, x: &[f32], parts: &[(usize, usize)], y: &mut [f32]) {
         let (rows, cols) = (self.rows, self.cols);
+        for &(a, n) in parts {
+            assert!(n >= 3 && (a + n) * cols <= x.len() && (a + n) * rows <= y.len());
+        }
         let yp = SendPtr(y.as_mut_ptr());
         let yp = &yp;
         (0..rows.div_ceil(TILE_ROWS))
@@ -421,25 +434,28 @@ impl QMatrix {
                     for r in 0..nr {
                         self.dequantize_row(r0 + r, &mut t[r * cols..(r + 1) * cols]);
                     }
-                    // SAFETY: C = y[:, r0..r0+nr] (row stride `rows`) is written by this
-                    // task only; A = x (n x cols), B = tile^T (cols x nr) are in bounds.
-                    unsafe {
-                        matrixmultiply::sgemm(
-                            n,
-                            cols,
-                            nr,
-                            1.0,
-                            x.as_ptr(),
-                            cols as isize,
-                            1,
-                            t.as_ptr(),
-                            1,
-                            cols as isize,
-                            0.0,
-                            yp.0.add(r0),
-                            rows as isize,
-                            1,
-                        );
+                    for &(a, n) in parts {
+                        // SAFETY: C = y[a.., r0..r0+nr] (row stride `rows`) is written by
+                        // this task only; A = x[a..a+n] (n x cols) and B = tile^T
+                        // (cols x nr) are in bounds (checked above).
+                        unsafe {
+                            matrixmultiply::sgemm(
+                                n,
+                                cols,
+                                nr,
+                                1.0,
+                                x.as_ptr().add(a * cols),
+                                cols as isize,
+                                1,
+                                t.as_ptr(),
+                                1,
+                                cols as isize,
+                                0.0,
+                                yp.0.add(a * rows + r0),
+                                rows as isize,
+                                1,
+                            );
+                        }
                     }
                 });
             });
@@ -448,7 +464,8 @@ impl QMatrix {
 
 /// How a batch's rows split into sequences, for [`QMatrix::matmul_segments`]:
 /// the rows of short segments (at most two rows: decode steps) are computed
-/// together, longer ones (prefill chunks) one matrix product each.
+/// together, longer ones (prefill chunks) each by its own matrix product
+/// against weights dequantized once for all of them.
 #[derive(Debug, Default, Clone)]
 pub struct Segments {
     /// Rows of the segments of at most two rows.

@@ -60,28 +60,38 @@ fn batched_rows_are_bitwise_equal_to_single_matvecs() {
     }
 }
 
+/// Each segment of a batch (decode rows together, prefill chunks sharing
+/// each dequantized tile of weights) is bitwise its own product, across
+/// several tiles of rows and with chunks before, between and after the
+/// decode rows.
 #[test]
 fn segments_match_separate_products() {
-    let (rows, cols) = (40, 64);
-    let m = random_matrix(GgmlType::Q4_1, rows, cols, 3);
-    let lens = [1usize, 5, 2, 1, 3];
-    let total: usize = lens.iter().sum();
-    let x: Vec<f32> = (0..total * cols).map(|i| (i as f32 * 0.37).sin()).collect();
-    let mut segs = Segments::default();
-    segs.set(lens);
-    assert_eq!(segs.rows(), total);
-    let mut y = vec![f32::NAN; total * rows];
-    m.matmul_segments(&x, &segs, &mut y);
-    let mut a = 0;
-    for n in lens {
-        let mut one = vec![0.0; n * rows];
-        m.matmul(&x[a * cols..(a + n) * cols], n, &mut one);
-        assert!(
-            one.iter()
-                .zip(&y[a * rows..(a + n) * rows])
-                .all(|(p, q)| p.to_bits() == q.to_bits())
-        );
-        a += n;
+    for (ty, rows, cols) in [
+        (GgmlType::Q4_1, 40, 64),
+        (GgmlType::Q4_1, 130, 96),
+        (GgmlType::Q8_0, 70, 64),
+    ] {
+        let m = random_matrix(ty, rows, cols, 3);
+        let lens = [4usize, 1, 5, 2, 0, 1, 3, 7];
+        let total: usize = lens.iter().sum();
+        let x: Vec<f32> = (0..total * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut segs = Segments::default();
+        segs.set(lens);
+        assert_eq!(segs.rows(), total);
+        let mut y = vec![f32::NAN; total * rows];
+        m.matmul_segments(&x, &segs, &mut y);
+        let mut a = 0;
+        for n in lens {
+            let mut one = vec![0.0; n * rows];
+            m.matmul(&x[a * cols..(a + n) * cols], n, &mut one);
+            assert!(
+                one.iter()
+                    .zip(&y[a * rows..(a + n) * rows])
+                    .all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{ty:?} {rows}x{cols}: segment of {n} rows at row {a}"
+            );
+            a += n;
+        }
     }
 }
 

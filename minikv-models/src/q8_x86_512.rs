@@ -14,7 +14,9 @@
 //! come from one broadcast pair. `Q4_1`'s minimum terms (`m_w s_x`) run for
 //! a row's inputs in one vector product and sum. A batch goes through tiles
 //! of rows x pairs ([`dots`]): each row's block is unpacked once for the
-//! tile's pairs and each pair's block loaded once for its rows. Every
+//! tile's pairs and each pair's block loaded once for its rows, and a tile
+//! of four accumulators or more sums their lanes all at once
+//! ([`crate::lanes_x86_512::pair_sums`]). Every
 //! result is bitwise that of the portable loop (`matrix::batch_tests`
 //! against the single-input product, itself checked against the portable
 //! loop there and in `q8.rs`'s tests).
@@ -134,6 +136,16 @@ fn duplicate_words(w: __m256i) -> __m512i {
     _mm512_permutexvar_epi32(idx, _mm512_castsi256_si512(w))
 }
 
+/// The 16 lanes of `v`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn lanes(v: __m512) -> [f32; 16] {
+    let mut o = [0.0f32; 16];
+    // SAFETY: 16 lanes into 16 floats.
+    unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+    o
+}
+
 /// Per pair, the two inputs' lane sums in index order (even lanes, then odd).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")]
@@ -147,8 +159,8 @@ fn pair_sums(acc: __m512) -> [f32; 2] {
 }
 
 /// `R` consecutive rows (`Q4_1` when `Q4`, else `Q8_0`; `rb` bytes apart)
-/// dot inputs `2 p0 .. 2 (p0 + P)` of `x`: `out(r, j, value)` gets row
-/// `r`'s result for input `j`, bitwise the portable loop's. Each row's
+/// dot inputs `2 p0 .. 2 (p0 + P)` of `x`: `out(r, 2 p0, values)` gets row
+/// `r`'s results for those inputs (those that exist), bitwise the portable loop's. Each row's
 /// block is unpacked once for the `P` pairs and each pair's block loaded
 /// once for the `R` rows; the `R P` accumulators are as many chains of
 /// multiply-adds in flight.
@@ -164,12 +176,12 @@ unsafe fn dot_pairs<const Q4: bool, const R: usize, const P: usize>(
     rb: usize,
     x: &Pairs,
     p0: usize,
-    out: &mut impl FnMut(usize, usize, f32),
+    out: &mut impl FnMut(usize, usize, &[f32]),
 ) {
     const { assert!(P >= 1 && R >= 1 && R * P <= 16) };
     let nb = x.nb;
     let n2 = x.n.div_ceil(2) * 2;
-    let lanes: __mmask16 = ((1u32 << (2 * P)) - 1) as __mmask16;
+    let live_lanes: __mmask16 = ((1u32 << (2 * P)) - 1) as __mmask16;
     let bb = if Q4 { 20 } else { 34 };
     // SAFETY: every pointer stays within block `b < nb` of the `R` rows and
     // of pairs `p0 .. p0 + P` (the masked load reads those pairs' sums only).
@@ -185,7 +197,7 @@ unsafe fn dot_pairs<const Q4: bool, const R: usize, const P: usize>(
             let mut dw = [_mm512_setzero_ps(); R];
             // The pairs' block sums, the same for every row.
             let s = match Q4 {
-                true => _mm512_maskz_loadu_ps(lanes, x.s.as_ptr().add(b * n2 + 2 * p0)),
+                true => _mm512_maskz_loadu_ps(live_lanes, x.s.as_ptr().add(b * n2 + 2 * p0)),
                 false => _mm512_setzero_ps(),
             };
             for r in 0..R {
@@ -224,24 +236,39 @@ unsafe fn dot_pairs<const Q4: bool, const R: usize, const P: usize>(
                 }
             }
         }
-        for r in 0..R {
-            let mut m = [0.0f32; 16];
-            _mm512_storeu_ps(m.as_mut_ptr(), macc[r]);
-            for (p, &a) in acc[r].iter().enumerate() {
-                for (e, v) in pair_sums(a).into_iter().enumerate() {
-                    let j = 2 * p + e;
-                    if 2 * p0 + j < x.n {
-                        out(r, 2 * p0 + j, if Q4 { v + m[j] } else { v });
-                    }
+        // Pair `p` of row `r`: its two inputs' sums in lanes `r P + p`.
+        let (even, odd) = if R * P >= 4 {
+            let zero = _mm512_setzero_ps();
+            let v = std::array::from_fn(|k| if k < R * P { acc[k / P][k % P] } else { zero });
+            let (e, o) = crate::lanes_x86_512::pair_sums(v);
+            (lanes(e), lanes(o))
+        } else {
+            let s: [[f32; 2]; 16] = std::array::from_fn(|k| {
+                if k < R * P {
+                    pair_sums(acc[k / P][k % P])
+                } else {
+                    [0.0; 2]
                 }
+            });
+            (s.map(|s| s[0]), s.map(|s| s[1]))
+        };
+        let live = (x.n - 2 * p0).min(2 * P);
+        for r in 0..R {
+            let m = lanes(macc[r]);
+            let mut v = [0.0f32; 16];
+            for (j, v) in v[..live].iter_mut().enumerate() {
+                let k = r * P + j / 2;
+                let s = if j % 2 == 0 { even[k] } else { odd[k] };
+                *v = if Q4 { s + m[j] } else { s };
             }
+            out(r, 2 * p0, &v[..live]);
         }
     }
 }
 
 /// The `rows` consecutive rows of `w` (`Q4_1` when `q4`, else `Q8_0`) dot
-/// every input of `x`: `out(r, j, value)` gets row `r`'s result for input
-/// `j`, bitwise equal to [`crate::q8::dot_q4_1`] / [`crate::q8::dot_q8_0`]
+/// every input of `x`: `out(r, j, values)` gets row `r`'s results for
+/// inputs `j ..`, bitwise equal to [`crate::q8::dot_q4_1`] / [`crate::q8::dot_q8_0`]
 /// of that row and input alone. Rows go four at a time against up to two
 /// pairs (a batch of 2-4 inputs: one row against one pair alone is a single
 /// chain of multiply-adds), else two at a time against up to eight pairs,
@@ -256,7 +283,7 @@ pub(crate) unsafe fn dots(
     rows: usize,
     q4: bool,
     x: &Pairs,
-    mut out: impl FnMut(usize, usize, f32),
+    mut out: impl FnMut(usize, usize, &[f32]),
 ) {
     let np = x.n.div_ceil(2);
     let rb = if q4 { 20 } else { 34 } * x.nb;
@@ -267,7 +294,7 @@ pub(crate) unsafe fn dots(
     };
     let mut r = 0;
     while r < rows {
-        let (w, o) = (&w[r * rb..], &mut |dr: usize, j: usize, v: f32| {
+        let (w, o) = (&w[r * rb..], &mut |dr: usize, j: usize, v: &[f32]| {
             out(r + dr, j, v)
         });
         let t = if rows - r >= g { g } else { 1 };
@@ -315,7 +342,7 @@ unsafe fn group<const Q4: bool, const R: usize, const P: usize>(
     rb: usize,
     x: &Pairs,
     p: usize,
-    out: &mut impl FnMut(usize, usize, f32),
+    out: &mut impl FnMut(usize, usize, &[f32]),
 ) -> usize {
     // SAFETY: as the caller guarantees.
     unsafe { dot_pairs::<Q4, R, P>(src, rb, x, p, out) };
