@@ -5,7 +5,10 @@
 //! a SmolLM2-135M token's bytes: `ffn_up` (1536 x 576, `Q4_1`), `ffn_down`
 //! (576 x 1536, `Q4_1`) and the tied output head (49152 x 576, `Q8_0`).
 //! Throughput is in inputs per second: at `n = 1` it is one sequence's rate
-//! for that matrix; how it grows with `n` is what batching buys.
+//! for that matrix; how it grows with `n` is what batching buys. `matmul/*`
+//! times the prefill product (`QMatrix::matmul`) of `ffn_up`, `ffn_down`
+//! and `attn_k` (192 x 576)
+//! for prompt chunks of 16-512 tokens.
 //! `cargo bench -p minikv-models --bench matvec`
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -48,5 +51,36 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// Prefill products (`QMatrix::matmul`: tiles of weights dequantized, then
+/// `sgemm`) for prompt chunks of `n` tokens, in tokens per second.
+fn prefill(c: &mut Criterion) {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let g = Gguf::open(&path).expect("run scripts/fetch-assets.sh first");
+    let shapes = [
+        ("ffn_up", "blk.0.ffn_up.weight", 1536, 576),
+        ("ffn_down", "blk.0.ffn_down.weight", 576, 1536),
+        ("attn_k", "blk.0.attn_k.weight", 192, 576),
+    ];
+    for (label, name, rows, cols) in shapes {
+        let m = QMatrix::from_gguf(&g, name, rows, cols).expect("tensor");
+        let mut grp = c.benchmark_group(format!("matmul/{label}"));
+        grp.sample_size(10);
+        grp.warm_up_time(std::time::Duration::from_millis(300));
+        grp.measurement_time(std::time::Duration::from_secs(1));
+        for n in [16usize, 64, 512] {
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| ((i * 7919 % 1999) as f32 / 999.5 - 1.0) * 0.7)
+                .collect();
+            let mut y = vec![0.0f32; n * rows];
+            grp.throughput(Throughput::Elements(n as u64));
+            grp.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
+                b.iter(|| m.matmul(&x, n, &mut y))
+            });
+        }
+        grp.finish();
+    }
+}
+
+criterion_group!(benches, bench, prefill);
 criterion_main!(benches);

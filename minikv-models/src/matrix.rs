@@ -23,7 +23,6 @@ pub struct QMatrix {
 }
 
 thread_local! {
-    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// The 8-bit input of a [`Activations::Q8`] matvec (reused: no allocation per call).
     static Q8_INPUT: RefCell<Q8Vec> = RefCell::new(Q8Vec::default());
     /// The 8-bit inputs of a batched [`Activations::Q8`] product, laid out
@@ -36,9 +35,6 @@ thread_local! {
     ))]
     static PAIRS: RefCell<crate::q8_x86_512::Pairs> = RefCell::new(Default::default());
 }
-
-/// Output rows dequantized per prefill tile.
-const TILE_ROWS: usize = 64;
 
 struct SendPtr(*mut f32);
 // SAFETY: used only to write disjoint column blocks of one output matrix from
@@ -394,72 +390,6 @@ impl QMatrix {
             self.matmul_parts(x, &segs.big, y);
         }
     }
-
-    /// `Y = X W^T` for `n` rows of `X` (`[n][cols]` -> `[n][rows]`).
-    pub fn matmul(&self, x: &[f32], n: usize, y: &mut [f32]) {
-        debug_assert_eq!(x.len(), n * self.cols);
-        debug_assert_eq!(y.len(), n * self.rows);
-        if n <= 2 {
-            for (xi, yi) in x.chunks_exact(self.cols).zip(y.chunks_exact_mut(self.rows)) {
-                self.matvec(xi, yi);
-            }
-            return;
-        }
-        self.matmul_parts(x, &[(0, n)], y);
-    }
-
-    /// `Y = X W^T` for each part `(first row, rows)` of `X` (`rows >= 3`):
-    /// every tile of `W` is dequantized once for all the parts, then each
-    /// part gets its own `sgemm` against it, the call [`Self::matmul`] makes
-    /// for that part alone (so each part's rows are bitwise what they are
-    /// alone, and several sequences' prefill chunks in one batch unpack the
-    /// weights once instead of once each).
-    fn matmul_parts(&self, x: &[f32], parts: &[(usize, usize)], y: &mut [f32]) {
-        let (rows, cols) = (self.rows, self.cols);
-        for &(a, n) in parts {
-            assert!(n >= 3 && (a + n) * cols <= x.len() && (a + n) * rows <= y.len());
-        }
-        let yp = SendPtr(y.as_mut_ptr());
-        let yp = &yp;
-        (0..rows.div_ceil(TILE_ROWS))
-            .into_par_iter()
-            .for_each(|tile| {
-                let r0 = tile * TILE_ROWS;
-                let nr = TILE_ROWS.min(rows - r0);
-                TILE.with(|t| {
-                    let mut t = t.borrow_mut();
-                    if t.len() < nr * cols {
-                        t.resize(nr * cols, 0.0);
-                    }
-                    for r in 0..nr {
-                        self.dequantize_row(r0 + r, &mut t[r * cols..(r + 1) * cols]);
-                    }
-                    for &(a, n) in parts {
-                        // SAFETY: C = y[a.., r0..r0+nr] (row stride `rows`) is written by
-                        // this task only; A = x[a..a+n] (n x cols) and B = tile^T
-                        // (cols x nr) are in bounds (checked above).
-                        unsafe {
-                            matrixmultiply::sgemm(
-                                n,
-                                cols,
-                                nr,
-                                1.0,
-                                x.as_ptr().add(a * cols),
-                                cols as isize,
-                                1,
-                                t.as_ptr(),
-                                1,
-                                cols as isize,
-                                0.0,
-                                yp.0.add(a * rows + r0),
-                                rows as isize,
-                                1,
-                            );
-                        }
-                    }
-                });
-            });
-    }
 }
 
 /// How a batch's rows split into sequences, for [`QMatrix::matmul_segments`]:
@@ -498,6 +428,9 @@ impl Segments {
         self.rows
     }
 }
+
+#[path = "matrix_prefill.rs"]
+mod prefill;
 
 /// Dot products of one weight row `w` with the inputs `sel` of `x`, each
 /// result handed to `out(j, value)`; bitwise equal to [`dot_row`] per input.

@@ -1,0 +1,127 @@
+//! Prefill products (many rows of inputs against a weight matrix): tiles
+//! of weight rows dequantized to f32, then `sgemm` (the `matrixmultiply`
+//! crate) per part of the inputs against each tile.
+
+use super::{QMatrix, SendPtr};
+use rayon::prelude::*;
+use std::cell::RefCell;
+
+thread_local! {
+    /// A task's dequantized tile of weight rows (reused).
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Most output rows dequantized per prefill tile.
+const TILE_ROWS: usize = 512;
+
+/// Output rows per prefill tile for a matrix of `rows` rows, `threads`
+/// threads and parts of up to `n` input rows: as few tiles as keep every
+/// thread busy (a multiple of the thread count), each at most `n` rows
+/// (64 to [`TILE_ROWS`]). Each tile is one `sgemm` call per part, which
+/// packs the part's inputs again: for chunks of 512 tokens, 64-row tiles
+/// spent about a quarter of the multiply-adds' time on that packing. For
+/// short chunks the tile's dequantization weighs more than that packing,
+/// and a tile that stays in the core's cache until `sgemm` reads it back
+/// pays: 64-row tiles there measured faster than 384.
+fn tile_rows(rows: usize, threads: usize, n: usize) -> usize {
+    let (threads, most) = (threads.max(1), n.clamp(64, TILE_ROWS));
+    let tiles = (threads * rows.div_ceil(threads * most)).max(1);
+    rows.div_ceil(tiles).max(1)
+}
+
+impl QMatrix {
+    /// `Y = X W^T` for `n` rows of `X` (`[n][cols]` -> `[n][rows]`).
+    pub fn matmul(&self, x: &[f32], n: usize, y: &mut [f32]) {
+        debug_assert_eq!(x.len(), n * self.cols);
+        debug_assert_eq!(y.len(), n * self.rows);
+        if n <= 2 {
+            for (xi, yi) in x.chunks_exact(self.cols).zip(y.chunks_exact_mut(self.rows)) {
+                self.matvec(xi, yi);
+            }
+            return;
+        }
+        self.matmul_parts(x, &[(0, n)], y);
+    }
+
+    /// `Y = X W^T` for each part `(first row, rows)` of `X` (`rows >= 3`):
+    /// every tile of `W` is dequantized once for all the parts, then each
+    /// part gets its own `sgemm` against it, the call [`Self::matmul`] makes
+    /// for that part alone (so each part's rows are bitwise what they are
+    /// alone, and several sequences' prefill chunks in one batch unpack the
+    /// weights once instead of once each).
+    pub(super) fn matmul_parts(&self, x: &[f32], parts: &[(usize, usize)], y: &mut [f32]) {
+        let (rows, cols) = (self.rows, self.cols);
+        for &(a, n) in parts {
+            assert!(n >= 3 && (a + n) * cols <= x.len() && (a + n) * rows <= y.len());
+        }
+        let yp = SendPtr(y.as_mut_ptr());
+        let yp = &yp;
+        let most = parts.iter().map(|p| p.1).max().unwrap_or(0);
+        let tr = tile_rows(rows, rayon::current_num_threads(), most);
+        (0..rows.div_ceil(tr)).into_par_iter().for_each(|tile| {
+            let r0 = tile * tr;
+            let nr = tr.min(rows - r0);
+            TILE.with(|t| {
+                let mut t = t.borrow_mut();
+                if t.len() < nr * cols {
+                    t.resize(nr * cols, 0.0);
+                }
+                for r in 0..nr {
+                    self.dequantize_row(r0 + r, &mut t[r * cols..(r + 1) * cols]);
+                }
+                for &(a, n) in parts {
+                    // SAFETY: C = y[a.., r0..r0+nr] (row stride `rows`) is written by
+                    // this task only; A = x[a..a+n] (n x cols) and B = tile^T
+                    // (cols x nr) are in bounds (checked above).
+                    unsafe {
+                        matrixmultiply::sgemm(
+                            n,
+                            cols,
+                            nr,
+                            1.0,
+                            x.as_ptr().add(a * cols),
+                            cols as isize,
+                            1,
+                            t.as_ptr(),
+                            1,
+                            cols as isize,
+                            0.0,
+                            yp.0.add(a * rows + r0),
+                            rows as isize,
+                            1,
+                        );
+                    }
+                }
+            });
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tiles hold at most `n` rows (64 to `TILE_ROWS`) and split a matrix
+    /// into at least as many tiles as threads once it has `threads^2` rows
+    /// (no thread left idle), and into exactly one tile per thread when
+    /// that keeps them within that bound (none with twice the work).
+    #[test]
+    fn prefill_tiles_split_rows_evenly() {
+        for n in [3, 64, 100, 512, 4096] {
+            let most = n.clamp(64, TILE_ROWS);
+            for threads in 1..=8 {
+                for rows in (1..3000).chain([49152, 65536]) {
+                    let tr = tile_rows(rows, threads, n);
+                    assert!((1..=most).contains(&tr), "{rows}/{threads}/{n}: {tr}");
+                    let tiles = rows.div_ceil(tr);
+                    if rows >= threads * threads {
+                        assert!(tiles >= threads, "{rows}/{threads}/{n}: {tiles} tiles");
+                    }
+                    if rows >= threads * threads && rows <= threads * most {
+                        assert_eq!(tiles, threads, "{rows}/{threads}/{n}: {tr} a tile");
+                    }
+                }
+            }
+        }
+    }
+}
