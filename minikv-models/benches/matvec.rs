@@ -17,17 +17,31 @@ use minikv_models::gguf::Gguf;
 use minikv_models::matrix::QMatrix;
 use std::path::Path;
 
-fn bench(c: &mut Criterion) {
+/// The real model's matrices named by `labels` (`ffn_up`, `ffn_down`,
+/// `attn_k`, `head`), with their labels.
+fn matrices(labels: &[&'static str]) -> Vec<(&'static str, QMatrix)> {
     let path =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/SmolLM2-135M-Instruct.Q4_1.gguf");
     let g = Gguf::open(&path).expect("run scripts/fetch-assets.sh first");
     let shapes = [
         ("ffn_up", "blk.0.ffn_up.weight", 1536, 576),
         ("ffn_down", "blk.0.ffn_down.weight", 576, 1536),
+        ("attn_k", "blk.0.attn_k.weight", 192, 576),
         ("head", "token_embd.weight", 49152, 576),
     ];
-    for (label, name, rows, cols) in shapes {
-        let mut m = QMatrix::from_gguf(&g, name, rows, cols).expect("tensor");
+    shapes
+        .into_iter()
+        .filter(|s| labels.contains(&s.0))
+        .map(|(label, name, rows, cols)| {
+            let m = QMatrix::from_gguf(&g, name, rows, cols).expect("tensor");
+            (label, m)
+        })
+        .collect()
+}
+
+fn bench(c: &mut Criterion) {
+    for (label, mut m) in matrices(&["ffn_up", "ffn_down", "head"]) {
+        let (rows, cols) = (m.rows, m.cols);
         for act in [Activations::F32, Activations::Q8] {
             m.set_activations(act);
             let mut grp = c.benchmark_group(format!("matvec/{label}/{act:?}"));
@@ -54,16 +68,8 @@ fn bench(c: &mut Criterion) {
 /// Prefill products (`QMatrix::matmul`: tiles of weights dequantized, then
 /// `sgemm`) for prompt chunks of `n` tokens, in tokens per second.
 fn prefill(c: &mut Criterion) {
-    let path =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let g = Gguf::open(&path).expect("run scripts/fetch-assets.sh first");
-    let shapes = [
-        ("ffn_up", "blk.0.ffn_up.weight", 1536, 576),
-        ("ffn_down", "blk.0.ffn_down.weight", 576, 1536),
-        ("attn_k", "blk.0.attn_k.weight", 192, 576),
-    ];
-    for (label, name, rows, cols) in shapes {
-        let m = QMatrix::from_gguf(&g, name, rows, cols).expect("tensor");
+    for (label, m) in matrices(&["ffn_up", "ffn_down", "attn_k"]) {
+        let (rows, cols) = (m.rows, m.cols);
         let mut grp = c.benchmark_group(format!("matmul/{label}"));
         grp.sample_size(10);
         grp.warm_up_time(std::time::Duration::from_millis(300));
