@@ -31,6 +31,7 @@
 
 use crate::blocks::GgmlType;
 use crate::blocks_x86::{PREFETCH, scale_pair};
+use crate::lanes_x86_512::{AT_ONCE, lanes};
 use std::arch::x86_64::*;
 
 /// How far ahead the row-group kernels prefetch, in rows: block `i` of row
@@ -59,21 +60,6 @@ pub(crate) fn available(ty: GgmlType) -> bool {
 unsafe fn load(p: *const f32) -> __m512 {
     // SAFETY: as the caller guarantees.
     unsafe { _mm512_maskz_loadu_ps(0xFFFF, p) }
-}
-
-/// Accumulators from which a tile sums its lanes all at once
-/// ([`crate::lanes_x86_512`]: 64 shuffles and 15 additions for up to 16),
-/// not one accumulator after another (a store and 16 scalar additions each).
-const MANY: usize = 4;
-
-/// The 16 lanes of `v`.
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn lanes(v: __m512) -> [f32; 16] {
-    let mut o = [0.0f32; 16];
-    // SAFETY: 16 lanes into 16 floats.
-    unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
-    o
 }
 
 /// Sum of the lanes in index order (the portable `acc.iter().sum()`).
@@ -150,7 +136,7 @@ pub(crate) unsafe fn dot_q4_1_tile<const R: usize, const N: usize>(
                 }
             }
         }
-        let o = if R * N >= MANY {
+        let o = if R * N >= AT_ONCE {
             let zero = _mm512_setzero_ps();
             let v = std::array::from_fn(|k| if k < R * N { acc[k / N][k % N] } else { zero });
             lanes(crate::lanes_x86_512::sums(v))
@@ -217,7 +203,7 @@ pub(crate) unsafe fn dot_q8_0_tile<const R: usize, const N: usize>(
                 }
             }
         }
-        let o = if R * N >= MANY {
+        let o = if R * N >= AT_ONCE {
             let zero = _mm512_setzero_ps();
             let v = std::array::from_fn(|k| match (k % 8 < R * N, k / 8) {
                 (true, h) => acc[k % 8 / N][k % 8 % N][h],

@@ -14,6 +14,21 @@
 
 use std::arch::x86_64::*;
 
+/// Accumulators from which a tile sums its lanes all at once (64 shuffles
+/// and 15 additions for up to 16) rather than one accumulator after another
+/// (a store and 16 scalar additions each).
+pub(crate) const AT_ONCE: usize = 4;
+
+/// The 16 lanes of `v`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) fn lanes(v: __m512) -> [f32; 16] {
+    let mut o = [0.0f32; 16];
+    // SAFETY: 16 lanes into 16 floats.
+    unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+    o
+}
+
 /// Two 128-bit lanes of `a` then two of `b`, picked by `IMM` as
 /// `_mm512_shuffle_f32x4` does.
 #[inline]
@@ -128,13 +143,6 @@ mod tests {
         std::array::from_fn(|k| unsafe { _mm512_loadu_ps(r[k].as_ptr()) })
     }
 
-    fn lanes(v: __m512) -> [f32; 16] {
-        let mut o = [0.0f32; 16];
-        // SAFETY: AVX-512F checked by the callers.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
-        o
-    }
-
     #[test]
     fn sums_have_the_portable_bits() {
         if !std::is_x86_feature_detected!("avx512f") {
@@ -144,24 +152,24 @@ mod tests {
             let r = rows(seed);
             let v = load(&r);
             // SAFETY: AVX-512F detected above.
-            let (t, s, s32, (e, o)) = unsafe { (transpose(v), sums(v), sums32(v), pair_sums(v)) };
+            let (t, s, s32, e, o) = unsafe {
+                let (e, o) = pair_sums(v);
+                let t = transpose(v).map(|c| lanes(c));
+                (t, lanes(sums(v)), lanes(sums32(v)), lanes(e), lanes(o))
+            };
             for k in 0..16 {
                 for (l, c) in t.iter().enumerate() {
-                    assert_eq!(lanes(*c)[k].to_bits(), r[k][l].to_bits());
+                    assert_eq!(c[k].to_bits(), r[k][l].to_bits());
                 }
                 let want = r[k].iter().sum::<f32>();
-                assert_eq!(lanes(s)[k].to_bits(), want.to_bits(), "seed {seed} row {k}");
+                assert_eq!(s[k].to_bits(), want.to_bits(), "seed {seed} row {k}");
                 let even = (0..8).map(|l| r[k][2 * l]).sum::<f32>();
                 let odd = (0..8).map(|l| r[k][2 * l + 1]).sum::<f32>();
-                assert_eq!(lanes(e)[k].to_bits(), even.to_bits());
-                assert_eq!(lanes(o)[k].to_bits(), odd.to_bits());
+                assert_eq!(e[k].to_bits(), even.to_bits());
+                assert_eq!(o[k].to_bits(), odd.to_bits());
                 if k < 8 {
                     let want = r[k].iter().chain(&r[k + 8]).sum::<f32>();
-                    assert_eq!(
-                        lanes(s32)[k].to_bits(),
-                        want.to_bits(),
-                        "seed {seed} pair {k}"
-                    );
+                    assert_eq!(s32[k].to_bits(), want.to_bits(), "seed {seed} pair {k}");
                 }
             }
         }

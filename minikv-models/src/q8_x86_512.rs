@@ -25,6 +25,7 @@
 //! per row.
 
 use crate::blocks_x86::{PREFETCH, scale_pair};
+use crate::lanes_x86_512::{AT_ONCE, lanes};
 use crate::q8::Q8Vec;
 use std::arch::x86_64::*;
 
@@ -136,16 +137,6 @@ fn duplicate_words(w: __m256i) -> __m512i {
     _mm512_permutexvar_epi32(idx, _mm512_castsi256_si512(w))
 }
 
-/// The 16 lanes of `v`.
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn lanes(v: __m512) -> [f32; 16] {
-    let mut o = [0.0f32; 16];
-    // SAFETY: 16 lanes into 16 floats.
-    unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
-    o
-}
-
 /// Per pair, the two inputs' lane sums in index order (even lanes, then odd).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")]
@@ -160,10 +151,10 @@ fn pair_sums(acc: __m512) -> [f32; 2] {
 
 /// `R` consecutive rows (`Q4_1` when `Q4`, else `Q8_0`; `rb` bytes apart)
 /// dot inputs `2 p0 .. 2 (p0 + P)` of `x`: `out(r, 2 p0, values)` gets row
-/// `r`'s results for those inputs (those that exist), bitwise the portable loop's. Each row's
-/// block is unpacked once for the `P` pairs and each pair's block loaded
-/// once for the `R` rows; the `R P` accumulators are as many chains of
-/// multiply-adds in flight.
+/// `r`'s results for those of the inputs that exist, bitwise the portable
+/// loop's. Each row's block is unpacked once for the `P` pairs and each
+/// pair's block loaded once for the `R` rows; the `R P` accumulators are as
+/// many chains of multiply-adds in flight.
 ///
 /// # Safety
 /// [`available`] returned true; `src` holds `R` rows of `x.nb` blocks of the
@@ -237,7 +228,7 @@ unsafe fn dot_pairs<const Q4: bool, const R: usize, const P: usize>(
             }
         }
         // Pair `p` of row `r`: its two inputs' sums in lanes `r P + p`.
-        let (even, odd) = if R * P >= 4 {
+        let (even, odd) = if R * P >= AT_ONCE {
             let zero = _mm512_setzero_ps();
             let v = std::array::from_fn(|k| if k < R * P { acc[k / P][k % P] } else { zero });
             let (e, o) = crate::lanes_x86_512::pair_sums(v);
