@@ -528,12 +528,11 @@ unsafe fn q4<const R: usize, const N: usize>(
     j: usize,
     out: &mut impl FnMut(usize, usize, &[f32]),
 ) -> usize {
-    let mut o = [[0.0; N]; R];
-    let xs = std::array::from_fn(|k| inp.x(j + k));
     let (sums, n) = (inp.sums[j..].as_ptr(), inp.sel.len());
     // SAFETY: as the caller guarantees; lanes j .. j + N of each block's sums.
-    unsafe { dot_q4_1_tile::<R, N>(w, rb, inp.nb, xs, sums, n, &mut o) };
-    emit(&o, j, out)
+    run(inp, j, out, |xs, o| unsafe {
+        dot_q4_1_tile::<R, N>(w, rb, inp.nb, xs, sums, n, o)
+    })
 }
 
 /// `Q8_0` rows `0 .. R` of `w` (`rb` bytes apart) dot inputs `j .. j + N`
@@ -548,19 +547,22 @@ unsafe fn q8<const R: usize, const N: usize>(
     j: usize,
     out: &mut impl FnMut(usize, usize, &[f32]),
 ) -> usize {
-    let mut o = [[0.0; N]; R];
-    let xs = std::array::from_fn(|k| inp.x(j + k));
     // SAFETY: as the caller guarantees.
-    unsafe { dot_q8_0_tile::<R, N>(w, rb, inp.nb, xs, &mut o) };
-    emit(&o, j, out)
+    run(inp, j, out, |xs, o| unsafe {
+        dot_q8_0_tile::<R, N>(w, rb, inp.nb, xs, o)
+    })
 }
 
-/// Hands out a tile's results (row `r`, inputs from `j`); returns `N`.
-fn emit<const R: usize, const N: usize>(
-    o: &[[f32; N]; R],
+/// Runs a tile (`tile(inputs j .. j + N, results)`) and hands out its
+/// results (row `r`, inputs from `j`); returns `N`.
+fn run<const R: usize, const N: usize>(
+    inp: &Inputs<'_>,
     j: usize,
     out: &mut impl FnMut(usize, usize, &[f32]),
+    tile: impl FnOnce([*const f32; N], &mut [[f32; N]; R]),
 ) -> usize {
+    let mut o = [[0.0; N]; R];
+    tile(std::array::from_fn(|k| inp.x(j + k)), &mut o);
     for (r, o) in o.iter().enumerate() {
         out(r, j, o);
     }

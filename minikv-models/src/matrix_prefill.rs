@@ -44,11 +44,13 @@ impl QMatrix {
     }
 
     /// `Y = X W^T` for each part `(first row, rows)` of `X` (`rows >= 3`):
-    /// every tile of `W` is dequantized once for all the parts, then each
-    /// part gets its own `sgemm` against it, the call [`Self::matmul`] makes
-    /// for that part alone (so each part's rows are bitwise what they are
-    /// alone, and several sequences' prefill chunks in one batch unpack the
-    /// weights once instead of once each).
+    /// every tile of `W` is dequantized once for all the parts (several
+    /// sequences' prefill chunks in one batch unpack the weights once, not
+    /// once each), then each part gets its own `sgemm` against it. Each
+    /// output's sum runs over the same products in the same order whatever
+    /// the tile's width, so each part's rows are bitwise what
+    /// [`Self::matmul`] gives for that part alone (tested with parts whose
+    /// tiles alone would be narrower).
     pub(super) fn matmul_parts(&self, x: &[f32], parts: &[(usize, usize)], y: &mut [f32]) {
         let (rows, cols) = (self.rows, self.cols);
         for &(a, n) in parts {

@@ -62,8 +62,8 @@ fn batched_rows_are_bitwise_equal_to_single_matvecs() {
 
 /// Each segment of a batch (decode rows together, prefill chunks sharing
 /// each dequantized tile of weights) is bitwise its own product, across
-/// several tiles of rows and with chunks before, between and after the
-/// decode rows.
+/// several tiles of rows, with chunks before, between and after the decode
+/// rows, and with tiles wider than a short chunk gets alone.
 #[test]
 fn segments_match_separate_products() {
     for (ty, rows, cols) in [
@@ -72,7 +72,8 @@ fn segments_match_separate_products() {
         (GgmlType::Q8_0, 70, 64),
     ] {
         let m = random_matrix(ty, rows, cols, 3);
-        let lens = [4usize, 1, 5, 2, 0, 1, 3, 7];
+        // The 100-row chunk widens every tile past what the others get alone.
+        let lens = [4usize, 1, 5, 2, 0, 1, 3, 100, 7];
         let total: usize = lens.iter().sum();
         let x: Vec<f32> = (0..total * cols).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut segs = Segments::default();
