@@ -61,9 +61,10 @@ fn tiled_prefill_extra_memory_is_linear_in_t() {
     let large = extra_bytes(8192);
     // A T x T score matrix for T = 8192 and 2 heads would be 512 MiB. With
     // `A_cumul` each thread keeps at most ~1 MiB of a row block's
-    // exponentials, plus 8 partial column-sum rows per head (O(T)).
+    // exponentials, plus 8 partial column-sum rows per head (O(T)), and the
+    // call keeps one transposed copy of the keys (T x d per KV head, O(T)).
     let threads = rayon::current_num_threads().max(2);
-    let bound = threads * ((1 << 20) + (64 << 10)) + 2 * 8 * 8192 * 4;
+    let bound = threads * ((1 << 20) + (64 << 10)) + 2 * 8 * 8192 * 4 + 8192 * 64 * 4;
     assert!(
         large < bound,
         "extra memory at T = 8192 is {large} bytes (bound {bound})"

@@ -1,6 +1,7 @@
 //! Attention backends: prefill attention (optionally producing `A_cumul`) and
 //! decode attention over a compressed layer.
 
+mod block_gemm;
 mod reference;
 mod tiled;
 
@@ -280,6 +281,9 @@ pub fn check_prefill(a: &PrefillArgs<'_>) -> Result<(usize, usize)> {
             "Hkv | Hq",
             format!("({hq}, {hkv})"),
         ));
+    }
+    if d == 0 {
+        return Err(Error::shape("prefill head_dim", "> 0", 0));
     }
     if n > t {
         return Err(Error::shape(

@@ -2,6 +2,7 @@
 //! over (head, row block), fully masked causal blocks skipped; `A_cumul` in the
 //! same pass, from the exponentials the softmax already took.
 
+use super::block_gemm::{gemm, transpose_keys};
 use super::{AttentionBackend, DecodeArgs, HeadView, PrefillArgs, check_decode, check_prefill};
 use crate::simd::softmax_inplace;
 use crate::storage::{CpuStorage, StorageFactory};
@@ -60,48 +61,6 @@ fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     r
 }
 
-/// `c = alpha * a(m x k) * b(k x n) + beta * c`, all with explicit strides.
-#[allow(clippy::too_many_arguments)]
-#[inline]
-fn gemm(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    (rsa, csa): (usize, usize),
-    b: &[f32],
-    (rsb, csb): (usize, usize),
-    beta: f32,
-    c: &mut [f32],
-    rsc: usize,
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    debug_assert!(a.len() > (m - 1) * rsa + (k.max(1) - 1) * csa);
-    debug_assert!(b.len() > (k.max(1) - 1) * rsb + (n - 1) * csb);
-    debug_assert!(c.len() > (m - 1) * rsc + (n - 1));
-    // SAFETY: the strides and lengths above keep every access inside the slices.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr(),
-            rsa as isize,
-            csa as isize,
-            b.as_ptr(),
-            rsb as isize,
-            csb as isize,
-            beta,
-            c.as_mut_ptr(),
-            rsc as isize,
-            1,
-        );
-    }
-}
-
 impl TiledBackend {
     fn check_blocks(&self) -> Result<()> {
         if self.block_q == 0 || self.block_k == 0 {
@@ -129,7 +88,11 @@ struct Prefill<'a> {
     /// Sliding window (`usize::MAX`: none).
     win: usize,
     q: &'a [f32],
-    keys: &'a [&'a [f32]],
+    /// Per KV head, its keys from `k_lo` on in panels of `bk`
+    /// ([`transpose_keys`]): the right operand of the scores.
+    keys_t: &'a [Vec<f32>],
+    /// The first key any row of the call sees, rounded down to a block.
+    k_lo: usize,
     values: &'a [&'a [f32]],
 }
 
@@ -179,7 +142,7 @@ impl Prefill<'_> {
         let (d, t, br, bk) = (self.d, self.t, self.br, self.bk);
         let nr = acc.len() / d;
         debug_assert!(nr <= br);
-        let (k, v) = (self.keys[h / self.g], self.values[h / self.g]);
+        let (kt, v) = (&self.keys_t[h / self.g], self.values[h / self.g]);
         let first_pos = self.off + r0;
         let last_pos = first_pos + nr - 1;
         let c_start = self.lo_of(first_pos) / bk * bk;
@@ -213,7 +176,8 @@ impl Prefill<'_> {
                 } else {
                     &mut s_all[..nr * nc]
                 };
-                gemm(nr, d, nc, qb, (d, 1), &k[c0 * d..], (1, d), 0.0, s, nc);
+                let panel = &kt[(c0 - self.k_lo) * d..];
+                gemm(nr, d, nc, qb, (d, 1), panel, (bk, 1), 0.0, s, nc);
                 let needs_mask = c0 + nc - 1 > first_pos || self.lo_of(last_pos) > c0;
                 for i in 0..nr {
                     let row = &mut s[i * nc..(i + 1) * nc];
@@ -287,18 +251,31 @@ impl AttentionBackend for TiledBackend {
             Some(_) => self.block_q.min((CUMUL_SCRATCH / t).max(8)),
             None => self.block_q,
         };
+        let (bk, off) = (self.block_k, t - n);
+        let win = a.window.unwrap_or(usize::MAX);
+        let k_lo = (off + 1).saturating_sub(win) / bk * bk;
+        let keys_t: Vec<Vec<f32>> = a
+            .keys
+            .par_iter()
+            .map(|k| {
+                let mut kt = Vec::new();
+                transpose_keys(&k[..t * d], d, k_lo, bk, &mut kt);
+                kt
+            })
+            .collect();
         let p = Prefill {
             d,
             n,
             t,
             g,
             br,
-            bk: self.block_k,
+            bk,
             scale: 1.0 / (d as f32).sqrt(),
-            off: t - n,
-            win: a.window.unwrap_or(usize::MAX),
+            off,
+            win,
             q: a.q,
-            keys: a.keys,
+            keys_t: &keys_t,
+            k_lo,
             values: a.values,
         };
         let Some(cumul) = a.cumulative else {
