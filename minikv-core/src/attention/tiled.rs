@@ -1,6 +1,7 @@
 //! FlashAttention-style CPU backend: tiled, online softmax, f32 log-sum-exp, rayon
 //! over (head, row block), fully masked causal blocks skipped; `A_cumul` in the
-//! same pass, from the exponentials the softmax already took.
+//! same pass, from the exponentials the softmax already took. The block
+//! products are [`super::block_gemm`]'s, against keys transposed once per call.
 
 use super::block_gemm::{gemm, transpose_keys};
 use super::{AttentionBackend, DecodeArgs, HeadView, PrefillArgs, check_decode, check_prefill};
