@@ -442,6 +442,26 @@ fn bad_shapes_are_errors_not_panics() {
         })
         .unwrap_err();
     assert!(err.to_string().contains("shape mismatch"), "{err}");
+    // A head dimension of 0 is named, on both CPU backends.
+    let backends: [&dyn AttentionBackend; 2] = [&TiledBackend::default(), &ReferenceBackend];
+    for be in backends {
+        let err = be
+            .prefill(PrefillArgs {
+                n_q_heads: 1,
+                head_dim: 0,
+                q: &[],
+                n: 1,
+                keys: &[&[]],
+                values: &[&[]],
+                t: 1,
+                out: &mut [],
+                cumulative: None,
+                window: None,
+                history: None,
+            })
+            .unwrap_err();
+        assert!(err.to_string().contains("head_dim"), "{}: {err}", be.name());
+    }
 }
 
 /// Split-K decode (long full-precision heads, ragged lengths, some shorter
