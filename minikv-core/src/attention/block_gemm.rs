@@ -46,17 +46,7 @@ pub(super) fn gemm(
     assert!(c.len() > (m - 1) * rsc + (n - 1));
     #[cfg(target_arch = "x86_64")]
     if csb == 1 && (1..=ONE_PASS).contains(&k) && (beta == 0.0 || beta == 1.0) {
-        let p = x86::Product {
-            k,
-            a: a.as_ptr(),
-            rsa,
-            csa,
-            b: b.as_ptr(),
-            rsb,
-            add: beta == 1.0,
-            c: c.as_mut_ptr(),
-            rsc,
-        };
+        let p = x86::Product::new(k, a, (rsa, csa), b, rsb, beta == 1.0, c, rsc);
         // `matrixmultiply`'s own choice of kernel, whose sums these are.
         if std::is_x86_feature_detected!("avx512f") {
             // SAFETY: the feature was detected; the asserts above keep every
@@ -71,6 +61,25 @@ pub(super) fn gemm(
         }
     }
     // SAFETY: as above.
+    unsafe { sgemm((m, k, n), a, (rsa, csa), b, (rsb, csb), beta, c, rsc) }
+}
+
+/// `matrixmultiply::sgemm` with `alpha = 1` and `c`'s columns contiguous.
+///
+/// # Safety
+/// The shapes and strides keep every element inside the slices.
+#[allow(clippy::too_many_arguments)]
+unsafe fn sgemm(
+    (m, k, n): (usize, usize, usize),
+    a: &[f32],
+    (rsa, csa): (usize, usize),
+    b: &[f32],
+    (rsb, csb): (usize, usize),
+    beta: f32,
+    c: &mut [f32],
+    rsc: usize,
+) {
+    // SAFETY: the caller's.
     unsafe {
         matrixmultiply::sgemm(
             m,
@@ -87,7 +96,7 @@ pub(super) fn gemm(
             c.as_mut_ptr(),
             rsc as isize,
             1,
-        );
+        )
     }
 }
 
@@ -158,25 +167,9 @@ mod tests {
                     let b = data(k * rsb, 2);
                     let c0 = data(m * (n + 2), 3);
                     let mut want = c0.clone();
+                    let sb = (rsb, 1);
                     // SAFETY: the shapes and strides fit the slices.
-                    unsafe {
-                        matrixmultiply::sgemm(
-                            m,
-                            k,
-                            n,
-                            1.0,
-                            a.as_ptr(),
-                            rsa as isize,
-                            csa as isize,
-                            b.as_ptr(),
-                            rsb as isize,
-                            1,
-                            beta,
-                            want.as_mut_ptr(),
-                            (n + 2) as isize,
-                            1,
-                        )
-                    };
+                    unsafe { sgemm((m, k, n), &a, (rsa, csa), &b, sb, beta, &mut want, n + 2) };
                     let mut got = c0.clone();
                     product(m, k, n, &a, (rsa, csa), &b, rsb, beta, &mut got, n + 2);
                     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -206,17 +199,7 @@ mod tests {
                     if k > ONE_PASS {
                         return gemm(m, k, n, a, (rsa, csa), b, (rsb, 1), beta, c, rsc);
                     }
-                    let p = x86::Product {
-                        k,
-                        a: a.as_ptr(),
-                        rsa,
-                        csa,
-                        b: b.as_ptr(),
-                        rsb,
-                        add: beta == 1.0,
-                        c: c.as_mut_ptr(),
-                        rsc,
-                    };
+                    let p = x86::Product::new(k, a, (rsa, csa), b, rsb, beta == 1.0, c, rsc);
                     // SAFETY: the features were detected by the caller; the
                     // shapes fit the slices.
                     unsafe {

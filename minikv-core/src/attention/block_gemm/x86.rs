@@ -14,15 +14,42 @@ use std::arch::x86_64::*;
 /// k`, any strides), `b` (`k x n`, rows `rsb` apart, columns contiguous),
 /// `c` (`m x n`, rows `rsc` apart), stored (`add` false) or added to.
 pub(super) struct Product {
-    pub k: usize,
-    pub a: *const f32,
-    pub rsa: usize,
-    pub csa: usize,
-    pub b: *const f32,
-    pub rsb: usize,
-    pub add: bool,
-    pub c: *mut f32,
-    pub rsc: usize,
+    k: usize,
+    a: *const f32,
+    rsa: usize,
+    csa: usize,
+    b: *const f32,
+    rsb: usize,
+    add: bool,
+    c: *mut f32,
+    rsc: usize,
+}
+
+impl Product {
+    /// The operands' pointers and strides.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        k: usize,
+        a: &[f32],
+        (rsa, csa): (usize, usize),
+        b: &[f32],
+        rsb: usize,
+        add: bool,
+        c: &mut [f32],
+        rsc: usize,
+    ) -> Self {
+        Self {
+            k,
+            a: a.as_ptr(),
+            rsa,
+            csa,
+            b: b.as_ptr(),
+            rsb,
+            add,
+            c: c.as_mut_ptr(),
+            rsc,
+        }
+    }
 }
 
 /// A tile's view of the product: `a` at its first row, `b` and `c` at its
