@@ -258,11 +258,7 @@ impl AttentionBackend for TiledBackend {
         let keys_t: Vec<Vec<f32>> = a
             .keys
             .par_iter()
-            .map(|k| {
-                let mut kt = Vec::new();
-                transpose_keys(&k[..t * d], d, k_lo, bk, &mut kt);
-                kt
-            })
+            .map(|k| transpose_keys(&k[..t * d], d, k_lo, bk))
             .collect();
         let p = Prefill {
             d,
