@@ -115,6 +115,24 @@ pub(crate) fn h(b: &[u8], i: usize) -> f32 {
 
 /// Dequantizes one row (`out.len()` elements) from its bytes.
 pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    if crate::blocks_x86_512::available(ty) && src.len() >= out.len() / 32 * ty.block_bytes() {
+        // SAFETY: the CPU has AVX-512F (and the build AVX2, FMA, F16C);
+        // `src` holds the row's blocks.
+        unsafe { crate::dequant_x86_512::dequantize(ty, src, out) };
+        return;
+    }
+    dequantize_row_portable(ty, src, out);
+}
+
+/// [`dequantize_row`] in portable loops (the definition of its values: the
+/// vector paths give the same bits).
+pub(crate) fn dequantize_row_portable(ty: GgmlType, src: &[u8], out: &mut [f32]) {
     match ty {
         GgmlType::F32 => {
             for (o, c) in out.iter_mut().zip(src.chunks_exact(4)) {

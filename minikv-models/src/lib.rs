@@ -40,6 +40,13 @@ mod blocks_x86;
 ))]
 mod blocks_x86_512;
 pub mod chat;
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+mod dequant_x86_512;
 pub mod gemma3;
 mod generate;
 pub mod gguf;
