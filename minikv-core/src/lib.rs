@@ -63,6 +63,7 @@ mod error;
 ))]
 mod f16x86;
 pub mod files;
+pub mod gemm;
 pub mod hybrid;
 pub mod layered;
 pub mod pages;

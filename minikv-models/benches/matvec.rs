@@ -74,7 +74,7 @@ fn prefill(c: &mut Criterion) {
         grp.sample_size(10);
         grp.warm_up_time(std::time::Duration::from_millis(300));
         grp.measurement_time(std::time::Duration::from_secs(1));
-        for n in [16usize, 64, 512] {
+        for n in [8usize, 16, 32, 64, 128, 512] {
             let x: Vec<f32> = (0..n * cols)
                 .map(|i| ((i * 7919 % 1999) as f32 / 999.5 - 1.0) * 0.7)
                 .collect();

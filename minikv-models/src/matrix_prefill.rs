@@ -1,6 +1,14 @@
 //! Prefill products (many rows of inputs against a weight matrix): tiles
-//! of weight rows dequantized to f32, then `sgemm` (the `matrixmultiply`
-//! crate) per part of the inputs against each tile.
+//! of weight rows dequantized to f32, then multiplied by the inputs.
+//!
+//! Two routes with the same bits (every output is `matrixmultiply`'s sum,
+//! whatever the shape of the product it is computed in:
+//! [`minikv_core::gemm`]). Short chunks go through
+//! [`minikv_core::gemm::gemm`] with the tile as its left operand, read in
+//! place, against the inputs transposed once per call: `matrixmultiply`
+//! would copy the whole tile into its panels for a few multiply-adds per
+//! weight. Long ones go through `sgemm` (the `matrixmultiply` crate) per
+//! part of the inputs, whose copies are then a small share.
 
 use super::{QMatrix, SendPtr};
 use rayon::prelude::*;
@@ -9,7 +17,19 @@ use std::cell::RefCell;
 thread_local! {
     /// A task's dequantized tile of weight rows (reused).
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A task's products of its tile, `[tile row][input]` (reused).
+    static OUT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
+
+/// Most input rows (all parts together) that go through
+/// [`minikv_core::gemm::gemm`] instead of `sgemm`. Measured with `cargo
+/// bench -p minikv-models --bench matvec -- matmul/` and `minikv bench
+/// prefill` (docs/performance.md): up to 64 rows that route was faster for
+/// the 576- and 1536-row matrices, at 128 the two could not be told apart,
+/// at 512 `sgemm` took half the time (its blocking keeps a tile's rows in
+/// cache across the inputs; the direct product reads the whole tile again
+/// for every 64 inputs).
+const DIRECT_MOST: usize = 64;
 
 /// Most output rows dequantized per prefill tile.
 const TILE_ROWS: usize = 512;
@@ -46,16 +66,32 @@ impl QMatrix {
     /// `Y = X W^T` for each part `(first row, rows)` of `X` (`rows >= 3`):
     /// every tile of `W` is dequantized once for all the parts (several
     /// sequences' prefill chunks in one batch unpack the weights once, not
-    /// once each), then each part gets its own `sgemm` against it. Each
-    /// output's sum runs over the same products in the same order whatever
-    /// the tile's width, so each part's rows are bitwise what
+    /// once each), then multiplied by them. Each output's sum runs over the
+    /// same products in the same order whatever the tile's width, the other
+    /// parts and the route, so each part's rows are bitwise what
     /// [`Self::matmul`] gives for that part alone (tested with parts whose
-    /// tiles alone would be narrower).
+    /// tiles alone would be narrower, and each route against the other).
     pub(super) fn matmul_parts(&self, x: &[f32], parts: &[(usize, usize)], y: &mut [f32]) {
-        let (rows, cols) = (self.rows, self.cols);
-        for &(a, n) in parts {
-            assert!(n >= 3 && (a + n) * cols <= x.len() && (a + n) * rows <= y.len());
+        let total: usize = parts.iter().map(|p| p.1).sum();
+        if total <= DIRECT_MOST {
+            self.matmul_direct(x, parts, y);
+        } else {
+            self.matmul_packed(x, parts, y);
         }
+    }
+
+    /// Every part has at least 3 rows and lies inside `x` and `y` (what
+    /// the routes' raw writes rely on).
+    fn check_parts(&self, x: &[f32], parts: &[(usize, usize)], y: &[f32]) {
+        for &(a, n) in parts {
+            assert!(n >= 3 && (a + n) * self.cols <= x.len() && (a + n) * self.rows <= y.len());
+        }
+    }
+
+    /// [`Self::matmul_parts`] through `sgemm` per part and tile.
+    pub(super) fn matmul_packed(&self, x: &[f32], parts: &[(usize, usize)], y: &mut [f32]) {
+        let (rows, cols) = (self.rows, self.cols);
+        self.check_parts(x, parts, y);
         let yp = SendPtr(y.as_mut_ptr());
         let yp = &yp;
         let most = parts.iter().map(|p| p.1).max().unwrap_or(0);
@@ -94,6 +130,78 @@ impl QMatrix {
                         );
                     }
                 }
+            });
+        });
+    }
+
+    /// [`Self::matmul_parts`] through [`minikv_core::gemm::gemm`]: the
+    /// parts' input rows transposed once (`[column][input]`), then each
+    /// tile of weight rows, dequantized, times all of them in one product
+    /// (`[tile row][input]`), written out to each input's row of `y`.
+    pub(super) fn matmul_direct(&self, x: &[f32], parts: &[(usize, usize)], y: &mut [f32]) {
+        let (rows, cols) = (self.rows, self.cols);
+        self.check_parts(x, parts, y);
+        let total: usize = parts.iter().map(|p| p.1).sum();
+        // Transposed in slices of 16 columns, in parallel: a slice's
+        // `16 x total` floats stay in the core's L1 while every input's 16
+        // values (one cache line) are written into it.
+        // Every element is written below, so the buffer is not zeroed first.
+        let mut xt: Vec<f32> = Vec::with_capacity(cols * total);
+        let spare = &mut xt.spare_capacity_mut()[..cols * total];
+        spare
+            .par_chunks_mut(16 * total)
+            .enumerate()
+            .for_each(|(s, xt)| {
+                let c0 = 16 * s;
+                let inputs = parts.iter().flat_map(|&(a, n)| a..a + n);
+                for (i, r) in inputs.enumerate() {
+                    let src = &x[r * cols + c0..r * cols + c0 + xt.len() / total];
+                    for (c, &v) in src.iter().enumerate() {
+                        xt[c * total + i].write(v);
+                    }
+                }
+            });
+        // SAFETY: the slices of 16 columns (the last one shorter) cover all
+        // `cols x total` elements, and every input's column of each was
+        // written.
+        unsafe { xt.set_len(cols * total) };
+        let yp = SendPtr(y.as_mut_ptr());
+        let (yp, xt) = (&yp, &xt);
+        let tr = tile_rows(rows, rayon::current_num_threads(), total);
+        (0..rows.div_ceil(tr)).into_par_iter().for_each(|tile| {
+            let r0 = tile * tr;
+            let nr = tr.min(rows - r0);
+            TILE.with_borrow_mut(|t| {
+                OUT.with_borrow_mut(|o| {
+                    t.resize(t.len().max(nr * cols), 0.0);
+                    o.resize(o.len().max(nr * total), 0.0);
+                    for r in 0..nr {
+                        self.dequantize_row(r0 + r, &mut t[r * cols..(r + 1) * cols]);
+                    }
+                    let o = &mut o[..nr * total];
+                    minikv_core::gemm::gemm(
+                        nr,
+                        cols,
+                        total,
+                        t,
+                        (cols, 1),
+                        xt,
+                        (total, 1),
+                        0.0,
+                        o,
+                        total,
+                    );
+                    let inputs = parts.iter().flat_map(|&(a, n)| a..a + n);
+                    for (i, r) in inputs.enumerate() {
+                        // SAFETY: y[r][r0 .. r0 + nr] is written by this
+                        // task only, and lies inside y (checked by the caller).
+                        let yr =
+                            unsafe { std::slice::from_raw_parts_mut(yp.0.add(r * rows + r0), nr) };
+                        for (j, v) in yr.iter_mut().enumerate() {
+                            *v = o[j * total + i];
+                        }
+                    }
+                });
             });
         });
     }

@@ -96,6 +96,40 @@ fn segments_match_separate_products() {
     }
 }
 
+/// The prefill products' two routes (`minikv_core::gemm` on the inputs
+/// transposed, `sgemm` per part) give the same bits, for inner dimensions
+/// of one and several of `matrixmultiply`'s passes, several tiles of rows
+/// and parts of different lengths.
+#[test]
+fn prefill_routes_have_the_same_bits() {
+    for (ty, rows, cols) in [
+        (GgmlType::Q4_1, 70, 64),
+        (GgmlType::Q4_1, 130, 576),
+        (GgmlType::Q8_0, 40, 1536),
+    ] {
+        let m = random_matrix(ty, rows, cols, 5);
+        for parts in [vec![(0, 3)], vec![(0, 17)], vec![(2, 5), (9, 70), (80, 4)]] {
+            let n = parts.iter().map(|p| p.0 + p.1).max().unwrap();
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| (i as f32 * 0.37).sin() * [1.0, 1e-3, 37.0][i % 3])
+                .collect();
+            let (mut direct, mut packed) = (vec![0.0; n * rows], vec![0.0; n * rows]);
+            m.matmul_direct(&x, &parts, &mut direct);
+            m.matmul_packed(&x, &parts, &mut packed);
+            for &(a, k) in &parts {
+                let (d, p) = (
+                    &direct[a * rows..(a + k) * rows],
+                    &packed[a * rows..(a + k) * rows],
+                );
+                assert!(
+                    d.iter().zip(p).all(|(d, p)| d.to_bits() == p.to_bits()),
+                    "{ty:?} {rows}x{cols} parts {parts:?}: part at {a}"
+                );
+            }
+        }
+    }
+}
+
 /// `matvec` (rows split into tasks, four rows at a time on 512-bit
 /// registers) gives every row bitwise its single-row dot, in f32 and with
 /// 8-bit activations, for row counts that leave every remainder.

@@ -1,7 +1,6 @@
 //! Attention backends: prefill attention (optionally producing `A_cumul`) and
 //! decode attention over a compressed layer.
 
-mod block_gemm;
 mod reference;
 mod tiled;
 

@@ -1,10 +1,11 @@
 //! FlashAttention-style CPU backend: tiled, online softmax, f32 log-sum-exp, rayon
 //! over (head, row block), fully masked causal blocks skipped; `A_cumul` in the
 //! same pass, from the exponentials the softmax already took. The block
-//! products are [`super::block_gemm`]'s, against keys transposed once per call.
+//! products are [`crate::gemm`]'s, against keys transposed once per call
+//! ([`transpose_panels`]).
 
-use super::block_gemm::{gemm, transpose_keys};
 use super::{AttentionBackend, DecodeArgs, HeadView, PrefillArgs, check_decode, check_prefill};
+use crate::gemm::{gemm, transpose_panels};
 use crate::simd::softmax_inplace;
 use crate::storage::{CpuStorage, StorageFactory};
 use crate::{Error, Result};
@@ -90,7 +91,7 @@ struct Prefill<'a> {
     win: usize,
     q: &'a [f32],
     /// Per KV head, its keys from `k_lo` on in panels of `bk`
-    /// ([`transpose_keys`]): the right operand of the scores.
+    /// ([`transpose_panels`]): the right operand of the scores.
     keys_t: &'a [Vec<f32>],
     /// The first key any row of the call sees, rounded down to a block.
     k_lo: usize,
@@ -258,7 +259,7 @@ impl AttentionBackend for TiledBackend {
         let keys_t: Vec<Vec<f32>> = a
             .keys
             .par_iter()
-            .map(|k| transpose_keys(&k[..t * d], d, k_lo, bk))
+            .map(|k| transpose_panels(&k[..t * d], d, k_lo, bk))
             .collect();
         let p = Prefill {
             d,

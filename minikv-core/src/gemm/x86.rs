@@ -1,4 +1,4 @@
-//! The block products' kernels on x86-64: 512-bit registers (AVX-512F) and
+//! The products' kernels on x86-64: 512-bit registers (AVX-512F) and
 //! 256-bit ones (AVX2 with FMA), the two kernels `matrixmultiply` itself
 //! picks on those CPUs, with its sums (see the parent module).
 //!
