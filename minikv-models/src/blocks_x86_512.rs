@@ -62,6 +62,37 @@ unsafe fn load(p: *const f32) -> __m512 {
     unsafe { _mm512_maskz_loadu_ps(0xFFFF, p) }
 }
 
+/// A `Q4_1` block's 32 codes as floats, in the portable loops' lanes: byte
+/// `l` zero-extended to lane `l`, its low nibble weight `l` (first vector),
+/// its high nibble weight `l + 16` (second).
+///
+/// # Safety
+/// AVX-512F; the block's 20 bytes readable at `b`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn q4_1_codes(b: *const u8) -> [__m512; 2] {
+    // SAFETY: bytes 4..20 of the block, as the caller guarantees.
+    let q = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(4) as *const __m128i)) };
+    [
+        _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))),
+        _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q)),
+    ]
+}
+
+/// A `Q8_0` block's 32 codes as floats, 16 a vector.
+///
+/// # Safety
+/// AVX-512F; the block's 34 bytes readable at `b`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn q8_0_codes(b: *const u8) -> [__m512; 2] {
+    // SAFETY: bytes 2..34 of the block, as the caller guarantees.
+    std::array::from_fn(|k| unsafe {
+        let q8 = _mm_loadu_si128(b.add(2 + 16 * k) as *const __m128i);
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8))
+    })
+}
+
 /// Sum of the lanes in index order (the portable `acc.iter().sum()`).
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
@@ -102,7 +133,6 @@ pub(crate) unsafe fn dot_q4_1_tile<const R: usize, const N: usize>(
     // rows, of each input and of the sums, as the caller guarantees (the
     // masked load reads lanes `j < N` only).
     unsafe {
-        let lo4 = _mm512_set1_epi32(15);
         let mut acc = [[_mm512_setzero_ps(); N]; R];
         let mut macc = [_mm512_setzero_ps(); R];
         for i in 0..nb {
@@ -122,9 +152,7 @@ pub(crate) unsafe fn dot_q4_1_tile<const R: usize, const N: usize>(
                 // Lane j of every input: m * s_j, then added (not fused), as
                 // the portable `macc += m * s`.
                 macc[r] = _mm512_add_ps(macc[r], _mm512_mul_ps(m, s));
-                let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(4) as *const __m128i));
-                wl[r] = _mm512_cvtepi32_ps(_mm512_and_si512(q, lo4));
-                wh[r] = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
+                [wl[r], wh[r]] = q4_1_codes(b);
             }
             // Each input's block loaded once for the R rows.
             for j in 0..N {
@@ -187,10 +215,7 @@ pub(crate) unsafe fn dot_q8_0_tile<const R: usize, const N: usize>(
                 let b = src.as_ptr().add(r * rb + 34 * i);
                 _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PREFETCH) as *const i8);
                 d[r] = _mm512_broadcastss_ps(scale_pair(b));
-                q[r] = std::array::from_fn(|k| {
-                    let q8 = _mm_loadu_si128(b.add(2 + 16 * k) as *const __m128i);
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8))
-                });
+                q[r] = q8_0_codes(b);
             }
             for j in 0..N {
                 let xp = xs[j].add(32 * i);
@@ -248,7 +273,6 @@ pub(crate) unsafe fn dot_q4_1_rows<const R: usize>(
     // SAFETY: every pointer stays within block `i < nb` of each of the `R`
     // rows, of `x` and of `xsum`, as the caller guarantees.
     unsafe {
-        let lo4 = _mm512_set1_epi32(15);
         let mut acc = [_mm512_setzero_ps(); R];
         let mut macc = [0.0f32; R];
         let rb = 20 * nb;
@@ -261,11 +285,7 @@ pub(crate) unsafe fn dot_q4_1_rows<const R: usize>(
                 _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PF * rb) as *const i8);
                 let dm = scale_pair(b);
                 macc[r] += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * s;
-                // Byte j zero-extended to lane j: its low nibble is weight j,
-                // its high nibble weight j + 16 (the single-row kernel's lanes).
-                let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(4) as *const __m128i));
-                let wl = _mm512_cvtepi32_ps(_mm512_and_si512(q, lo4));
-                let wh = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
+                let [wl, wh] = q4_1_codes(b);
                 let inner = _mm512_fmadd_ps(wl, xl, _mm512_mul_ps(wh, xh));
                 acc[r] = _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), inner, acc[r]);
             }
@@ -306,10 +326,9 @@ pub(crate) unsafe fn dot_q8_0_rows<const R: usize>(
                 let b = src.as_ptr().add(r * rb + 34 * i);
                 _mm_prefetch::<_MM_HINT_T0>(b.wrapping_add(PF * rb) as *const i8);
                 let d = _mm512_broadcastss_ps(scale_pair(b));
+                let q = q8_0_codes(b);
                 for (k, a) in acc.iter_mut().enumerate() {
-                    let q8 = _mm_loadu_si128(b.add(2 + 16 * k) as *const __m128i);
-                    let q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8));
-                    *a = _mm512_fmadd_ps(d, _mm512_mul_ps(q, xv[k]), *a);
+                    *a = _mm512_fmadd_ps(d, _mm512_mul_ps(q[k], xv[k]), *a);
                 }
             }
         }

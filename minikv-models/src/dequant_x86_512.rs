@@ -4,6 +4,7 @@
 
 use crate::blocks::GgmlType;
 use crate::blocks_x86::scale_pair;
+use crate::blocks_x86_512::{q4_1_codes, q8_0_codes};
 use std::arch::x86_64::*;
 
 /// A row of `Q4_1` or `Q8_0` blocks dequantized (`out.len() / 32` blocks),
@@ -26,27 +27,24 @@ pub(crate) unsafe fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) {
     // the caller guarantees.
     unsafe {
         if ty == GgmlType::Q4_1 {
-            let lo4 = _mm512_set1_epi32(15);
             for i in 0..out.len() / 32 {
                 let b = src.as_ptr().add(20 * i);
                 let dm = scale_pair(b);
                 let d = _mm512_broadcastss_ps(dm);
                 let m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-                // Byte l: its low nibble is weight l, its high nibble l + 16.
-                let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(b.add(4) as *const __m128i));
-                let wl = _mm512_cvtepi32_ps(_mm512_and_si512(q, lo4));
-                let wh = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(q));
-                _mm512_storeu_ps(o.add(32 * i), _mm512_add_ps(_mm512_mul_ps(wl, d), m));
-                _mm512_storeu_ps(o.add(32 * i + 16), _mm512_add_ps(_mm512_mul_ps(wh, d), m));
+                for (k, w) in q4_1_codes(b).into_iter().enumerate() {
+                    _mm512_storeu_ps(
+                        o.add(32 * i + 16 * k),
+                        _mm512_add_ps(_mm512_mul_ps(w, d), m),
+                    );
+                }
             }
         } else {
             for i in 0..out.len() / 32 {
                 let b = src.as_ptr().add(34 * i);
                 // The fp16 scale and the first two codes, of which lane 0.
                 let d = _mm512_broadcastss_ps(scale_pair(b));
-                for k in 0..2 {
-                    let q = _mm_loadu_si128(b.add(2 + 16 * k) as *const __m128i);
-                    let w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+                for (k, w) in q8_0_codes(b).into_iter().enumerate() {
                     _mm512_storeu_ps(o.add(32 * i + 16 * k), _mm512_mul_ps(w, d));
                 }
             }

@@ -26,9 +26,9 @@ thread_local! {
 /// bench -p minikv-models --bench matvec -- matmul/` and `minikv bench
 /// prefill` (docs/performance.md): up to 64 rows that route was faster for
 /// the 576- and 1536-row matrices, at 128 the two could not be told apart,
-/// at 512 `sgemm` took half the time (its blocking keeps a tile's rows in
-/// cache across the inputs; the direct product reads the whole tile again
-/// for every 64 inputs).
+/// at 512 it took 1.4-2.5 times as long as `sgemm` (whose blocking keeps a
+/// tile's rows in cache across the inputs; the direct product reads the
+/// whole tile again for every 64 inputs).
 const DIRECT_MOST: usize = 64;
 
 /// Most output rows dequantized per prefill tile.
@@ -73,6 +73,9 @@ impl QMatrix {
     /// tiles alone would be narrower, and each route against the other).
     pub(super) fn matmul_parts(&self, x: &[f32], parts: &[(usize, usize)], y: &mut [f32]) {
         let total: usize = parts.iter().map(|p| p.1).sum();
+        if total == 0 {
+            return;
+        }
         if total <= DIRECT_MOST {
             self.matmul_direct(x, parts, y);
         } else {
@@ -141,11 +144,14 @@ impl QMatrix {
     pub(super) fn matmul_direct(&self, x: &[f32], parts: &[(usize, usize)], y: &mut [f32]) {
         let (rows, cols) = (self.rows, self.cols);
         self.check_parts(x, parts, y);
-        let total: usize = parts.iter().map(|p| p.1).sum();
+        // The parts' input rows in order (input `i` of the product is row
+        // `r` of `x` and `y`).
+        let inputs = || parts.iter().flat_map(|&(a, n)| a..a + n);
+        let total = inputs().count();
         // Transposed in slices of 16 columns, in parallel: a slice's
         // `16 x total` floats stay in the core's L1 while every input's 16
-        // values (one cache line) are written into it.
-        // Every element is written below, so the buffer is not zeroed first.
+        // values (one cache line) are written into it. Every element is
+        // written, so the buffer is not zeroed first.
         let mut xt: Vec<f32> = Vec::with_capacity(cols * total);
         let spare = &mut xt.spare_capacity_mut()[..cols * total];
         spare
@@ -153,8 +159,7 @@ impl QMatrix {
             .enumerate()
             .for_each(|(s, xt)| {
                 let c0 = 16 * s;
-                let inputs = parts.iter().flat_map(|&(a, n)| a..a + n);
-                for (i, r) in inputs.enumerate() {
+                for (i, r) in inputs().enumerate() {
                     let src = &x[r * cols + c0..r * cols + c0 + xt.len() / total];
                     for (c, &v) in src.iter().enumerate() {
                         xt[c * total + i].write(v);
@@ -191,10 +196,9 @@ impl QMatrix {
                         o,
                         total,
                     );
-                    let inputs = parts.iter().flat_map(|&(a, n)| a..a + n);
-                    for (i, r) in inputs.enumerate() {
+                    for (i, r) in inputs().enumerate() {
                         // SAFETY: y[r][r0 .. r0 + nr] is written by this
-                        // task only, and lies inside y (checked by the caller).
+                        // task only, and lies inside y (`check_parts`).
                         let yr =
                             unsafe { std::slice::from_raw_parts_mut(yp.0.add(r * rows + r0), nr) };
                         for (j, v) in yr.iter_mut().enumerate() {
