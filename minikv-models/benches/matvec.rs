@@ -8,7 +8,9 @@
 //! for that matrix; how it grows with `n` is what batching buys. `matmul/*`
 //! times the prefill product (`QMatrix::matmul`) of `ffn_up`, `ffn_down`
 //! and `attn_k` (192 x 576)
-//! for prompt chunks of 16-512 tokens.
+//! for prompt chunks of 16-512 tokens. `kquant/*` times Gemma 3 270M's
+//! `Q5_0`, `Q4_K` and `Q6_K` matrices (its `Q4_K_M` file) against one and
+//! four inputs, and their prefill product for 16 tokens.
 //! `cargo bench -p minikv-models --bench matvec`
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -88,5 +90,46 @@ fn prefill(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench, prefill);
+/// Gemma 3 270M's first matrix of each of its types `Q5_0`, `Q4_K` and
+/// `Q6_K` (the weights of its decode besides the `Q8_0` head), labelled
+/// with type and shape: decode against 1 and 4 inputs, prefill of 16 tokens.
+fn kquant(c: &mut Criterion) {
+    use minikv_models::blocks::GgmlType;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/gemma-3-270m-q4_k_m.gguf");
+    let g = Gguf::open(&path).expect("run scripts/fetch-assets.sh first");
+    for ty in [GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+        let found = (0..18).find_map(|l| {
+            ["attn_q", "attn_output", "ffn_up", "ffn_down"]
+                .iter()
+                .map(|n| format!("blk.{l}.{n}.weight"))
+                .find(|n| g.tensor(n).is_ok_and(|t| t.dtype == ty))
+        });
+        let name = found.expect("the Q4_K_M file has every type");
+        let t = g.tensor(&name).expect("tensor");
+        let (cols, rows) = (t.dims[0], t.dims[1]);
+        let m = QMatrix::from_gguf(&g, &name, rows, cols).expect("tensor");
+        let mut grp = c.benchmark_group(format!("kquant/{ty:?}_{rows}x{cols}"));
+        grp.sample_size(20);
+        grp.warm_up_time(std::time::Duration::from_millis(300));
+        grp.measurement_time(std::time::Duration::from_secs(1));
+        for n in [1usize, 4, 16] {
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| ((i * 7919 % 1999) as f32 / 999.5 - 1.0) * 0.7)
+                .collect();
+            let sel: Vec<usize> = (0..n).collect();
+            let mut y = vec![0.0f32; n * rows];
+            grp.throughput(Throughput::Elements(n as u64));
+            if n == 16 {
+                grp.bench_function("matmul/16", |b| b.iter(|| m.matmul(&x, n, &mut y)));
+            } else {
+                grp.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
+                    b.iter(|| m.matvec_rows(&x, &mut y, &sel))
+                });
+            }
+        }
+        grp.finish();
+    }
+}
+
+criterion_group!(benches, bench, prefill, kquant);
 criterion_main!(benches);

@@ -250,7 +250,7 @@ fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
 /// `32c .. 32c + 32`): their scales `d * sc` and their 6-bit minimums (to be
 /// multiplied by `dmin`).
 #[inline(always)]
-fn q4k_pair(b: &[u8], c: usize) -> ([f32; 2], [f32; 2]) {
+pub(crate) fn q4k_pair(b: &[u8], c: usize) -> ([f32; 2], [f32; 2]) {
     let d = h(b, 0);
     let sc: &[u8; 12] = b[4..16].try_into().expect("12");
     let (s1, m1) = scale_min_k4(2 * c, sc);
@@ -359,69 +359,79 @@ pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
         }
         GgmlType::Q4_1 => dot_q4_1_portable(src, x, xsum),
         GgmlType::Q8_0 => dot_q8_0_portable(src, x),
-        GgmlType::Q5_0 => {
-            let mut acc = [0.0f32; 16];
-            for (b, xb) in src.chunks_exact(22).zip(x.chunks_exact(32)) {
-                let d = h(b, 0);
-                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-                let qs: &[u8; 16] = b[6..22].try_into().expect("16");
-                let (xl, xh) = xb.split_at(16);
-                for j in 0..16 {
-                    let (lo, hi) = q5_pair(qs[j], qh, j);
-                    acc[j] = fmadd(d, fmadd(lo, xl[j], hi * xh[j]), acc[j]);
-                }
-            }
-            acc.iter().sum()
-        }
-        GgmlType::Q4_K => {
-            let mut acc = [0.0f32; 32];
-            let mut macc = 0.0f32;
-            for ((b, xb), xs) in src
-                .chunks_exact(144)
-                .zip(x.chunks_exact(256))
-                .zip(xsum.chunks_exact(8))
-            {
-                let dmin = h(b, 2);
-                for c in 0..4 {
-                    let ([d1, d2], [m1, m2]) = q4k_pair(b, c);
-                    macc += dmin * (m1 * xs[2 * c] + m2 * xs[2 * c + 1]);
-                    let q: &[u8; 32] = b[16 + 32 * c..16 + 32 * (c + 1)].try_into().expect("32");
-                    let (xl, xh) = xb[64 * c..64 * (c + 1)].split_at(32);
-                    for l in 0..32 {
-                        acc[l] = fmadd(
-                            d1,
-                            (q[l] & 15) as f32 * xl[l],
-                            fmadd(d2, (q[l] >> 4) as f32 * xh[l], acc[l]),
-                        );
-                    }
-                }
-            }
-            acc.iter().sum::<f32>() - macc
-        }
-        GgmlType::Q6_K => {
-            let mut acc = [0.0f32; 16];
-            for (b, xb) in src.chunks_exact(210).zip(x.chunks_exact(256)) {
-                let d = h(b, 208);
-                for n in 0..2 {
-                    let ql = &b[64 * n..64 * (n + 1)];
-                    let qh = &b[128 + 32 * n..128 + 32 * (n + 1)];
-                    let sc = &b[192 + 8 * n..192 + 8 * (n + 1)];
-                    let xb = &xb[128 * n..128 * (n + 1)];
-                    for half in 0..2 {
-                        let ds = [0, 2, 4, 6].map(|k| d * (sc[half + k] as i8) as f32);
-                        for (j, a) in acc.iter_mut().enumerate() {
-                            let l = 16 * half + j;
-                            let q = q6_quad(ql, qh, l);
-                            for k in 0..4 {
-                                *a = fmadd(ds[k] * q[k], xb[l + 32 * k], *a);
-                            }
-                        }
-                    }
-                }
-            }
-            acc.iter().sum()
+        GgmlType::Q5_0 => dot_q5_0_portable(src, x),
+        GgmlType::Q4_K => dot_q4_k_portable(src, x, xsum),
+        GgmlType::Q6_K => dot_q6_k_portable(src, x),
+    }
+}
+
+/// The portable `Q5_0` row dot (16 lanes of fused multiply-adds).
+pub(crate) fn dot_q5_0_portable(src: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    for (b, xb) in src.chunks_exact(22).zip(x.chunks_exact(32)) {
+        let d = h(b, 0);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        let qs: &[u8; 16] = b[6..22].try_into().expect("16");
+        let (xl, xh) = xb.split_at(16);
+        for j in 0..16 {
+            let (lo, hi) = q5_pair(qs[j], qh, j);
+            acc[j] = fmadd(d, fmadd(lo, xl[j], hi * xh[j]), acc[j]);
         }
     }
+    acc.iter().sum()
+}
+
+/// The portable `Q4_K` row dot (32 lanes of fused multiply-adds, then the
+/// minimums' term); `xsum` holds the 32-block sums of `x`.
+pub(crate) fn dot_q4_k_portable(src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 32];
+    let mut macc = 0.0f32;
+    for ((b, xb), xs) in src
+        .chunks_exact(144)
+        .zip(x.chunks_exact(256))
+        .zip(xsum.chunks_exact(8))
+    {
+        let dmin = h(b, 2);
+        for c in 0..4 {
+            let ([d1, d2], [m1, m2]) = q4k_pair(b, c);
+            macc += dmin * (m1 * xs[2 * c] + m2 * xs[2 * c + 1]);
+            let q: &[u8; 32] = b[16 + 32 * c..16 + 32 * (c + 1)].try_into().expect("32");
+            let (xl, xh) = xb[64 * c..64 * (c + 1)].split_at(32);
+            for l in 0..32 {
+                acc[l] = fmadd(
+                    d1,
+                    (q[l] & 15) as f32 * xl[l],
+                    fmadd(d2, (q[l] >> 4) as f32 * xh[l], acc[l]),
+                );
+            }
+        }
+    }
+    acc.iter().sum::<f32>() - macc
+}
+
+/// The portable `Q6_K` row dot (16 lanes of fused multiply-adds).
+pub(crate) fn dot_q6_k_portable(src: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    for (b, xb) in src.chunks_exact(210).zip(x.chunks_exact(256)) {
+        let d = h(b, 208);
+        for n in 0..2 {
+            let ql = &b[64 * n..64 * (n + 1)];
+            let qh = &b[128 + 32 * n..128 + 32 * (n + 1)];
+            let sc = &b[192 + 8 * n..192 + 8 * (n + 1)];
+            let xb = &xb[128 * n..128 * (n + 1)];
+            for half in 0..2 {
+                let ds = [0, 2, 4, 6].map(|k| d * (sc[half + k] as i8) as f32);
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let l = 16 * half + j;
+                    let q = q6_quad(ql, qh, l);
+                    for k in 0..4 {
+                        *a = fmadd(ds[k] * q[k], xb[l + 32 * k], *a);
+                    }
+                }
+            }
+        }
+    }
+    acc.iter().sum()
 }
 
 #[cfg(test)]

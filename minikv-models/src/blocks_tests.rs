@@ -414,3 +414,82 @@ fn x86_512_dequantization_is_bitwise_the_portable_loops() {
         }
     }
 }
+
+/// `rows` random rows of `nb` blocks of `ty` (`Q5_0`, `Q4_K` or `Q6_K`):
+/// random codes, scales and minimums (fp16 values over many magnitudes, of
+/// both signs).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+fn random_k_rows(rng: &mut rand::rngs::StdRng, ty: GgmlType, rows: usize, nb: usize) -> Vec<u8> {
+    use rand::Rng;
+    let mut w: Vec<u8> = (0..rows * nb * ty.block_bytes())
+        .map(|_| rng.random::<u8>())
+        .collect();
+    for b in w.chunks_exact_mut(ty.block_bytes()) {
+        let mut f = || f16b(rng.random_range(-1.0f32..1.0) * 2f32.powi(rng.random_range(-12..4)));
+        match ty {
+            GgmlType::Q5_0 => b[..2].copy_from_slice(&f()),
+            GgmlType::Q4_K => {
+                b[..2].copy_from_slice(&f());
+                b[2..4].copy_from_slice(&f());
+            }
+            _ => b[208..].copy_from_slice(&f()),
+        }
+    }
+    w
+}
+
+/// The 512-bit `Q5_0`, `Q4_K` and `Q6_K` kernels give each row bitwise the
+/// portable loop's dot: row counts 1-9 (groups of four and rows left
+/// over), rows of one block to Gemma 3's widths (640 columns of `Q5_0`,
+/// 1024 and 2048 of the k-quants), and through `dot_row`.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+#[test]
+fn x86_512_k_quant_dots_are_bitwise_equal_to_the_portable_loops() {
+    use crate::kquant_x86_512 as k;
+    use rand::{Rng, SeedableRng};
+    if !k::available(GgmlType::Q4_K) {
+        eprintln!("no AVX-512F on this CPU: the 512-bit k-quant kernels are not compared");
+        return;
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(14);
+    for (ty, widths) in [
+        (GgmlType::Q5_0, &[32usize, 64, 160, 640][..]),
+        (GgmlType::Q4_K, &[256, 512, 1024, 2048][..]),
+        (GgmlType::Q6_K, &[256, 512, 1024, 2048][..]),
+    ] {
+        for &cols in widths {
+            let x: Vec<f32> = (0..cols)
+                .map(|_| rng.random_range(-3.0f32..3.0) * 2f32.powi(rng.random_range(-8..8)))
+                .collect();
+            let mut xs = Vec::new();
+            block_sums(&x, &mut xs);
+            for rows in 1..=9usize {
+                let w = random_k_rows(&mut rng, ty, rows, cols / ty.block_size());
+                let rb = ty.row_bytes(cols);
+                let portable = |row: &[u8]| match ty {
+                    GgmlType::Q5_0 => dot_q5_0_portable(row, &x),
+                    GgmlType::Q4_K => dot_q4_k_portable(row, &x, &xs),
+                    _ => dot_q6_k_portable(row, &x),
+                };
+                let want: Vec<u32> = w.chunks_exact(rb).map(|r| portable(r).to_bits()).collect();
+                let mut got = vec![f32::NAN; rows];
+                // SAFETY: AVX-512F detected; `w` holds `rows` rows of `cols`
+                // weights, `xs` the input's block sums.
+                unsafe { k::matvec(ty, &w, &x, &xs, &mut got) };
+                let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, want, "{ty:?} cols={cols} rows={rows}");
+                assert_eq!(dot_row(ty, &w[..rb], &x, &xs).to_bits(), want[0]);
+            }
+        }
+    }
+}

@@ -39,7 +39,7 @@ use std::arch::x86_64::*;
 /// [`PREFETCH`] bytes ahead (which from inside a group of four rows reaches
 /// only into that group) it measured 20-25% fewer ns per block; four rows
 /// ahead measured the same as eight.
-const PF: usize = 8;
+pub(crate) const PF: usize = 8;
 
 /// True when the CPU has AVX-512F and `ty` has a kernel here.
 #[inline]
@@ -57,7 +57,7 @@ pub(crate) fn available(ty: GgmlType) -> bool {
 /// AVX-512F; 64 readable bytes at `p`.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn load(p: *const f32) -> __m512 {
+pub(crate) unsafe fn load(p: *const f32) -> __m512 {
     // SAFETY: as the caller guarantees.
     unsafe { _mm512_maskz_loadu_ps(0xFFFF, p) }
 }
@@ -96,7 +96,7 @@ pub(crate) unsafe fn q8_0_codes(b: *const u8) -> [__m512; 2] {
 /// Sum of the lanes in index order (the portable `acc.iter().sum()`).
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn lanes_sum(acc: &[__m512]) -> f32 {
+pub(crate) unsafe fn lanes_sum(acc: &[__m512]) -> f32 {
     let mut lanes = [0.0f32; 32];
     for (k, a) in acc.iter().enumerate() {
         // SAFETY: at most 2 vectors, 32 lanes.

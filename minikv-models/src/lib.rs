@@ -56,6 +56,13 @@ pub mod gguf;
     target_feature = "fma",
     target_feature = "f16c"
 ))]
+mod kquant_x86_512;
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
 mod lanes_x86_512;
 pub mod llama;
 pub mod matrix;

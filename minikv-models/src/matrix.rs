@@ -188,6 +188,20 @@ impl QMatrix {
             };
             return self.tasks_into(y, f);
         }
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma",
+            target_feature = "f16c"
+        ))]
+        if crate::kquant_x86_512::available(ty) && x.len() == self.cols {
+            // SAFETY: AVX-512F and the rest are available for this type
+            // (checked); a task's rows are whole, `xs` holds the block sums.
+            let f = |w: &[u8], o: &mut [f32]| unsafe {
+                crate::kquant_x86_512::matvec(ty, w, x, &xs, o)
+            };
+            return self.tasks_into(y, f);
+        }
         self.tasks_into(y, |w, o| {
             let rows = w.chunks_exact(rb).zip(o);
             rows.for_each(|(row, o)| *o = dot_row(ty, row, x, &xs));
