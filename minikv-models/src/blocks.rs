@@ -121,9 +121,11 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
         target_feature = "fma",
         target_feature = "f16c"
     ))]
-    if crate::blocks_x86_512::available(ty) && src.len() >= out.len() / 32 * ty.block_bytes() {
-        // SAFETY: the CPU has AVX-512F (and the build AVX2, FMA, F16C);
-        // `src` holds the row's blocks.
+    if crate::dequant_x86_512::available(ty)
+        && src.len() >= out.len() / ty.block_size() * ty.block_bytes()
+    {
+        // SAFETY: the CPU has AVX-512F (and the build AVX2, FMA, F16C) and
+        // a kernel for `ty`; `src` holds the row's blocks.
         unsafe { crate::dequant_x86_512::dequantize(ty, src, out) };
         return;
     }

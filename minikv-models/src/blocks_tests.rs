@@ -493,3 +493,36 @@ fn x86_512_k_quant_dots_are_bitwise_equal_to_the_portable_loops() {
         }
     }
 }
+
+/// The 512-bit dequantization of `Q5_0`, `Q4_K` and `Q6_K` rows gives the
+/// portable loops' bits (random codes, scales and minimums; rows of one
+/// block to Gemma 3's widths, with a short tail left alone as the portable
+/// loop leaves it).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+#[test]
+fn x86_512_k_quant_dequantization_is_bitwise_the_portable_loops() {
+    use rand::SeedableRng;
+    if !crate::kquant_x86_512::available(GgmlType::Q4_K) {
+        eprintln!("no AVX-512F on this CPU: the 512-bit dequantization is not compared");
+        return;
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(15);
+    for ty in [GgmlType::Q5_0, GgmlType::Q4_K, GgmlType::Q6_K] {
+        for nb in [1usize, 2, 3, 8, 20] {
+            for _ in 0..20 {
+                let row = random_k_rows(&mut rng, ty, 1, nb);
+                let n = ty.block_size() * nb + 5;
+                let (mut want, mut got) = (vec![-1.0f32; n], vec![-1.0f32; n]);
+                dequantize_row_portable(ty, &row, &mut want);
+                dequantize_row(ty, &row, &mut got);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{ty:?} {nb} blocks");
+            }
+        }
+    }
+}
