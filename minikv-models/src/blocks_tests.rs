@@ -424,7 +424,12 @@ fn x86_512_dequantization_is_bitwise_the_portable_loops() {
     target_feature = "fma",
     target_feature = "f16c"
 ))]
-fn random_k_rows(rng: &mut rand::rngs::StdRng, ty: GgmlType, rows: usize, nb: usize) -> Vec<u8> {
+pub(crate) fn random_k_rows(
+    rng: &mut rand::rngs::StdRng,
+    ty: GgmlType,
+    rows: usize,
+    nb: usize,
+) -> Vec<u8> {
     use rand::Rng;
     let mut w: Vec<u8> = (0..rows * nb * ty.block_bytes())
         .map(|_| rng.random::<u8>())

@@ -324,3 +324,181 @@ pub(crate) fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> Opti
     unsafe { matvec(ty, &src[..nb * ty.block_bytes()], x, xsum, &mut o) };
     Some(o[0])
 }
+
+/// One `Q5_0` row (`nb` blocks) dot `N` inputs: `out[j]` is bitwise
+/// `dot_q5_0_portable(row, xs[j])`. Each block is unpacked once for the
+/// `N` inputs (batched decode: one input per sequence).
+///
+/// # Safety
+/// AVX-512F, AVX2, FMA and F16C must be available; `row` holds `nb`
+/// blocks; each `xs[j]` points at `32 nb` values.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn q5_0_tile<const N: usize>(row: &[u8], nb: usize, xs: [*const f32; N], out: &mut [f32]) {
+    assert!(row.len() >= 22 * nb && out.len() >= N);
+    // SAFETY: block `i < nb` of the row (asserted) and of each input (as
+    // the caller guarantees).
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); N];
+        for i in 0..nb {
+            let b = row.as_ptr().add(22 * i);
+            let d = _mm512_broadcastss_ps(scale_pair(b));
+            let [lo, hi] = q5_0_codes(b);
+            for (a, x) in acc.iter_mut().zip(xs) {
+                let xp = x.add(32 * i);
+                let inner = _mm512_fmadd_ps(lo, load(xp), _mm512_mul_ps(hi, load(xp.add(16))));
+                *a = _mm512_fmadd_ps(d, inner, *a);
+            }
+        }
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = lanes_sum(&[a]);
+        }
+    }
+}
+
+/// One `Q4_K` row (`nb` super-blocks) dot `N` inputs: `out[j]` is bitwise
+/// `dot_q4_k_portable(row, xs[j], sums[j])`, each block unpacked once.
+///
+/// # Safety
+/// AVX-512F, AVX2, FMA and F16C must be available; `row` holds `nb`
+/// blocks; each `xs[j]` points at `256 nb` values, each `sums[j]` at their
+/// `8 nb` block sums.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn q4_k_tile<const N: usize>(
+    row: &[u8],
+    nb: usize,
+    xs: [*const f32; N],
+    sums: [*const f32; N],
+    out: &mut [f32],
+) {
+    assert!(row.len() >= 144 * nb && out.len() >= N);
+    let mut acc = [[_mm512_setzero_ps(); 2]; N];
+    let mut macc = [0.0f32; N];
+    for (i, blk) in row.chunks_exact(144).take(nb).enumerate() {
+        let dmin = h(blk, 2);
+        for c in 0..4 {
+            let ([d1, d2], [m1, m2]) = q4k_pair(blk, c);
+            for (macc, s) in macc.iter_mut().zip(sums) {
+                // SAFETY: sums `8 i + 2 c` and `+ 1` of this input.
+                let (s1, s2) = unsafe { (*s.add(8 * i + 2 * c), *s.add(8 * i + 2 * c + 1)) };
+                *macc += dmin * (m1 * s1 + m2 * s2);
+            }
+            let (d1, d2) = (_mm512_set1_ps(d1), _mm512_set1_ps(d2));
+            for k in 0..2 {
+                // SAFETY: code bytes `16 + 32c + 16k .. + 16` of the block,
+                // inputs `256 i + 64 c + 16 k .. + 16` and `.. + 32 ..`.
+                unsafe {
+                    let [lo, hi] = q4_k_codes(blk.as_ptr().add(16 + 32 * c + 16 * k));
+                    for (a, x) in acc.iter_mut().zip(xs) {
+                        let xp = x.add(256 * i + 64 * c + 16 * k);
+                        let t = _mm512_fmadd_ps(d2, _mm512_mul_ps(hi, load(xp.add(32))), a[k]);
+                        a[k] = _mm512_fmadd_ps(d1, _mm512_mul_ps(lo, load(xp)), t);
+                    }
+                }
+            }
+        }
+    }
+    for ((o, a), m) in out.iter_mut().zip(&acc).zip(macc) {
+        // SAFETY: the features are enabled.
+        *o = unsafe { lanes_sum(a) } - m;
+    }
+}
+
+/// One `Q6_K` row (`nb` super-blocks) dot `N` inputs: `out[j]` is bitwise
+/// `dot_q6_k_portable(row, xs[j])`; each block's weights (code times
+/// scale product) are formed once for the `N` inputs.
+///
+/// # Safety
+/// AVX-512F, AVX2, FMA and F16C must be available; `row` holds `nb`
+/// blocks; each `xs[j]` points at `256 nb` values.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn q6_k_tile<const N: usize>(row: &[u8], nb: usize, xs: [*const f32; N], out: &mut [f32]) {
+    assert!(row.len() >= 210 * nb && out.len() >= N);
+    let mut acc = [_mm512_setzero_ps(); N];
+    for (i, blk) in row.chunks_exact(210).take(nb).enumerate() {
+        let mut ds = [0.0f32; 16];
+        // SAFETY: the block's 16 scales, its fp16 `d`.
+        unsafe {
+            let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(blk[192..].as_ptr() as *const _));
+            let d = _mm512_set1_ps(h(blk, 208));
+            _mm512_storeu_ps(ds.as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+        }
+        for n in 0..2 {
+            let (ql, qh) = (blk[64 * n..].as_ptr(), blk[128 + 32 * n..].as_ptr());
+            for half in 0..2 {
+                // SAFETY: as in `dot_q6_k_rows`, for each input.
+                unsafe {
+                    let q = q6_k_codes(ql, qh, 16 * half);
+                    let w: [__m512; 4] = std::array::from_fn(|k| {
+                        _mm512_mul_ps(_mm512_set1_ps(ds[8 * n + half + 2 * k]), q[k])
+                    });
+                    for (a, x) in acc.iter_mut().zip(xs) {
+                        let xp = x.add(256 * i + 128 * n + 16 * half);
+                        for (k, w) in w.iter().enumerate() {
+                            *a = _mm512_fmadd_ps(*w, load(xp.add(32 * k)), *a);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (o, a) in out.iter_mut().zip(acc) {
+        // SAFETY: the features are enabled.
+        *o = unsafe { lanes_sum(&[a]) };
+    }
+}
+
+/// Most inputs a tile takes at once: `Q4_K` keeps two accumulators per
+/// input, so eight inputs are 16 of the 32 vector registers.
+const TILE: usize = 8;
+
+/// One row of `ty` (`nb` blocks) dot several inputs (`xs[j]`, with
+/// `sums[j]` their 32-block sums for `Q4_K`, else ignored): `out[j]` is
+/// bitwise [`crate::blocks::dot_row`]'s portable loop of that input alone.
+/// The inputs go in tiles of eight, four, two and one.
+///
+/// # Safety
+/// [`available`] returned true for `ty`; `row` holds `nb` blocks; each
+/// `xs[j]` points at `nb` blocks' inputs and (for `Q4_K`) each `sums[j]`
+/// at their block sums; `out`, `xs` (and for `Q4_K` `sums`) have one
+/// entry per input.
+pub(crate) unsafe fn row_dots(
+    ty: GgmlType,
+    row: &[u8],
+    nb: usize,
+    xs: &[*const f32],
+    sums: &[*const f32],
+    out: &mut [f32],
+) {
+    assert!(out.len() == xs.len() && (ty != GgmlType::Q4_K || sums.len() == xs.len()));
+    let mut j = 0;
+    while j < xs.len() {
+        let n = [TILE, 4, 2, 1]
+            .into_iter()
+            .find(|&n| n <= xs.len() - j)
+            .unwrap_or(1);
+        let o = &mut out[j..j + n];
+        // SAFETY: as the caller guarantees, for inputs `j .. j + n`.
+        unsafe {
+            macro_rules! tile {
+                ($n:literal) => {{
+                    let x: [*const f32; $n] = xs[j..j + $n].try_into().expect("n inputs");
+                    match ty {
+                        GgmlType::Q5_0 => q5_0_tile::<$n>(row, nb, x, o),
+                        GgmlType::Q4_K => {
+                            let s = sums[j..j + $n].try_into().expect("n sums");
+                            q4_k_tile::<$n>(row, nb, x, s, o)
+                        }
+                        _ => q6_k_tile::<$n>(row, nb, x, o),
+                    }
+                }};
+            }
+            match n {
+                TILE => tile!(8),
+                4 => tile!(4),
+                2 => tile!(2),
+                _ => tile!(1),
+            }
+        }
+        j += n;
+    }
+}

@@ -518,6 +518,42 @@ fn dots(
                 }
                 return;
             }
+            _ if crate::kquant_x86_512::available(ty) => {
+                let kb = cols / ty.block_size();
+                let whole = kb > 0
+                    && cols == kb * ty.block_size()
+                    && w.len() >= kb * ty.block_bytes()
+                    && (ty != GgmlType::Q4_K || per >= 8 * kb);
+                if whole {
+                    // Tiles of up to eight inputs, their pointers on the stack.
+                    for j0 in (0..sel.len()).step_by(8) {
+                        let n = (sel.len() - j0).min(8);
+                        let xs: [*const f32; 8] =
+                            std::array::from_fn(|t| xrow(j0 + t.min(n - 1)).as_ptr());
+                        let ss: [*const f32; 8] = std::array::from_fn(|t| match per {
+                            0 => std::ptr::null(),
+                            _ => srow(j0 + t.min(n - 1)).as_ptr(),
+                        });
+                        let mut o = [0.0f32; 8];
+                        let ns = if per == 0 { 0 } else { n };
+                        // SAFETY: AVX-512F detected with a kernel for `ty`;
+                        // `w` holds `kb` blocks, each input `cols` values and
+                        // (for `Q4_K`) `per >= 8 kb` sums (checked above).
+                        unsafe {
+                            crate::kquant_x86_512::row_dots(
+                                ty,
+                                w,
+                                kb,
+                                &xs[..n],
+                                &ss[..ns],
+                                &mut o[..n],
+                            )
+                        };
+                        o[..n].iter().enumerate().for_each(|(t, &v)| out(j0 + t, v));
+                    }
+                    return;
+                }
+            }
             _ => {}
         }
     }

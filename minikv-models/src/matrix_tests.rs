@@ -172,3 +172,55 @@ fn matvec_rows_are_bitwise_equal_to_single_row_dots() {
         }
     }
 }
+
+/// Batched decode products of `Q5_0`, `Q4_K` and `Q6_K` matrices (tiles of
+/// up to eight inputs on 512-bit registers where the CPU has AVX-512F)
+/// give every input bitwise the portable loop's dot, for batches of 2 to
+/// 23 inputs taken out of order (every tile size and remainder).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+#[test]
+fn k_quant_batches_are_bitwise_the_portable_dots() {
+    use crate::blocks::{dot_q4_k_portable, dot_q5_0_portable, dot_q6_k_portable};
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(16);
+    for (ty, cols) in [
+        (GgmlType::Q5_0, 160),
+        (GgmlType::Q4_K, 512),
+        (GgmlType::Q6_K, 512),
+    ] {
+        let rows = 11;
+        let bytes = crate::blocks::tests::random_k_rows(&mut rng, ty, rows, cols / ty.block_size());
+        let m = QMatrix::new("t", ty, rows, cols, crate::gguf::Blob::owned(bytes)).unwrap();
+        for n in [2usize, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23] {
+            let x: Vec<f32> = (0..(n + 1) * cols)
+                .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + i as f32 * 1e-3))
+                .collect();
+            let sel: Vec<usize> = (1..=n).rev().collect();
+            let mut y = vec![f32::NAN; (n + 1) * rows];
+            m.matvec_rows(&x, &mut y, &sel);
+            for &i in &sel {
+                let xi = &x[i * cols..(i + 1) * cols];
+                let mut xs = Vec::new();
+                block_sums(xi, &mut xs);
+                for r in 0..rows {
+                    let want = match ty {
+                        GgmlType::Q5_0 => dot_q5_0_portable(m.row(r), xi),
+                        GgmlType::Q4_K => dot_q4_k_portable(m.row(r), xi, &xs),
+                        _ => dot_q6_k_portable(m.row(r), xi),
+                    };
+                    let got = y[i * rows + r];
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{ty:?} n={n} input {i} row {r}"
+                    );
+                }
+            }
+        }
+    }
+}
