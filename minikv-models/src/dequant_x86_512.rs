@@ -7,7 +7,7 @@
 use crate::blocks::{GgmlType, h, q4k_pair};
 use crate::blocks_x86::scale_pair;
 use crate::blocks_x86_512::{q4_1_codes, q8_0_codes};
-use crate::kquant_x86_512::{q4_k_codes, q5_0_codes, q6_k_codes};
+use crate::kquant_x86_512::{q4_k_codes, q5_0_codes, q6_k_scales, q6_k_weights};
 use std::arch::x86_64::*;
 
 /// True when [`dequantize`] handles `ty` on this CPU.
@@ -83,19 +83,12 @@ pub(crate) unsafe fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) {
             }
         } else {
             for (i, blk) in src.chunks_exact(210).take(out.len() / 256).enumerate() {
-                // The scale products `d * sc`, 16 lanes at once.
-                let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(blk[192..].as_ptr() as *const _));
-                let d = _mm512_set1_ps(h(blk, 208));
-                let mut ds = [0.0f32; 16];
-                _mm512_storeu_ps(ds.as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+                let ds = q6_k_scales(blk);
                 for n in 0..2 {
-                    let (ql, qh) = (blk[64 * n..].as_ptr(), blk[128 + 32 * n..].as_ptr());
                     for half in 0..2 {
-                        let q = q6_k_codes(ql, qh, 16 * half);
                         let oc = o.add(256 * i + 128 * n + 16 * half);
-                        for (k, q) in q.into_iter().enumerate() {
-                            let s = _mm512_set1_ps(ds[8 * n + half + 2 * k]);
-                            _mm512_storeu_ps(oc.add(32 * k), _mm512_mul_ps(s, q));
+                        for (k, w) in q6_k_weights(blk, &ds, n, half).into_iter().enumerate() {
+                            _mm512_storeu_ps(oc.add(32 * k), w);
                         }
                     }
                 }

@@ -114,7 +114,7 @@ pub(crate) unsafe fn q4_k_codes(q: *const u8) -> [__m512; 2] {
 /// AVX-512F; `ql + l .. ql + l + 48` and `qh + l .. qh + l + 16` readable.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub(crate) unsafe fn q6_k_codes(ql: *const u8, qh: *const u8, l: usize) -> [__m512; 4] {
+unsafe fn q6_k_codes(ql: *const u8, qh: *const u8, l: usize) -> [__m512; 4] {
     // SAFETY: as the caller guarantees.
     let (a, b, hb) = unsafe { (widen(ql.add(l)), widen(ql.add(l + 32)), widen(qh.add(l))) };
     let (m4, m30) = (_mm512_set1_epi32(15), _mm512_set1_epi32(0x30));
@@ -126,6 +126,48 @@ pub(crate) unsafe fn q6_k_codes(ql: *const u8, qh: *const u8, l: usize) -> [__m5
         _mm512_or_si512(_mm512_srli_epi32::<4>(b), high(_mm512_srli_epi32::<2>(hb))),
     ];
     q.map(|v| _mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(32))))
+}
+
+/// The 16 scale products `d * sc` of a `Q6_K` block (210 bytes at `blk`),
+/// as the portable loops form them, one vector product for all.
+///
+/// # Safety
+/// AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn q6_k_scales(blk: &[u8]) -> [f32; 16] {
+    let mut ds = [0.0f32; 16];
+    let sc: &[u8; 16] = blk[192..208].try_into().expect("16 scales");
+    // SAFETY: the 16 scale bytes (a checked slice), 16 floats out.
+    unsafe {
+        let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(sc.as_ptr() as *const __m128i));
+        let d = _mm512_set1_ps(h(blk, 208));
+        _mm512_storeu_ps(ds.as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+    }
+    ds
+}
+
+/// The weights of `Q6_K` lanes `16 half .. + 16` of 128-weight half `n` of
+/// a block (`ds` its [`q6_k_scales`]): for `k` in `0..4`, weights
+/// `128 n + 16 half + 32 k ..`, each code times its scale product, the
+/// portable loops' product.
+///
+/// # Safety
+/// AVX-512F; `blk` is a whole block.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn q6_k_weights(
+    blk: &[u8],
+    ds: &[f32; 16],
+    n: usize,
+    half: usize,
+) -> [__m512; 4] {
+    assert!(blk.len() >= 210 && n < 2 && half < 2);
+    let (ql, qh) = (blk[64 * n..].as_ptr(), blk[128 + 32 * n..].as_ptr());
+    // SAFETY: bytes `64 n + 16 half .. + 48` and `128 + 32 n + 16 half ..
+    // + 16` of the block (asserted whole).
+    let q = unsafe { q6_k_codes(ql, qh, 16 * half) };
+    std::array::from_fn(|k| _mm512_mul_ps(_mm512_set1_ps(ds[8 * n + half + 2 * k]), q[k]))
 }
 
 /// `R` consecutive `Q5_0` rows (`nb` blocks each) dot one input: `out[r]`
@@ -240,27 +282,16 @@ pub(crate) unsafe fn dot_q6_k_rows<const R: usize>(
         for (r, a) in acc.iter_mut().enumerate() {
             let blk = &src[r * rb + 210 * i..r * rb + 210 * (i + 1)];
             prefetch(blk.as_ptr(), rb, 210);
-            // The 16 scale products `d * sc`, as the portable loop forms
-            // them, stored: each is broadcast from memory (a load, where a
-            // broadcast from a register takes a shuffle).
-            let mut ds = [0.0f32; 16];
-            // SAFETY: the block's bytes 192..208 (its 16 scales).
-            unsafe {
-                let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(blk[192..].as_ptr() as *const _));
-                let d = _mm512_set1_ps(h(blk, 208));
-                _mm512_storeu_ps(ds.as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
-            }
+            // SAFETY: the features are enabled; `blk` is a whole block.
+            let ds = unsafe { q6_k_scales(blk) };
             for n in 0..2 {
-                let (ql, qh) = (blk[64 * n..].as_ptr(), blk[128 + 32 * n..].as_ptr());
                 for half in 0..2 {
-                    // SAFETY: bytes `64n + 16 half .. + 48` and
-                    // `128 + 32n + 16 half .. + 16` of the block, inputs
-                    // `256 i + 128 n + 16 half + 32 k .. + 16` (asserted above).
+                    // SAFETY: as above; inputs `256 i + 128 n + 16 half +
+                    // 32 k .. + 16` (asserted above).
                     unsafe {
-                        let q = q6_k_codes(ql, qh, 16 * half);
+                        let w = q6_k_weights(blk, &ds, n, half);
                         let xp = x.as_ptr().add(256 * i + 128 * n + 16 * half);
-                        for (k, q) in q.into_iter().enumerate() {
-                            let w = _mm512_mul_ps(_mm512_set1_ps(ds[8 * n + half + 2 * k]), q);
+                        for (k, w) in w.into_iter().enumerate() {
                             *a = _mm512_fmadd_ps(w, load(xp.add(32 * k)), *a);
                         }
                     }
@@ -415,22 +446,14 @@ unsafe fn q6_k_tile<const N: usize>(row: &[u8], nb: usize, xs: [*const f32; N], 
     assert!(row.len() >= 210 * nb && out.len() >= N);
     let mut acc = [_mm512_setzero_ps(); N];
     for (i, blk) in row.chunks_exact(210).take(nb).enumerate() {
-        let mut ds = [0.0f32; 16];
-        // SAFETY: the block's 16 scales, its fp16 `d`.
-        unsafe {
-            let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(blk[192..].as_ptr() as *const _));
-            let d = _mm512_set1_ps(h(blk, 208));
-            _mm512_storeu_ps(ds.as_mut_ptr(), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
-        }
+        // SAFETY: the features are enabled; `blk` is a whole block.
+        let ds = unsafe { q6_k_scales(blk) };
         for n in 0..2 {
-            let (ql, qh) = (blk[64 * n..].as_ptr(), blk[128 + 32 * n..].as_ptr());
             for half in 0..2 {
-                // SAFETY: as in `dot_q6_k_rows`, for each input.
+                // SAFETY: as above, and each input's `256 i + 128 n + 16
+                // half + 32 k .. + 16` (as the caller guarantees).
                 unsafe {
-                    let q = q6_k_codes(ql, qh, 16 * half);
-                    let w: [__m512; 4] = std::array::from_fn(|k| {
-                        _mm512_mul_ps(_mm512_set1_ps(ds[8 * n + half + 2 * k]), q[k])
-                    });
+                    let w = q6_k_weights(blk, &ds, n, half);
                     for (a, x) in acc.iter_mut().zip(xs) {
                         let xp = x.add(256 * i + 128 * n + 16 * half);
                         for (k, w) in w.iter().enumerate() {
