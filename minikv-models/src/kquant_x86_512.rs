@@ -10,15 +10,19 @@
 //! vector is the portable loop's 16 accumulators (`Q5_0`, `Q6_K`) or half of
 //! its 32 (`Q4_K`), the codes are widened to 32-bit lanes, unpacked with
 //! integer operations and converted (exact), and each product and fused
-//! multiply-add is the portable one. The scalar parts stay scalar and
-//! identical: `Q4_K`'s 6-bit scales and minimums (through
-//! [`crate::blocks::q4k_pair`]) and its minimums' term, `Q6_K`'s scale
-//! products. Where the portable loop was one weight at a time (the compiler
-//! did not vectorize the unpacking), these take 16 weights per instruction.
+//! multiply-add is the portable one. `Q4_K`'s 6-bit scales and minimums
+//! (through [`crate::blocks::q4k_pair`]) and its minimums' term stay scalar
+//! and identical; `Q6_K`'s 16 scale products `d * sc` are formed in one
+//! vector product ([`q6_k_scales`]), each the portable one. Where the
+//! portable loop was one weight at a time (the compiler did not vectorize
+//! the unpacking), these take 16 weights per instruction.
 //!
-//! [`matvec`] takes four rows side by side (four chains of fused
-//! multiply-adds in flight, each block of the input loaded once for them,
-//! the rows prefetched two groups ahead), then the rows left one at a time.
+//! [`matvec`] (one input: single-sequence decode) takes four rows side by
+//! side (four chains of fused multiply-adds in flight, each block of the
+//! input loaded once for them, the rows prefetched two groups ahead), then
+//! the rows left one at a time. [`row_dots`] (several inputs: batched
+//! decode) takes one row against tiles of up to eight inputs, each block
+//! unpacked once per tile.
 
 use crate::blocks::{GgmlType, h, q4k_pair};
 use crate::blocks_x86::scale_pair;
