@@ -36,12 +36,6 @@ pub(crate) fn available(ty: GgmlType) -> bool {
         && std::is_x86_feature_detected!("avx512f")
 }
 
-/// Inputs per block: 32 for `Q5_0`, 256 for the k-quants.
-#[inline]
-fn per_block(ty: GgmlType) -> usize {
-    ty.block_size()
-}
-
 /// Prefetches, for the block of `bytes` bytes at `b`, the cache lines that
 /// begin inside the same block of the row `PF` rows ahead (`rb` bytes a
 /// row): each line of the rows ahead once, as the blocks reach it (a
@@ -318,7 +312,7 @@ pub(crate) unsafe fn dot_q6_k_rows<const R: usize>(
 /// rows of `x.len()` weights; for `Q4_K`, `xsum` holds the input's
 /// `x.len() / 32` block sums.
 pub(crate) unsafe fn matvec(ty: GgmlType, w: &[u8], x: &[f32], xsum: &[f32], out: &mut [f32]) {
-    let nb = x.len() / per_block(ty);
+    let nb = x.len() / ty.block_size();
     let rb = ty.row_bytes(x.len());
     let mut r = 0;
     while r < out.len() {
@@ -345,7 +339,7 @@ pub(crate) unsafe fn matvec(ty: GgmlType, w: &[u8], x: &[f32], xsum: &[f32], out
 /// short (the portable loops handle those as they do).
 #[inline]
 pub(crate) fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> Option<f32> {
-    let nb = x.len() / per_block(ty);
+    let nb = x.len() / ty.block_size();
     let whole = src.len() >= nb * ty.block_bytes()
         && (ty != GgmlType::Q4_K || xsum.len() >= 8 * nb)
         && nb > 0;
@@ -353,7 +347,7 @@ pub(crate) fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> Opti
         return None;
     }
     let mut o = [0.0f32];
-    let x = &x[..nb * per_block(ty)];
+    let x = &x[..nb * ty.block_size()];
     // SAFETY: AVX-512F detected and `ty` has a kernel; the row, input and
     // sums are whole (checked above).
     unsafe { matvec(ty, &src[..nb * ty.block_bytes()], x, xsum, &mut o) };

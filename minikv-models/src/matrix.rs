@@ -528,11 +528,14 @@ fn dots(
                     // Tiles of up to eight inputs, their pointers on the stack.
                     for j0 in (0..sel.len()).step_by(8) {
                         let n = (sel.len() - j0).min(8);
-                        let xs: [*const f32; 8] =
-                            std::array::from_fn(|t| xrow(j0 + t.min(n - 1)).as_ptr());
-                        let ss: [*const f32; 8] = std::array::from_fn(|t| match per {
-                            0 => std::ptr::null(),
-                            _ => srow(j0 + t.min(n - 1)).as_ptr(),
+                        let null = std::ptr::null();
+                        let xs: [*const f32; 8] = std::array::from_fn(|t| match t < n {
+                            true => xrow(j0 + t).as_ptr(),
+                            false => null,
+                        });
+                        let ss: [*const f32; 8] = std::array::from_fn(|t| match t < n && per > 0 {
+                            true => srow(j0 + t).as_ptr(),
+                            false => null,
                         });
                         let mut o = [0.0f32; 8];
                         let ns = if per == 0 { 0 } else { n };
