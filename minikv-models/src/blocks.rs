@@ -237,7 +237,7 @@ fn q5_pair(q: u8, qh: u32, j: usize) -> (f32, f32) {
 
 /// Scale and min of `Q4_K` sub-block `j` (6 bits each, packed in 12 bytes).
 #[inline(always)]
-fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

@@ -50,6 +50,7 @@ mod dequant_x86_512;
 pub mod gemma3;
 mod generate;
 pub mod gguf;
+mod kquant_q8;
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",

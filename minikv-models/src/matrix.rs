@@ -128,7 +128,8 @@ impl QMatrix {
     }
 
     /// Sets how decode matvecs treat the input. [`Activations::Q8`] applies
-    /// to `Q4_1` and `Q8_0` weights (other types keep the exact f32 dot).
+    /// to `Q4_1`, `Q8_0`, `Q5_0`, `Q4_K` and `Q6_K` weights (other types
+    /// keep the exact f32 dot).
     pub fn set_activations(&mut self, act: Activations) {
         self.act = act;
     }
@@ -162,7 +163,7 @@ impl QMatrix {
     /// `y = W x` (decode), parallel over rows, f32 activations against the
     /// weights' own blocks (exact up to f32 rounding).
     pub fn matvec(&self, x: &[f32], y: &mut [f32]) {
-        if self.act == Activations::Q8 && matches!(self.dtype, GgmlType::Q4_1 | GgmlType::Q8_0) {
+        if self.act == Activations::Q8 && crate::q8::applies(self.dtype) {
             // A nested call on this thread (rayon work-stealing) gets its own buffer.
             return Q8_INPUT.with(|cell| match cell.try_borrow_mut() {
                 Ok(mut a) => self.matvec_q8(x, &mut a, y),
@@ -211,11 +212,7 @@ impl QMatrix {
     /// [`Self::matvec`] with the input rounded to 8 bits per block of 32.
     fn matvec_q8(&self, x: &[f32], a: &mut Q8Vec, y: &mut [f32]) {
         a.quantize(x);
-        let (a, q4, rb) = (
-            &*a,
-            self.dtype == GgmlType::Q4_1,
-            self.dtype.row_bytes(self.cols),
-        );
+        let (a, ty, rb) = (&*a, self.dtype, self.dtype.row_bytes(self.cols));
         #[cfg(all(
             target_arch = "x86_64",
             target_feature = "avx2",
@@ -225,18 +222,13 @@ impl QMatrix {
         if crate::q8_x86_512::available() && 32 * a.d.len() == self.cols {
             // SAFETY: AVX-512 VNNI and the rest are available (checked); a
             // task's rows are whole rows of the input's block count.
-            let f = |w: &[u8], o: &mut [f32]| unsafe { crate::q8_x86_512::matvec(q4, w, a, o) };
+            let f = |w: &[u8], o: &mut [f32]| unsafe { crate::q8_x86_512::matvec(ty, w, a, o) };
             return self.tasks_into(y, f);
         }
-        let dot = if q4 {
-            crate::q8::dot_q4_1
-        } else {
-            crate::q8::dot_q8_0
-        };
         self.tasks_into(y, |w, o| {
             w.chunks_exact(rb)
                 .zip(o)
-                .for_each(|(row, o)| *o = dot(row, a));
+                .for_each(|(row, o)| *o = crate::q8::dot(ty, row, a));
         });
     }
 
@@ -275,7 +267,7 @@ impl QMatrix {
             }
             _ => {}
         }
-        if self.act == Activations::Q8 && matches!(self.dtype, GgmlType::Q4_1 | GgmlType::Q8_0) {
+        if self.act == Activations::Q8 && crate::q8::applies(self.dtype) {
             return self.matvec_rows_q8(x, y, sel);
         }
         #[cfg(all(
@@ -378,14 +370,13 @@ impl QMatrix {
                 a
             })
             .collect();
-        let q4 = self.dtype == GgmlType::Q4_1;
         let refs: Vec<&Q8Vec> = qs.iter().collect();
         self.rows_into(y, sel, |w, out| {
             // Each input's result is that of its dot alone: groups of 32
             // inputs give the same values without a buffer per row.
             for (g, part) in refs.chunks(32).enumerate() {
                 let mut o = [0.0f32; 32];
-                crate::q8::dot_many(w, q4, part, &mut o[..part.len()]);
+                crate::q8::dot_many(w, self.dtype, part, &mut o[..part.len()]);
                 o[..part.len()]
                     .iter()
                     .enumerate()

@@ -53,14 +53,13 @@ impl QMatrix {
         sel: &[usize],
         pairs: &mut crate::q8_x86_512::Pairs,
     ) {
-        let q4 = self.dtype == GgmlType::Q4_1;
         pairs.set(x, self.cols, sel);
         let pairs = &*pairs;
         // A task's rows in groups of 64 (tiles of rows for small batches).
         // SAFETY: the features were detected; every row holds `cols / 32`
         // blocks, as many as each input (`new` checked the columns).
         self.row_groups_into(y, sel, 64, |w, k, out| unsafe {
-            crate::q8_x86_512::dots(w, k, q4, pairs, out)
+            crate::q8_x86_512::dots(w, k, self.dtype, pairs, out)
         });
     }
 }

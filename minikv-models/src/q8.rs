@@ -8,13 +8,14 @@
 //! `Q8_0 x Q8_0` dot products, and computes each block's dot product in
 //! integers: `d_w * d_x * sum(w_q * x_q)` (+ `m_w * s_x` for `Q4_1`). On AVX2
 //! that is `vpmaddubsw` + `vpmaddwd` on 32 weights at once. It applies to
-//! decode (one or two rows); prefill keeps its f32 matmul, and weight types
-//! other than `Q4_1` and `Q8_0` keep the exact dot.
+//! decode (one or two rows); prefill keeps its f32 matmul. `Q5_0`, `Q4_K`
+//! and `Q6_K` weights take the same input (`kquant_q8.rs` has how their
+//! blocks line up with it); other weight types keep the exact dot.
 //!
 //! The rounding costs accuracy: `minikv perplexity --activations q8` reports
 //! it (docs/performance.md has the numbers).
 
-use crate::blocks::h;
+use crate::blocks::{GgmlType, h};
 use serde::{Deserialize, Serialize};
 
 /// How decode matvecs treat activations.
@@ -25,7 +26,8 @@ pub enum Activations {
     #[default]
     F32,
     /// 8-bit activations per block of 32 and integer dot products
-    /// (llama.cpp's arithmetic) for `Q4_1` and `Q8_0` weights.
+    /// (llama.cpp's arithmetic) for `Q4_1`, `Q8_0`, `Q5_0`, `Q4_K` and
+    /// `Q6_K` weights.
     Q8,
 }
 
@@ -119,6 +121,21 @@ pub(crate) fn quantize_block(xb: &[f32], q: &mut [i8]) -> (f32, i32) {
         sum += r as i32;
     }
     (d, sum)
+}
+
+/// True for the weight types with an 8-bit dot: `Q4_1`, `Q8_0` (here) and
+/// `Q5_0`, `Q4_K`, `Q6_K` (`kquant_q8.rs`).
+pub fn applies(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) || crate::kquant_q8::takes(ty)
+}
+
+/// A row of `ty` (one [`applies`] to) dot a quantized input.
+pub fn dot(ty: GgmlType, src: &[u8], a: &Q8Vec) -> f32 {
+    match ty {
+        GgmlType::Q4_1 => dot_q4_1(src, a),
+        GgmlType::Q8_0 => dot_q8_0(src, a),
+        _ => crate::kquant_q8::dot(ty, src, a),
+    }
 }
 
 /// `Q4_1` row dot a quantized input: per block `d_w d_x sum(w_q x_q) + m_w s_x`,
@@ -348,10 +365,10 @@ mod x86 {
     }
 }
 
-/// `Q4_1` (`q4 = true`) or `Q8_0` row dot every input of `a`, into `out`:
-/// bitwise equal to [`dot_q4_1`] / [`dot_q8_0`] per input, with each weight
+/// A row of `ty` (one [`applies`] to) dot every input of `a`, into `out`:
+/// bitwise equal to [`dot`] per input, with each `Q4_1` / `Q8_0` weight
 /// block widened once per group of four inputs on AVX2.
-pub fn dot_many(src: &[u8], q4: bool, a: &[&Q8Vec], out: &mut [f32]) {
+pub fn dot_many(src: &[u8], ty: GgmlType, a: &[&Q8Vec], out: &mut [f32]) {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
@@ -359,9 +376,11 @@ pub fn dot_many(src: &[u8], q4: bool, a: &[&Q8Vec], out: &mut [f32]) {
         target_feature = "f16c"
     ))]
     {
+        let q4 = ty == GgmlType::Q4_1;
         let bb = if q4 { 20 } else { 34 };
         let nb = a.first().map_or(0, |v| v.d.len());
-        if a.iter().all(|v| v.d.len() == nb) && src.len() >= nb * bb {
+        let grouped = matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0);
+        if grouped && a.iter().all(|v| v.d.len() == nb) && src.len() >= nb * bb {
             let mut j = 0;
             while j < a.len() {
                 // SAFETY: AVX2/FMA enabled (cfg); `src` holds `nb` blocks and
@@ -389,10 +408,7 @@ pub fn dot_many(src: &[u8], q4: bool, a: &[&Q8Vec], out: &mut [f32]) {
         }
     }
     for (o, v) in out.iter_mut().zip(a) {
-        *o = match q4 {
-            true => dot_q4_1(src, v),
-            false => dot_q8_0(src, v),
-        };
+        *o = dot(ty, src, v);
     }
 }
 

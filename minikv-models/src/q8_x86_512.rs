@@ -24,10 +24,108 @@
 //! The inputs are laid out once per matrix-vector product ([`Pairs`]), not
 //! per row.
 
+use crate::blocks::GgmlType;
 use crate::blocks_x86::{PREFETCH, scale_pair};
+use crate::kquant_q8::x86 as kq;
 use crate::lanes_x86_512::{AT_ONCE, lanes};
 use crate::q8::Q8Vec;
 use std::arch::x86_64::*;
+
+/// One unit of 32 weights as these kernels take it (lined up with a block
+/// of the quantized input).
+#[derive(Clone, Copy)]
+pub(crate) struct Unit {
+    /// The 32 integer codes: signed bytes where the [`Kind`] is `SIGNED`,
+    /// else unsigned.
+    pub(crate) w: __m256i,
+    /// The weights' scale for lanes 0-3 (weights 0-15) and 4-7 (16-31).
+    pub(crate) dw: [f32; 2],
+    /// The minimum's factor `m` (the unit adds `m s_x`; where `MIN`).
+    pub(crate) m: f32,
+}
+
+/// A weight type these kernels take: how a stored block splits into units
+/// of 32 weights ([`Unit`]). The arithmetic per unit is the portable
+/// loop's (`q8.rs` for `Q4_1` and `Q8_0`, `kquant_q8.rs` for the k-quants).
+pub(crate) trait Kind {
+    /// Bytes of a stored block.
+    const BYTES: usize;
+    /// Units of 32 weights per stored block.
+    const UNITS: usize;
+    /// Whether the codes are signed (their signs move onto the input).
+    const SIGNED: bool;
+    /// Whether units have a minimum term.
+    const MIN: bool;
+    /// Whether the two halves of a unit may have different scales.
+    const HALVES: bool;
+    /// Unit `j` of the block at `blk`.
+    ///
+    /// # Safety
+    /// `blk` points at a whole block; `j < UNITS`.
+    unsafe fn unit(blk: *const u8, j: usize) -> Unit;
+}
+
+/// `Q4_1`: unsigned codes `q`, scale `d`, minimum factor `m`.
+pub(crate) struct Q4_1;
+/// `Q8_0`: signed codes, scale `d`.
+pub(crate) struct Q8_0;
+
+impl Kind for Q4_1 {
+    const BYTES: usize = 20;
+    const UNITS: usize = 1;
+    const SIGNED: bool = false;
+    const MIN: bool = true;
+    const HALVES: bool = false;
+    #[inline(always)]
+    unsafe fn unit(blk: *const u8, _: usize) -> Unit {
+        // SAFETY: the caller guarantees a whole block of 20 bytes.
+        unsafe {
+            let mask = _mm_set1_epi8(15);
+            let qs = _mm_loadu_si128(blk.add(4) as *const __m128i);
+            let lo = _mm_and_si128(qs, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+            let dm = scale_pair(blk);
+            let d = _mm_cvtss_f32(dm);
+            Unit {
+                w: _mm256_set_m128i(hi, lo),
+                dw: [d, d],
+                m: _mm_cvtss_f32(_mm_movehdup_ps(dm)),
+            }
+        }
+    }
+}
+
+impl Kind for Q8_0 {
+    const BYTES: usize = 34;
+    const UNITS: usize = 1;
+    const SIGNED: bool = true;
+    const MIN: bool = false;
+    const HALVES: bool = false;
+    #[inline(always)]
+    unsafe fn unit(blk: *const u8, _: usize) -> Unit {
+        // SAFETY: the caller guarantees a whole block of 34 bytes.
+        unsafe {
+            let d = _mm_cvtss_f32(scale_pair(blk));
+            Unit {
+                w: _mm256_loadu_si256(blk.add(2) as *const __m256i),
+                dw: [d, d],
+                m: 0.0,
+            }
+        }
+    }
+}
+
+/// The block of unit `u` of the row at `row`, and the unit's index in it.
+#[inline(always)]
+fn unit_at<K: Kind>(row: *const u8, u: usize) -> (*const u8, usize) {
+    (row.wrapping_add(K::BYTES * (u / K::UNITS)), u % K::UNITS)
+}
+
+/// Bytes of a row of `nb` units.
+#[inline(always)]
+fn row_bytes<K: Kind>(nb: usize) -> usize {
+    K::BYTES * nb / K::UNITS
+}
 
 /// True when the CPU has what these kernels use: AVX-512F/BW/DQ and VNNI.
 #[inline]
@@ -149,20 +247,20 @@ fn pair_sums(acc: __m512) -> [f32; 2] {
     [even, odd]
 }
 
-/// `R` consecutive rows (`Q4_1` when `Q4`, else `Q8_0`; `rb` bytes apart)
-/// dot inputs `2 p0 .. 2 (p0 + P)` of `x`: `out(r, 2 p0, values)` gets row
-/// `r`'s results for those of the inputs that exist, bitwise the portable
-/// loop's. Each row's block is unpacked once for the `P` pairs and each
-/// pair's block loaded once for the `R` rows; the `R P` accumulators are as
-/// many chains of multiply-adds in flight.
+/// `R` consecutive rows of kind `K` (`rb` bytes apart) dot inputs
+/// `2 p0 .. 2 (p0 + P)` of `x`: `out(r, 2 p0, values)` gets row `r`'s
+/// results for those of the inputs that exist, bitwise the portable loop's.
+/// Each row's unit is unpacked once for the `P` pairs and each pair's block
+/// loaded once for the `R` rows; the `R P` accumulators are as many chains
+/// of multiply-adds in flight.
 ///
 /// # Safety
-/// [`available`] returned true; `src` holds `R` rows of `x.nb` blocks of the
-/// type, `rb` bytes apart; pairs `p0 .. p0 + P` exist in `x`.
+/// [`available`] returned true; `src` holds `R` rows of `x.nb` units of
+/// `K`, `rb` bytes apart; pairs `p0 .. p0 + P` exist in `x`.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")]
 // `acc[r][p]` is taken pair by pair with the rows inside.
 #[allow(clippy::needless_range_loop)]
-unsafe fn dot_pairs<const Q4: bool, const R: usize, const P: usize>(
+unsafe fn dot_pairs<K: Kind, const R: usize, const P: usize>(
     src: &[u8],
     rb: usize,
     x: &Pairs,
@@ -173,11 +271,9 @@ unsafe fn dot_pairs<const Q4: bool, const R: usize, const P: usize>(
     let nb = x.nb;
     let n2 = x.n.div_ceil(2) * 2;
     let live_lanes: __mmask16 = ((1u32 << (2 * P)) - 1) as __mmask16;
-    let bb = if Q4 { 20 } else { 34 };
-    // SAFETY: every pointer stays within block `b < nb` of the `R` rows and
+    // SAFETY: every pointer stays within unit `b < nb` of the `R` rows and
     // of pairs `p0 .. p0 + P` (the masked load reads those pairs' sums only).
     unsafe {
-        let mask = _mm_set1_epi8(15);
         let zero = _mm512_setzero_si512();
         let mut acc = [[_mm512_setzero_ps(); P]; R];
         let mut macc = [_mm512_setzero_ps(); R];
@@ -187,26 +283,32 @@ unsafe fn dot_pairs<const Q4: bool, const R: usize, const P: usize>(
             let mut neg: [__mmask64; R] = [0; R];
             let mut dw = [_mm512_setzero_ps(); R];
             // The pairs' block sums, the same for every row.
-            let s = match Q4 {
+            let s = match K::MIN {
                 true => _mm512_maskz_loadu_ps(live_lanes, x.s.as_ptr().add(b * n2 + 2 * p0)),
                 false => _mm512_setzero_ps(),
             };
             for r in 0..R {
-                let blk = src.as_ptr().add(r * rb + bb * b);
-                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
-                let dm = scale_pair(blk);
-                dw[r] = _mm512_broadcastss_ps(dm);
-                if Q4 {
-                    let qs = _mm_loadu_si128(blk.add(4) as *const __m128i);
-                    let lo = _mm_and_si128(qs, mask);
-                    let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-                    let m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-                    macc[r] = _mm512_add_ps(macc[r], _mm512_mul_ps(m, s));
-                    w2[r] = duplicate_words(_mm256_set_m128i(hi, lo));
+                let (blk, j) = unit_at::<K>(src.as_ptr().add(r * rb), b);
+                let ahead = src
+                    .as_ptr()
+                    .wrapping_add(r * rb + row_bytes::<K>(b) + PREFETCH);
+                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+                let u = K::unit(blk, j);
+                dw[r] = match K::HALVES {
+                    true => _mm512_insertf32x8::<1>(
+                        _mm512_castps256_ps512(_mm256_set1_ps(u.dw[0])),
+                        _mm256_set1_ps(u.dw[1]),
+                    ),
+                    false => _mm512_set1_ps(u.dw[0]),
+                };
+                if K::MIN {
+                    macc[r] = _mm512_add_ps(macc[r], _mm512_mul_ps(_mm512_set1_ps(u.m), s));
+                }
+                if K::SIGNED {
+                    neg[r] = _mm512_movepi8_mask(duplicate_words(u.w));
+                    w2[r] = duplicate_words(_mm256_abs_epi8(u.w));
                 } else {
-                    let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                    neg[r] = _mm512_movepi8_mask(duplicate_words(w));
-                    w2[r] = duplicate_words(_mm256_abs_epi8(w));
+                    w2[r] = duplicate_words(u.w);
                 }
             }
             for p in 0..P {
@@ -216,10 +318,9 @@ unsafe fn dot_pairs<const Q4: bool, const R: usize, const P: usize>(
                 let dx = _mm_castsi128_ps(_mm_loadl_epi64(x.d.as_ptr().add(2 * k) as *const _));
                 let dx = _mm512_broadcast_f32x2(dx);
                 for r in 0..R {
-                    let xs = if Q4 {
-                        xq
-                    } else {
-                        _mm512_mask_sub_epi8(xq, neg[r], zero, xq)
+                    let xs = match K::SIGNED {
+                        true => _mm512_mask_sub_epi8(xq, neg[r], zero, xq),
+                        false => xq,
                     };
                     let isum = _mm512_dpbusd_epi32(zero, w2[r], xs);
                     let dd = _mm512_mul_ps(dw[r], dx);
@@ -250,21 +351,22 @@ unsafe fn dot_pairs<const Q4: bool, const R: usize, const P: usize>(
             for (j, v) in v[..live].iter_mut().enumerate() {
                 let k = r * P + j / 2;
                 let s = if j % 2 == 0 { even[k] } else { odd[k] };
-                *v = if Q4 { s + m[j] } else { s };
+                *v = if K::MIN { s + m[j] } else { s };
             }
             out(r, 2 * p0, &v[..live]);
         }
     }
 }
 
-/// The `rows` consecutive rows of `w` (`Q4_1` when `q4`, else `Q8_0`) dot
-/// every input of `x`: `out(r, j, values)` gets row `r`'s results for
-/// inputs `j ..`, bitwise equal to [`crate::q8::dot_q4_1`] / [`crate::q8::dot_q8_0`]
-/// of that row and input alone. Rows go four at a time against up to two
-/// pairs (a batch of 2-4 inputs: one row against one pair alone is a single
-/// chain of multiply-adds), else two at a time against up to eight pairs,
-/// except `Q8_0` rows against 8 pairs or more, one at a time (two measured
-/// slower there on `benches/matvec.rs`); the rows left over one at a time.
+/// The `rows` consecutive rows of `w` (of type `ty`: `Q4_1`, `Q8_0`,
+/// `Q5_0`, `Q4_K` or `Q6_K`) dot every input of `x`: `out(r, j, values)`
+/// gets row `r`'s results for inputs `j ..`, bitwise equal to the portable
+/// dot of that row and input alone ([`crate::q8::dot`]). Rows go four at a
+/// time against up to two pairs (a batch of 2-4 inputs: one row against one
+/// pair alone is a single chain of multiply-adds), else two at a time
+/// against up to eight pairs, except signed codes (`Q8_0`, `Q5_0`, `Q6_K`)
+/// against 8 pairs or more, one row at a time (two measured slower there
+/// for `Q8_0` on `benches/matvec.rs`); the rows left over one at a time.
 ///
 /// # Safety
 /// [`available`] returned true; `w` holds `rows` rows of the inputs' block
@@ -272,15 +374,38 @@ unsafe fn dot_pairs<const Q4: bool, const R: usize, const P: usize>(
 pub(crate) unsafe fn dots(
     w: &[u8],
     rows: usize,
-    q4: bool,
+    ty: GgmlType,
+    x: &Pairs,
+    out: impl FnMut(usize, usize, &[f32]),
+) {
+    // SAFETY: as the caller guarantees, for the kind of `ty`.
+    unsafe {
+        match ty {
+            GgmlType::Q4_1 => dots_of::<Q4_1>(w, rows, x, out),
+            GgmlType::Q8_0 => dots_of::<Q8_0>(w, rows, x, out),
+            GgmlType::Q5_0 => dots_of::<kq::Q5_0>(w, rows, x, out),
+            GgmlType::Q4_K => dots_of::<kq::Q4K>(w, rows, x, out),
+            GgmlType::Q6_K => dots_of::<kq::Q6K>(w, rows, x, out),
+            other => unreachable!("no 8-bit kernel for {other:?}"),
+        }
+    }
+}
+
+/// [`dots`] for the kind `K`.
+///
+/// # Safety
+/// As [`dots`].
+unsafe fn dots_of<K: Kind>(
+    w: &[u8],
+    rows: usize,
     x: &Pairs,
     mut out: impl FnMut(usize, usize, &[f32]),
 ) {
     let np = x.n.div_ceil(2);
-    let rb = if q4 { 20 } else { 34 } * x.nb;
+    let rb = row_bytes::<K>(x.nb);
     let g = match np {
         ..=2 => 4,
-        8.. if !q4 => 1,
+        8.. if K::SIGNED => 1,
         _ => 2,
     };
     let mut r = 0;
@@ -294,29 +419,18 @@ pub(crate) unsafe fn dots(
             // SAFETY: as the caller guarantees, for rows r .. r + t and the
             // pairs the group takes.
             p += unsafe {
-                match (q4, t, np - p) {
-                    (true, 4, 2..) => group::<true, 4, 2>(w, rb, x, p, o),
-                    (true, 4, _) => group::<true, 4, 1>(w, rb, x, p, o),
-                    (false, 4, 2..) => group::<false, 4, 2>(w, rb, x, p, o),
-                    (false, 4, _) => group::<false, 4, 1>(w, rb, x, p, o),
-                    (true, 2, 8..) => group::<true, 2, 8>(w, rb, x, p, o),
-                    (true, 2, 4..) => group::<true, 2, 4>(w, rb, x, p, o),
-                    (true, 2, 3) => group::<true, 2, 3>(w, rb, x, p, o),
-                    (true, 2, 2) => group::<true, 2, 2>(w, rb, x, p, o),
-                    (true, 2, _) => group::<true, 2, 1>(w, rb, x, p, o),
-                    (false, 2, 8..) => group::<false, 2, 8>(w, rb, x, p, o),
-                    (false, 2, 4..) => group::<false, 2, 4>(w, rb, x, p, o),
-                    (false, 2, 3) => group::<false, 2, 3>(w, rb, x, p, o),
-                    (false, 2, 2) => group::<false, 2, 2>(w, rb, x, p, o),
-                    (false, 2, _) => group::<false, 2, 1>(w, rb, x, p, o),
-                    (true, _, 8..) => group::<true, 1, 8>(w, rb, x, p, o),
-                    (true, _, 4..) => group::<true, 1, 4>(w, rb, x, p, o),
-                    (true, _, 2..) => group::<true, 1, 2>(w, rb, x, p, o),
-                    (true, _, _) => group::<true, 1, 1>(w, rb, x, p, o),
-                    (false, _, 8..) => group::<false, 1, 8>(w, rb, x, p, o),
-                    (false, _, 4..) => group::<false, 1, 4>(w, rb, x, p, o),
-                    (false, _, 2..) => group::<false, 1, 2>(w, rb, x, p, o),
-                    (false, _, _) => group::<false, 1, 1>(w, rb, x, p, o),
+                match (t, np - p) {
+                    (4, 2..) => group::<K, 4, 2>(w, rb, x, p, o),
+                    (4, _) => group::<K, 4, 1>(w, rb, x, p, o),
+                    (2, 8..) => group::<K, 2, 8>(w, rb, x, p, o),
+                    (2, 4..) => group::<K, 2, 4>(w, rb, x, p, o),
+                    (2, 3) => group::<K, 2, 3>(w, rb, x, p, o),
+                    (2, 2) => group::<K, 2, 2>(w, rb, x, p, o),
+                    (2, _) => group::<K, 2, 1>(w, rb, x, p, o),
+                    (_, 8..) => group::<K, 1, 8>(w, rb, x, p, o),
+                    (_, 4..) => group::<K, 1, 4>(w, rb, x, p, o),
+                    (_, 2..) => group::<K, 1, 2>(w, rb, x, p, o),
+                    (_, _) => group::<K, 1, 1>(w, rb, x, p, o),
                 }
             };
         }
@@ -328,7 +442,7 @@ pub(crate) unsafe fn dots(
 ///
 /// # Safety
 /// As [`dots`], for those rows and pairs.
-unsafe fn group<const Q4: bool, const R: usize, const P: usize>(
+unsafe fn group<K: Kind, const R: usize, const P: usize>(
     src: &[u8],
     rb: usize,
     x: &Pairs,
@@ -336,71 +450,72 @@ unsafe fn group<const Q4: bool, const R: usize, const P: usize>(
     out: &mut impl FnMut(usize, usize, &[f32]),
 ) -> usize {
     // SAFETY: as the caller guarantees.
-    unsafe { dot_pairs::<Q4, R, P>(src, rb, x, p, out) };
+    unsafe { dot_pairs::<K, R, P>(src, rb, x, p, out) };
     P
 }
 
-/// `2 P` consecutive rows (`Q4_1` when `Q4`, else `Q8_0`; `nb` blocks
-/// each, the first at `src`) dot one quantized input: `out[r]` is bitwise
-/// [`crate::q8::dot_q4_1`] / [`crate::q8::dot_q8_0`] of row `r`. Two rows
-/// share a register (lanes 0-7 the first row's eight lanes, 8-15 the
-/// second's) against the input's block in both halves: one `vpdpbusd` forms
-/// both rows' integer sums, one conversion and one fused multiply-add scale
-/// and add them; `Q4_1`'s minimum terms stay one scalar per row, in block
-/// order. A row alone is one chain of multiply-adds; `P` pairs keep `P`
-/// chains in flight and prefetch the rows [`ROWS_AHEAD`] further on.
+/// `2 P` consecutive rows of kind `K` (`a.d.len()` units each, the first
+/// at `src`) dot one quantized input: `out[r]` is bitwise the portable dot
+/// of row `r` ([`crate::q8::dot`]). Two rows share a register (lanes 0-7
+/// the first row's eight lanes, 8-15 the second's) against the input's
+/// block in both halves: one `vpdpbusd` forms both rows' integer sums, one
+/// conversion and one fused multiply-add scale and add them; the minimum
+/// terms stay one scalar per row, in unit order. A row alone is one chain
+/// of multiply-adds; `P` pairs keep `P` chains in flight and prefetch the
+/// rows [`ROWS_AHEAD`] further on.
 ///
 /// # Safety
-/// [`available`] returned true; `src` holds `2 P` rows of `a.d.len()` blocks.
+/// [`available`] returned true; `src` holds `2 P` rows of `a.d.len()` units.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn dot_row_pairs<const Q4: bool, const P: usize>(src: &[u8], a: &Q8Vec, out: &mut [f32]) {
+unsafe fn dot_row_pairs<K: Kind, const P: usize>(src: &[u8], a: &Q8Vec, out: &mut [f32]) {
     const { assert!(P >= 1 && P <= 4) };
     let nb = a.d.len();
-    let bb = if Q4 { 20 } else { 34 };
-    let rb = bb * nb;
+    let rb = row_bytes::<K>(nb);
     assert!(src.len() >= 2 * P * rb && a.q.len() >= 32 * nb && out.len() >= 2 * P);
-    // SAFETY: every pointer stays within block `b < nb` of the `2 P` rows
+    // SAFETY: every pointer stays within unit `b < nb` of the `2 P` rows
     // (asserted) and of the input.
     unsafe {
-        let mask = _mm_set1_epi8(15);
         let zero = _mm512_setzero_si512();
+        // Lanes 0-3, 4-7, 8-11, 12-15 take scales 0, 1, 2, 3.
+        let quarters = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
         let mut acc = [_mm512_setzero_ps(); P];
         let mut macc = [[0.0f32; 2]; P];
         for b in 0..nb {
             let xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(a.q.as_ptr().add(32 * b).cast()));
             let dx = _mm512_set1_ps(a.d[b]);
             for (p, acc) in acc.iter_mut().enumerate() {
-                let blk = [0, 1].map(|e| src.as_ptr().add((2 * p + e) * rb + bb * b));
-                for k in blk {
-                    _mm_prefetch::<_MM_HINT_T0>(k.wrapping_add(ROWS_AHEAD * rb) as *const i8);
+                let rows = [0, 1].map(|e| src.as_ptr().add((2 * p + e) * rb));
+                for k in rows {
+                    let ahead = k.wrapping_add(ROWS_AHEAD * rb + row_bytes::<K>(b));
+                    _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
                 }
-                let dm = blk.map(|k| scale_pair(k));
-                let codes = |k: *const u8| {
-                    if Q4 {
-                        let qs = _mm_loadu_si128(k.add(4) as *const __m128i);
-                        let lo = _mm_and_si128(qs, mask);
-                        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), lo)
-                    } else {
-                        _mm256_loadu_si256(k.add(2) as *const __m256i)
-                    }
-                };
-                let w =
-                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(codes(blk[0])), codes(blk[1]));
-                let isum = if Q4 {
+                let u = rows.map(|k| {
+                    let (blk, j) = unit_at::<K>(k, b);
+                    K::unit(blk, j)
+                });
+                let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(u[0].w), u[1].w);
+                if K::MIN {
                     for e in 0..2 {
-                        macc[p][e] += _mm_cvtss_f32(_mm_movehdup_ps(dm[e])) * a.s[b];
+                        macc[p][e] += u[e].m * a.s[b];
                     }
-                    _mm512_dpbusd_epi32(zero, w, xq)
-                } else {
+                }
+                let isum = if K::SIGNED {
                     // The sign of each weight moves onto the input byte.
                     let neg = _mm512_movepi8_mask(w);
                     let xs = _mm512_mask_sub_epi8(xq, neg, zero, xq);
                     _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), xs)
+                } else {
+                    _mm512_dpbusd_epi32(zero, w, xq)
                 };
-                let dw = _mm512_insertf32x8::<1>(
-                    _mm512_castps256_ps512(_mm256_broadcastss_ps(dm[0])),
-                    _mm256_broadcastss_ps(dm[1]),
-                );
+                let dw = if K::HALVES {
+                    let q = _mm_setr_ps(u[0].dw[0], u[0].dw[1], u[1].dw[0], u[1].dw[1]);
+                    _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(q))
+                } else {
+                    _mm512_insertf32x8::<1>(
+                        _mm512_castps256_ps512(_mm256_set1_ps(u[0].dw[0])),
+                        _mm256_set1_ps(u[1].dw[0]),
+                    )
+                };
                 let dd = _mm512_mul_ps(dw, dx);
                 *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(isum), *acc);
             }
@@ -410,27 +525,44 @@ unsafe fn dot_row_pairs<const Q4: bool, const P: usize>(src: &[u8], a: &Q8Vec, o
             _mm512_storeu_ps(l.as_mut_ptr(), v);
             for e in 0..2 {
                 let s = l[8 * e..8 * e + 8].iter().sum::<f32>();
-                out[2 * p + e] = if Q4 { s + macc[p][e] } else { s };
+                out[2 * p + e] = if K::MIN { s + macc[p][e] } else { s };
             }
         }
     }
 }
 
-/// Rows ahead that [`dot_row_pairs`] prefetches (block `b` of row `r` asks
-/// for block `b` of row `r + ROWS_AHEAD`).
+/// Rows ahead that [`dot_row_pairs`] prefetches (unit `b` of row `r` asks
+/// for unit `b` of row `r + ROWS_AHEAD`).
 const ROWS_AHEAD: usize = 4;
 
-/// `out[r] = row r . a` for the consecutive rows of `w` (`out.len()` rows,
-/// `Q4_1` when `q4`, else `Q8_0`), four rows at a time
-/// ([`dot_row_pairs`]), an odd last row through the single-row kernel; each
-/// result bitwise [`crate::q8::dot_q4_1`] / [`crate::q8::dot_q8_0`] of its
-/// row alone.
+/// `out[r] = row r . a` for the consecutive rows of `w` (`out.len()` rows
+/// of type `ty`, as [`dots`] takes), four rows at a time
+/// ([`dot_row_pairs`]), an odd last row through the single-row dot; each
+/// result bitwise [`crate::q8::dot`] of its row alone.
 ///
 /// # Safety
 /// [`available`] returned true; `w` holds `out.len()` rows of `a.d.len()`
-/// blocks of the type.
-pub(crate) unsafe fn matvec(q4: bool, w: &[u8], a: &Q8Vec, out: &mut [f32]) {
-    let rb = if q4 { 20 } else { 34 } * a.d.len();
+/// units of the type.
+pub(crate) unsafe fn matvec(ty: GgmlType, w: &[u8], a: &Q8Vec, out: &mut [f32]) {
+    // SAFETY: as the caller guarantees, for the kind of `ty`.
+    unsafe {
+        match ty {
+            GgmlType::Q4_1 => matvec_of::<Q4_1>(ty, w, a, out),
+            GgmlType::Q8_0 => matvec_of::<Q8_0>(ty, w, a, out),
+            GgmlType::Q5_0 => matvec_of::<kq::Q5_0>(ty, w, a, out),
+            GgmlType::Q4_K => matvec_of::<kq::Q4K>(ty, w, a, out),
+            GgmlType::Q6_K => matvec_of::<kq::Q6K>(ty, w, a, out),
+            other => unreachable!("no 8-bit kernel for {other:?}"),
+        }
+    }
+}
+
+/// [`matvec`] for the kind `K` (of type `ty`).
+///
+/// # Safety
+/// As [`matvec`].
+unsafe fn matvec_of<K: Kind>(ty: GgmlType, w: &[u8], a: &Q8Vec, out: &mut [f32]) {
+    let rb = row_bytes::<K>(a.d.len());
     assert!(w.len() >= out.len() * rb);
     let mut r = 0;
     while r < out.len() {
@@ -439,29 +571,17 @@ pub(crate) unsafe fn matvec(q4: bool, w: &[u8], a: &Q8Vec, out: &mut [f32]) {
         // SAFETY: `available` returned true (the caller's contract); `w`
         // holds the `left` remaining rows (asserted above).
         r += unsafe {
-            match (q4, left) {
-                (true, 4..) => {
-                    dot_row_pairs::<true, 2>(w, a, o);
+            match left {
+                4.. => {
+                    dot_row_pairs::<K, 2>(w, a, o);
                     4
                 }
-                (false, 4..) => {
-                    dot_row_pairs::<false, 2>(w, a, o);
-                    4
-                }
-                (true, 2..) => {
-                    dot_row_pairs::<true, 1>(w, a, o);
+                2.. => {
+                    dot_row_pairs::<K, 1>(w, a, o);
                     2
                 }
-                (false, 2..) => {
-                    dot_row_pairs::<false, 1>(w, a, o);
-                    2
-                }
-                (true, _) => {
-                    o[0] = crate::q8::dot_q4_1(&w[..rb], a);
-                    1
-                }
-                (false, _) => {
-                    o[0] = crate::q8::dot_q8_0(&w[..rb], a);
+                _ => {
+                    o[0] = crate::q8::dot(ty, &w[..rb], a);
                     1
                 }
             }
