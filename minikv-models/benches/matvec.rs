@@ -10,7 +10,8 @@
 //! and `attn_k` (192 x 576)
 //! for prompt chunks of 16-512 tokens. `kquant/*` times Gemma 3 270M's
 //! `Q5_0`, `Q4_K` and `Q6_K` matrices (its `Q4_K_M` file) against one and
-//! four inputs, and their prefill product for 16 tokens.
+//! four inputs, and their prefill product for 16 tokens, and (`q8/n`)
+//! against 1, 4 and 16 inputs with 8-bit activations.
 //! `cargo bench -p minikv-models --bench matvec`
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -107,7 +108,7 @@ fn kquant(c: &mut Criterion) {
         let name = found.expect("the Q4_K_M file has every type");
         let t = g.tensor(&name).expect("tensor");
         let (cols, rows) = (t.dims[0], t.dims[1]);
-        let m = QMatrix::from_gguf(&g, &name, rows, cols).expect("tensor");
+        let mut m = QMatrix::from_gguf(&g, &name, rows, cols).expect("tensor");
         let mut grp = c.benchmark_group(format!("kquant/{ty:?}_{rows}x{cols}"));
         grp.sample_size(20);
         grp.warm_up_time(std::time::Duration::from_millis(300));
@@ -126,6 +127,19 @@ fn kquant(c: &mut Criterion) {
                     b.iter(|| m.matvec_rows(&x, &mut y, &sel))
                 });
             }
+        }
+        // The same decode products with 8-bit activations (`q8/n`).
+        m.set_activations(Activations::Q8);
+        for n in [1usize, 4, 16] {
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| ((i * 7919 % 1999) as f32 / 999.5 - 1.0) * 0.7)
+                .collect();
+            let sel: Vec<usize> = (0..n).collect();
+            let mut y = vec![0.0f32; n * rows];
+            grp.throughput(Throughput::Elements(n as u64));
+            grp.bench_function(format!("q8/{n}"), |b| {
+                b.iter(|| m.matvec_rows(&x, &mut y, &sel))
+            });
         }
         grp.finish();
     }

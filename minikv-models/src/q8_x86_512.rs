@@ -484,15 +484,15 @@ unsafe fn dot_row_pairs<K: Kind, const P: usize>(src: &[u8], a: &Q8Vec, out: &mu
             let xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(a.q.as_ptr().add(32 * b).cast()));
             let dx = _mm512_set1_ps(a.d[b]);
             for (p, acc) in acc.iter_mut().enumerate() {
-                let rows = [0, 1].map(|e| src.as_ptr().add((2 * p + e) * rb));
-                for k in rows {
+                // No closures here (`array::map` would call them out of line).
+                let row0 = src.as_ptr().add(2 * p * rb);
+                let row1 = row0.add(rb);
+                for k in [row0, row1] {
                     let ahead = k.wrapping_add(ROWS_AHEAD * rb + row_bytes::<K>(b));
                     _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
                 }
-                let u = rows.map(|k| {
-                    let (blk, j) = unit_at::<K>(k, b);
-                    K::unit(blk, j)
-                });
+                let ((b0, j), (b1, _)) = (unit_at::<K>(row0, b), unit_at::<K>(row1, b));
+                let u = [K::unit(b0, j), K::unit(b1, j)];
                 let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(u[0].w), u[1].w);
                 if K::MIN {
                     for e in 0..2 {
