@@ -108,11 +108,11 @@ pub(crate) mod x86 {
     use crate::q8_x86_512::{Kind, Unit};
     use std::arch::x86_64::*;
 
-    /// `Q5_0` ([`super::unit`]'s codes `q - 16`).
+    /// `Q5_0` ([`super::unit`]'s codes `q - 16`, taken as `q` and `OFFSET` 16).
     pub(crate) struct Q5_0;
     /// `Q4_K` (codes `q`, minimum factor `-dmin m_j`).
     pub(crate) struct Q4K;
-    /// `Q6_K` (codes `q - 32`, a scale per half).
+    /// `Q6_K` (codes `q - 32`, taken as `q` and `OFFSET` 32; a scale per half).
     pub(crate) struct Q6K;
 
     /// The low (`hi` false) or high nibbles of 32 bytes.
@@ -128,7 +128,7 @@ pub(crate) mod x86 {
     impl Kind for Q5_0 {
         const BYTES: usize = 22;
         const UNITS: usize = 1;
-        const SIGNED: bool = true;
+        const OFFSET: u8 = 16;
         const MIN: bool = false;
         const HALVES: bool = false;
         #[inline(always)]
@@ -154,7 +154,7 @@ pub(crate) mod x86 {
                 );
                 let d = h(std::slice::from_raw_parts(blk, 2), 0);
                 Unit {
-                    w: _mm256_sub_epi8(q, _mm256_set1_epi8(16)),
+                    w: q,
                     dw: [d, d],
                     m: 0.0,
                 }
@@ -165,7 +165,7 @@ pub(crate) mod x86 {
     impl Kind for Q4K {
         const BYTES: usize = 144;
         const UNITS: usize = 8;
-        const SIGNED: bool = false;
+        const OFFSET: u8 = 0;
         const MIN: bool = true;
         const HALVES: bool = false;
         #[inline(always)]
@@ -188,7 +188,7 @@ pub(crate) mod x86 {
     impl Kind for Q6K {
         const BYTES: usize = 210;
         const UNITS: usize = 8;
-        const SIGNED: bool = true;
+        const OFFSET: u8 = 32;
         const MIN: bool = false;
         const HALVES: bool = true;
         #[inline(always)]
@@ -206,7 +206,7 @@ pub(crate) mod x86 {
                 let q = _mm256_or_si256(nibbles(ql, k >= 2), _mm256_slli_epi16(hb, 4));
                 let (d, sc) = (h(b, 208), |t: usize| b[192 + t] as i8 as f32);
                 Unit {
-                    w: _mm256_sub_epi8(q, _mm256_set1_epi8(32)),
+                    w: q,
                     dw: [d * sc(2 * j), d * sc(2 * j + 1)],
                     m: 0.0,
                 }

@@ -1,23 +1,29 @@
 //! Batched 8-bit-activation row dots ([`crate::q8`]) on 512-bit registers
 //! with AVX-512 VNNI: two inputs per register, one `vpdpbusd` per pair and
-//! block.
+//! unit of 32 weights, for every weight type with an 8-bit dot (`Q4_1`,
+//! `Q8_0` and, through `kquant_q8.rs`, `Q5_0`, `Q4_K`, `Q6_K`: each a
+//! [`Kind`] that hands out its units).
 //!
-//! The portable loop keeps 8 lanes per input; lane `l` of block `b` adds
-//! `d_w d_x * sum(w[4l..4l+4] * x[4l..4l+4])` (an exact integer sum of four
+//! The portable loop keeps 8 lanes per input; lane `l` of unit `b` adds
+//! `dw d_x * sum(w[4l..4l+4] * x[4l..4l+4])` (an exact integer sum of four
 //! products) to its accumulator. Here a pair of inputs shares one register:
 //! their codes are interleaved four bytes at a time (lane `2l` is the first
-//! input's lane `l`, lane `2l + 1` the second's) and the weight block is
+//! input's lane `l`, lane `2l + 1` the second's) and the weight unit is
 //! duplicated the same way, so one `vpdpbusd` forms both inputs' eight
-//! integer sums, exactly as `vpmaddubsw` + `vpmaddwd` do on AVX2 (no
-//! saturation: `|w| <= 128`, `|x| <= 127`), one conversion and one fused
-//! multiply-add scale and add them, and the scales `d_w d_x` of both inputs
-//! come from one broadcast pair. `Q4_1`'s minimum terms (`m_w s_x`) run for
-//! a row's inputs in one vector product and sum. A batch goes through tiles
-//! of rows x pairs ([`dots`]): each row's block is unpacked once for the
+//! integer sums. `vpdpbusd` multiplies unsigned bytes by signed ones, so a
+//! kind with signed codes hands them out plus an offset (`Q8_0`: 128,
+//! `Q5_0`: 16, `Q6_K`: 32, all as unsigned bytes) and each sum starts at
+//! `-offset` times the input codes' sum, formed once per pair and unit for
+//! the rows that share it: every sum stays exact (no saturation: at most
+//! `4 * 255 * 127` in magnitude). One conversion and one fused multiply-add
+//! scale and add the sums, and the scales `dw d_x` of both inputs come from
+//! one broadcast pair. Minimum terms (`Q4_1`, `Q4_K`: `m s_x`) run for a
+//! row's inputs in one vector product and sum. A batch goes through tiles
+//! of rows x pairs ([`dots`]): each row's unit is unpacked once for the
 //! tile's pairs and each pair's block loaded once for its rows, and a tile
 //! of four accumulators or more sums their lanes all at once
-//! ([`crate::lanes_x86_512::pair_sums`]). Every
-//! result is bitwise that of the portable loop (`matrix::batch_tests`
+//! ([`crate::lanes_x86_512::pair_sums`]). Every result is bitwise that of
+//! the portable loop (`matrix::batch_tests` and `kquant_q8.rs`'s tests
 //! against the single-input product, itself checked against the portable
 //! loop there and in `q8.rs`'s tests).
 //!
@@ -35,8 +41,7 @@ use std::arch::x86_64::*;
 /// of the quantized input).
 #[derive(Clone, Copy)]
 pub(crate) struct Unit {
-    /// The 32 integer codes: signed bytes where the [`Kind`] is `SIGNED`,
-    /// else unsigned.
+    /// The 32 integer codes plus the kind's `OFFSET`, as unsigned bytes.
     pub(crate) w: __m256i,
     /// The weights' scale for lanes 0-3 (weights 0-15) and 4-7 (16-31).
     pub(crate) dw: [f32; 2],
@@ -52,8 +57,11 @@ pub(crate) trait Kind {
     const BYTES: usize;
     /// Units of 32 weights per stored block.
     const UNITS: usize;
-    /// Whether the codes are signed (their signs move onto the input).
-    const SIGNED: bool;
+    /// What the unsigned bytes of [`Unit::w`] add to the codes (0 for
+    /// unsigned codes): the kernels start each integer sum at `-OFFSET`
+    /// times the input's (`vpdpbusd` takes unsigned weights), which keeps
+    /// every sum exact.
+    const OFFSET: u8;
     /// Whether units have a minimum term.
     const MIN: bool;
     /// Whether the two halves of a unit may have different scales.
@@ -67,13 +75,13 @@ pub(crate) trait Kind {
 
 /// `Q4_1`: unsigned codes `q`, scale `d`, minimum factor `m`.
 pub(crate) struct Q4_1;
-/// `Q8_0`: signed codes, scale `d`.
+/// `Q8_0`: signed codes (`OFFSET` 128: the sign bit flipped), scale `d`.
 pub(crate) struct Q8_0;
 
 impl Kind for Q4_1 {
     const BYTES: usize = 20;
     const UNITS: usize = 1;
-    const SIGNED: bool = false;
+    const OFFSET: u8 = 0;
     const MIN: bool = true;
     const HALVES: bool = false;
     #[inline(always)]
@@ -98,7 +106,7 @@ impl Kind for Q4_1 {
 impl Kind for Q8_0 {
     const BYTES: usize = 34;
     const UNITS: usize = 1;
-    const SIGNED: bool = true;
+    const OFFSET: u8 = 128;
     const MIN: bool = false;
     const HALVES: bool = false;
     #[inline(always)]
@@ -106,8 +114,9 @@ impl Kind for Q8_0 {
         // SAFETY: the caller guarantees a whole block of 34 bytes.
         unsafe {
             let d = _mm_cvtss_f32(scale_pair(blk));
+            let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
             Unit {
-                w: _mm256_loadu_si256(blk.add(2) as *const __m256i),
+                w: _mm256_xor_si256(w, _mm256_set1_epi8(i8::MIN)),
                 dw: [d, d],
                 m: 0.0,
             }
@@ -278,9 +287,8 @@ unsafe fn dot_pairs<K: Kind, const R: usize, const P: usize>(
         let mut acc = [[_mm512_setzero_ps(); P]; R];
         let mut macc = [_mm512_setzero_ps(); R];
         for b in 0..nb {
-            // The weights as unsigned bytes (the sign moves to the inputs).
+            // The weights as unsigned bytes, duplicated for the pairs.
             let mut w2 = [zero; R];
-            let mut neg: [__mmask64; R] = [0; R];
             let mut dw = [_mm512_setzero_ps(); R];
             // The pairs' block sums, the same for every row.
             let s = match K::MIN {
@@ -304,12 +312,7 @@ unsafe fn dot_pairs<K: Kind, const R: usize, const P: usize>(
                 if K::MIN {
                     macc[r] = _mm512_add_ps(macc[r], _mm512_mul_ps(_mm512_set1_ps(u.m), s));
                 }
-                if K::SIGNED {
-                    neg[r] = _mm512_movepi8_mask(duplicate_words(u.w));
-                    w2[r] = duplicate_words(_mm256_abs_epi8(u.w));
-                } else {
-                    w2[r] = duplicate_words(u.w);
-                }
+                w2[r] = duplicate_words(u.w);
             }
             for p in 0..P {
                 let k = (p0 + p) * nb + b;
@@ -317,12 +320,15 @@ unsafe fn dot_pairs<K: Kind, const R: usize, const P: usize>(
                 let xq = _mm512_maskz_loadu_epi8(!0, x.codes.as_ptr().add(64 * k));
                 let dx = _mm_castsi128_ps(_mm_loadl_epi64(x.d.as_ptr().add(2 * k) as *const _));
                 let dx = _mm512_broadcast_f32x2(dx);
+                let init = match K::OFFSET {
+                    0 => zero,
+                    o => _mm512_sub_epi32(
+                        zero,
+                        _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(o as i8), xq),
+                    ),
+                };
                 for r in 0..R {
-                    let xs = match K::SIGNED {
-                        true => _mm512_mask_sub_epi8(xq, neg[r], zero, xq),
-                        false => xq,
-                    };
-                    let isum = _mm512_dpbusd_epi32(zero, w2[r], xs);
+                    let isum = _mm512_dpbusd_epi32(init, w2[r], xq);
                     let dd = _mm512_mul_ps(dw[r], dx);
                     acc[r][p] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(isum), acc[r][p]);
                 }
@@ -364,9 +370,9 @@ unsafe fn dot_pairs<K: Kind, const R: usize, const P: usize>(
 /// dot of that row and input alone ([`crate::q8::dot`]). Rows go four at a
 /// time against up to two pairs (a batch of 2-4 inputs: one row against one
 /// pair alone is a single chain of multiply-adds), else two at a time
-/// against up to eight pairs, except signed codes (`Q8_0`, `Q5_0`, `Q6_K`)
-/// against 8 pairs or more, one row at a time (two measured slower there
-/// for `Q8_0` on `benches/matvec.rs`); the rows left over one at a time.
+/// against up to eight pairs (the start of a pair's integer sums, for an
+/// `OFFSET`, is formed once for the two rows); the rows left over one at a
+/// time.
 ///
 /// # Safety
 /// [`available`] returned true; `w` holds `rows` rows of the inputs' block
@@ -405,7 +411,6 @@ unsafe fn dots_of<K: Kind>(
     let rb = row_bytes::<K>(x.nb);
     let g = match np {
         ..=2 => 4,
-        8.. if K::SIGNED => 1,
         _ => 2,
     };
     let mut r = 0;
@@ -483,6 +488,14 @@ unsafe fn dot_row_pairs<K: Kind, const P: usize>(src: &[u8], a: &Q8Vec, out: &mu
         for b in 0..nb {
             let xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(a.q.as_ptr().add(32 * b).cast()));
             let dx = _mm512_set1_ps(a.d[b]);
+            // Each lane's integer sum starts at `-OFFSET` times its codes' sum.
+            let init = match K::OFFSET {
+                0 => zero,
+                o => _mm512_sub_epi32(
+                    zero,
+                    _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(o as i8), xq),
+                ),
+            };
             for (p, acc) in acc.iter_mut().enumerate() {
                 // No closures here (`array::map` would call them out of line).
                 let row0 = src.as_ptr().add(2 * p * rb);
@@ -499,14 +512,7 @@ unsafe fn dot_row_pairs<K: Kind, const P: usize>(src: &[u8], a: &Q8Vec, out: &mu
                         macc[p][e] += u[e].m * a.s[b];
                     }
                 }
-                let isum = if K::SIGNED {
-                    // The sign of each weight moves onto the input byte.
-                    let neg = _mm512_movepi8_mask(w);
-                    let xs = _mm512_mask_sub_epi8(xq, neg, zero, xq);
-                    _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), xs)
-                } else {
-                    _mm512_dpbusd_epi32(zero, w, xq)
-                };
+                let isum = _mm512_dpbusd_epi32(init, w, xq);
                 let dw = if K::HALVES {
                     let q = _mm_setr_ps(u[0].dw[0], u[0].dw[1], u[1].dw[0], u[1].dw[1]);
                     _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(q))
