@@ -95,6 +95,30 @@ pub(crate) fn dot(ty: GgmlType, src: &[u8], a: &Q8Vec) -> f32 {
     if ty == GgmlType::Q4_K { s + macc } else { s }
 }
 
+/// [`dot`] on AVX2 registers where they are compiled in (bitwise equal),
+/// else [`dot`] itself: the single-row dot of CPUs without AVX-512 VNNI.
+pub(crate) fn dot_fast(ty: GgmlType, src: &[u8], a: &Q8Vec) -> f32 {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    if a.q.len() == 32 * a.d.len() && src.len() >= ty.row_bytes(32 * a.d.len()) {
+        // SAFETY: AVX2/FMA/F16C are compiled in (cfg); `src` holds the
+        // row of `a.d.len()` units (checked).
+        unsafe {
+            return match ty {
+                GgmlType::Q5_0 => x86::dot::<x86::Q5_0>(src, a),
+                GgmlType::Q4_K => x86::dot::<x86::Q4K>(src, a),
+                GgmlType::Q6_K => x86::dot::<x86::Q6K>(src, a),
+                _ => dot(ty, src, a),
+            };
+        }
+    }
+    dot(ty, src, a)
+}
+
 /// The units of [`unit`] on AVX2 registers, as the 8-bit kernels of
 /// `q8_x86_512.rs` take them ([`crate::q8_x86_512::Kind`]).
 #[cfg(all(
@@ -105,6 +129,7 @@ pub(crate) fn dot(ty: GgmlType, src: &[u8], a: &Q8Vec) -> f32 {
 ))]
 pub(crate) mod x86 {
     use crate::blocks::{h, scale_min_k4};
+    use crate::q8::Q8Vec;
     use crate::q8_x86_512::{Kind, Unit};
     use std::arch::x86_64::*;
 
@@ -114,6 +139,54 @@ pub(crate) mod x86 {
     pub(crate) struct Q4K;
     /// `Q6_K` (codes `q - 32`, taken as `q` and `OFFSET` 32; a scale per half).
     pub(crate) struct Q6K;
+
+    /// [`super::dot`] of a row of kind `K` on AVX2: per unit, eight lanes
+    /// of four products (`vpmaddubsw` + `vpmaddwd`; the codes plus their
+    /// offset are below 64, so no pair of products saturates 16 bits) less
+    /// `OFFSET` times the lane's input codes, scaled and added by one fused
+    /// multiply-add; the lanes summed in index order.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C available; `src` holds `a.d.len()` units of `K`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn dot<K: Kind>(src: &[u8], a: &Q8Vec) -> f32 {
+        const { assert!(K::OFFSET <= 32) };
+        use crate::blocks_x86::{PREFETCH, lanes_sum};
+        use crate::q8_x86_512::{row_bytes, unit_at};
+        let nb = a.d.len();
+        assert!(src.len() >= row_bytes::<K>(nb) && a.q.len() >= 32 * nb);
+        let (ones, ones8) = (_mm256_set1_epi16(1), _mm256_set1_epi8(1));
+        let offset = _mm256_set1_epi32(K::OFFSET as i32);
+        let mut acc = _mm256_setzero_ps();
+        let mut macc = 0.0f32;
+        for b in 0..nb {
+            let ahead = src.as_ptr().wrapping_add(row_bytes::<K>(b) + PREFETCH);
+            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+            let (blk, j) = unit_at::<K>(src.as_ptr(), b);
+            // SAFETY: unit `b < nb` of the row and block `b` of the input
+            // (asserted above).
+            let (u, xq) = unsafe {
+                (
+                    K::unit(blk, j),
+                    _mm256_loadu_si256(a.q.as_ptr().add(32 * b) as *const __m256i),
+                )
+            };
+            let mut isum = _mm256_madd_epi16(_mm256_maddubs_epi16(u.w, xq), ones);
+            if K::OFFSET != 0 {
+                let xs = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xq), ones);
+                isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(xs, offset));
+            }
+            let dw = _mm256_set_m128(_mm_set1_ps(u.dw[1]), _mm_set1_ps(u.dw[0]));
+            let dd = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[b]));
+            acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc);
+            if K::MIN {
+                macc += u.m * a.s[b];
+            }
+        }
+        // SAFETY: AVX2 is available (this function's contract).
+        let s = unsafe { lanes_sum(&[acc]) };
+        if K::MIN { s + macc } else { s }
+    }
 
     /// The low (`hi` false) or high nibbles of 32 bytes.
     #[inline(always)]
@@ -264,6 +337,27 @@ mod tests {
                     (got - want).abs() <= 1e-5 * mag + 1e-30,
                     "{ty:?}: {got} vs {want} (magnitude {mag})"
                 );
+            }
+        }
+    }
+
+    /// The AVX2 single-row dot (CPUs without AVX-512 VNNI, odd last rows)
+    /// is bitwise the defining loop.
+    #[test]
+    fn fast_dots_are_bitwise_the_defining_loop() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(30);
+        for (ty, cols) in [
+            (GgmlType::Q5_0, 640),
+            (GgmlType::Q4_K, 1024),
+            (GgmlType::Q6_K, 2048),
+        ] {
+            let rb = ty.row_bytes(cols);
+            let bytes = random_k_rows(&mut rng, ty, 5, cols / ty.block_size());
+            for (r, row) in bytes.chunks_exact(rb).enumerate() {
+                let mut a = Q8Vec::default();
+                a.quantize(&input(cols, r));
+                let (got, want) = (dot_fast(ty, row, &a), dot(ty, row, &a));
+                assert_eq!(got.to_bits(), want.to_bits(), "{ty:?} row {r}");
             }
         }
     }

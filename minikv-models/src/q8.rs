@@ -134,7 +134,7 @@ pub fn dot(ty: GgmlType, src: &[u8], a: &Q8Vec) -> f32 {
     match ty {
         GgmlType::Q4_1 => dot_q4_1(src, a),
         GgmlType::Q8_0 => dot_q8_0(src, a),
-        _ => crate::kquant_q8::dot(ty, src, a),
+        _ => crate::kquant_q8::dot_fast(ty, src, a),
     }
 }
 

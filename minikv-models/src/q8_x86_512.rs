@@ -126,13 +126,13 @@ impl Kind for Q8_0 {
 
 /// The block of unit `u` of the row at `row`, and the unit's index in it.
 #[inline(always)]
-fn unit_at<K: Kind>(row: *const u8, u: usize) -> (*const u8, usize) {
+pub(crate) fn unit_at<K: Kind>(row: *const u8, u: usize) -> (*const u8, usize) {
     (row.wrapping_add(K::BYTES * (u / K::UNITS)), u % K::UNITS)
 }
 
 /// Bytes of a row of `nb` units.
 #[inline(always)]
-fn row_bytes<K: Kind>(nb: usize) -> usize {
+pub(crate) fn row_bytes<K: Kind>(nb: usize) -> usize {
     K::BYTES * nb / K::UNITS
 }
 
