@@ -269,8 +269,9 @@ pub(crate) struct ModelArg {
     pub model: Option<PathBuf>,
     /// Decode matvec activations: `f32` (exact, the default) or `q8`
     /// (8-bit per block of 32 with integer dot products, llama.cpp's
-    /// arithmetic, for `Q4_1`, `Q8_0`, `Q5_0`, `Q4_K` and `Q6_K` weights).
-    /// Recorded in every result's provenance.
+    /// arithmetic, for `Q4_1`, `Q8_0`, `Q5_0`, `Q4_K` and `Q6_K` weights; in
+    /// decode and in prefill chunks of at most 32 tokens). Recorded in every
+    /// result's provenance.
     #[arg(long, default_value = "f32")]
     pub activations: minikv_models::Activations,
 }

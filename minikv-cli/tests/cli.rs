@@ -1478,32 +1478,53 @@ fn gemma3_end_to_end_from_the_cli() {
     assert!(ok, "{err}");
 }
 
-/// Gemma 3 with `--activations q8`: every decode product (its `Q8_0` head
-/// and its `Q5_0`, `Q4_K` and `Q6_K` projections) in 8-bit integer dots.
-/// The greedy continuation of the first reference prompt is then llama.cpp's
-/// own under its default (8-bit) arithmetic, not the exact one; with the
-/// head alone in 8 bits it was neither. Perplexity stays within 1% of exact.
+/// Gemma 3 with `--activations q8`: every product of a short prompt and of
+/// decode (the `Q8_0` head, the `Q5_0`, `Q4_K` and `Q6_K` projections) in
+/// 8-bit integer dots, as llama.cpp computes by default. Where llama.cpp's
+/// default run and its exact one part at the very first generated token
+/// (a reference prompt found by that property), minikv's exact run follows
+/// llama.cpp's exact one and its q8 run llama.cpp's default one, for 32
+/// characters or more; with the f32 products (or only the head in 8 bits)
+/// the q8 run followed the exact one. Perplexity stays within 1% of exact.
 #[test]
 fn gemma3_q8_activations_follow_llamacpp_default() {
     let r: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(root().join("reference/gemma3/llamacpp.json")).unwrap(),
     )
     .unwrap();
-    let g = &r["greedy"][0];
-    assert_ne!(g["default"], g["exact"], "the reference's two runs differ");
-    let v = ok_json(&[
-        "generate",
-        "--model",
-        "gemma3-270m",
-        "--prompt",
-        g["prompt"].as_str().unwrap(),
-        "--max-tokens",
-        "32",
-        "--activations",
-        "q8",
-        "--json",
-    ]);
-    assert_eq!(v["text"], g["default"]);
+    let first = |t: &serde_json::Value| t.as_str().unwrap().chars().next();
+    let g = r["greedy"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| first(&g["default"]) != first(&g["exact"]))
+        .expect("a prompt where llama.cpp's two runs part at once");
+    let run = |act: &str| {
+        let v = ok_json(&[
+            "generate",
+            "--model",
+            "gemma3-270m",
+            "--prompt",
+            g["prompt"].as_str().unwrap(),
+            "--max-tokens",
+            "32",
+            "--activations",
+            act,
+            "--json",
+        ]);
+        v["text"].as_str().unwrap().to_string()
+    };
+    let shared = |a: &str, b: &serde_json::Value| {
+        let b = b.as_str().unwrap();
+        a.chars().zip(b.chars()).take_while(|(x, y)| x == y).count()
+    };
+    let (exact, q8) = (run("f32"), run("q8"));
+    assert_eq!(exact, g["exact"].as_str().unwrap());
+    assert!(
+        shared(&q8, &g["default"]) >= 32,
+        "{q8:?} vs {}",
+        g["default"]
+    );
     let ppl = |act: &str| {
         let p = ok_json(&[
             "perplexity",

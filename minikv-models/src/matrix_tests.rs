@@ -224,3 +224,38 @@ fn k_quant_batches_are_bitwise_the_portable_dots() {
         }
     }
 }
+
+/// Under [`Activations::Q8`] a product of at most `Q8_MOST` input rows (all
+/// parts together) gives every row bitwise its single-input 8-bit dot; a
+/// longer one is the exact f32 product's, bit for bit.
+#[test]
+fn short_q8_products_are_the_single_8_bit_dots() {
+    use super::prefill::Q8_MOST;
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        let (rows, cols) = (37, 96);
+        let mut m = random_matrix(ty, rows, cols, 11);
+        for n in [3, Q8_MOST, Q8_MOST + 1] {
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + i as f32 * 1e-3))
+                .collect();
+            let mut exact = vec![f32::NAN; n * rows];
+            m.set_activations(Activations::F32);
+            m.matmul(&x, n, &mut exact);
+            m.set_activations(Activations::Q8);
+            let mut y = vec![f32::NAN; n * rows];
+            m.matmul(&x, n, &mut y);
+            for i in 0..n {
+                let mut a = Q8Vec::default();
+                a.quantize(&x[i * cols..(i + 1) * cols]);
+                for r in 0..rows {
+                    let want = match n <= Q8_MOST {
+                        true => crate::q8::dot(ty, m.row(r), &a),
+                        false => exact[i * rows + r],
+                    };
+                    let got = y[i * rows + r];
+                    assert_eq!(got.to_bits(), want.to_bits(), "{ty:?} n={n} {i} {r}");
+                }
+            }
+        }
+    }
+}
