@@ -42,6 +42,13 @@ fn matrices(labels: &[&'static str]) -> Vec<(&'static str, QMatrix)> {
         .collect()
 }
 
+/// `len` input values of decode-like magnitude, distinct per sequence.
+fn inputs(len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| ((i * 7919 % 1999) as f32 / 999.5 - 1.0) * 0.7)
+        .collect()
+}
+
 fn bench(c: &mut Criterion) {
     for (label, mut m) in matrices(&["ffn_up", "ffn_down", "head"]) {
         let (rows, cols) = (m.rows, m.cols);
@@ -53,9 +60,7 @@ fn bench(c: &mut Criterion) {
             grp.measurement_time(std::time::Duration::from_secs(1));
             for n in [1usize, 2, 3, 4, 6, 8, 16] {
                 // Inputs of decode-like magnitude, distinct per sequence.
-                let x: Vec<f32> = (0..n * cols)
-                    .map(|i| ((i * 7919 % 1999) as f32 / 999.5 - 1.0) * 0.7)
-                    .collect();
+                let x = inputs(n * cols);
                 let sel: Vec<usize> = (0..n).collect();
                 let mut y = vec![0.0f32; n * rows];
                 grp.throughput(Throughput::Elements(n as u64));
@@ -78,9 +83,7 @@ fn prefill(c: &mut Criterion) {
         grp.warm_up_time(std::time::Duration::from_millis(300));
         grp.measurement_time(std::time::Duration::from_secs(1));
         for n in [8usize, 16, 32, 64, 128, 512] {
-            let x: Vec<f32> = (0..n * cols)
-                .map(|i| ((i * 7919 % 1999) as f32 / 999.5 - 1.0) * 0.7)
-                .collect();
+            let x = inputs(n * cols);
             let mut y = vec![0.0f32; n * rows];
             grp.throughput(Throughput::Elements(n as u64));
             grp.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
@@ -114,9 +117,7 @@ fn kquant(c: &mut Criterion) {
         grp.warm_up_time(std::time::Duration::from_millis(300));
         grp.measurement_time(std::time::Duration::from_secs(1));
         for n in [1usize, 4, 16] {
-            let x: Vec<f32> = (0..n * cols)
-                .map(|i| ((i * 7919 % 1999) as f32 / 999.5 - 1.0) * 0.7)
-                .collect();
+            let x = inputs(n * cols);
             let sel: Vec<usize> = (0..n).collect();
             let mut y = vec![0.0f32; n * rows];
             grp.throughput(Throughput::Elements(n as u64));
@@ -131,9 +132,7 @@ fn kquant(c: &mut Criterion) {
         // The same decode products with 8-bit activations (`q8/n`).
         m.set_activations(Activations::Q8);
         for n in [1usize, 4, 16] {
-            let x: Vec<f32> = (0..n * cols)
-                .map(|i| ((i * 7919 % 1999) as f32 / 999.5 - 1.0) * 0.7)
-                .collect();
+            let x = inputs(n * cols);
             let sel: Vec<usize> = (0..n).collect();
             let mut y = vec![0.0f32; n * rows];
             grp.throughput(Throughput::Elements(n as u64));
