@@ -131,8 +131,8 @@ pub fn applies(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) || crate::kquant_q8::takes(ty)
 }
 
-/// A row of `ty` (one [`applies`] to) dot a quantized input.
-pub fn dot(ty: GgmlType, src: &[u8], a: &Q8Vec) -> f32 {
+/// A row of `ty` (one [`applies`] to; callers check) dot a quantized input.
+pub(crate) fn dot(ty: GgmlType, src: &[u8], a: &Q8Vec) -> f32 {
     match ty {
         GgmlType::Q4_1 => dot_q4_1(src, a),
         GgmlType::Q8_0 => dot_q8_0(src, a),
@@ -370,7 +370,7 @@ mod x86 {
 /// A row of `ty` (one [`applies`] to) dot every input of `a`, into `out`:
 /// bitwise equal to [`dot`] per input, with each `Q4_1` / `Q8_0` weight
 /// block widened once per group of four inputs on AVX2.
-pub fn dot_many(src: &[u8], ty: GgmlType, a: &[&Q8Vec], out: &mut [f32]) {
+pub(crate) fn dot_many(src: &[u8], ty: GgmlType, a: &[&Q8Vec], out: &mut [f32]) {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
