@@ -31,11 +31,12 @@ thread_local! {
 /// whole tile again for every 64 inputs).
 const DIRECT_MOST: usize = 64;
 
-/// Most input rows (all parts together) whose product takes 8-bit
-/// activations under [`crate::q8::Activations::Q8`]: the rows go through
+/// Most rows of a part (a sequence's prefill chunk) that take 8-bit
+/// activations under [`crate::q8::Activations::Q8`]: those rows go through
 /// [`QMatrix::matvec_rows`]'s 8-bit route (two inputs per register, each
-/// row's result bitwise its single-input dot), longer products keep the
-/// exact f32 routes. Measured with `minikv bench prefill --activations q8`
+/// row's result bitwise its single-input dot), longer parts keep the
+/// exact f32 routes. The choice is per part, so a sequence's results never
+/// depend on what else its batch holds. Measured with `minikv bench prefill --activations q8`
 /// (docs/performance.md): 8 tokens 1.7-1.8x the f32 route's tokens/s, 32
 /// tokens 1.04x (Gemma 3) and 1.17x (SmolLM2), 48 tokens 0.95x on Gemma 3,
 /// 512 tokens 0.83x (the integer products take as many instructions per
@@ -87,12 +88,21 @@ impl QMatrix {
         if total == 0 {
             return;
         }
-        if total <= Q8_MOST
-            && self.act == crate::q8::Activations::Q8
+        if self.act == crate::q8::Activations::Q8
             && crate::q8::applies(self.dtype)
+            && parts.iter().any(|p| p.1 <= Q8_MOST)
         {
-            let sel: Vec<usize> = parts.iter().flat_map(|&(a, n)| a..a + n).collect();
-            return self.matvec_rows_q8(x, y, &sel);
+            // Each part by its own length, whatever else the batch holds:
+            // a sequence's results do not depend on its neighbours.
+            let short = |p: &&(usize, usize)| p.1 <= Q8_MOST;
+            let sel: Vec<usize> = (parts.iter().filter(short))
+                .flat_map(|&(a, n)| a..a + n)
+                .collect();
+            self.check_parts(x, parts, y);
+            self.matvec_rows_q8(x, y, &sel);
+            let long: Vec<(usize, usize)> =
+                parts.iter().filter(|p| p.1 > Q8_MOST).copied().collect();
+            return self.matmul_parts(x, &long, y);
         }
         if total <= DIRECT_MOST {
             self.matmul_direct(x, parts, y);

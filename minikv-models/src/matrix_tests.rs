@@ -225,9 +225,9 @@ fn k_quant_batches_are_bitwise_the_portable_dots() {
     }
 }
 
-/// Under [`Activations::Q8`] a product of at most `Q8_MOST` input rows (all
-/// parts together) gives every row bitwise its single-input 8-bit dot; a
-/// longer one is the exact f32 product's, bit for bit.
+/// Under [`Activations::Q8`] a product of at most `Q8_MOST` input rows
+/// gives every row bitwise its single-input 8-bit dot; a longer one is the
+/// exact f32 product's, bit for bit.
 #[test]
 fn short_q8_products_are_the_single_8_bit_dots() {
     use super::prefill::Q8_MOST;
@@ -258,4 +258,34 @@ fn short_q8_products_are_the_single_8_bit_dots() {
             }
         }
     }
+}
+
+/// In a batch of parts under [`Activations::Q8`] each part goes by its
+/// own length: a short part beside a long one gets the rows it gets alone
+/// (8-bit), the long one the rows it gets alone (exact f32).
+#[test]
+fn q8_parts_go_by_their_own_length() {
+    use super::prefill::Q8_MOST;
+    let (rows, cols) = (21, 64);
+    let mut m = random_matrix(GgmlType::Q8_0, rows, cols, 5);
+    let (short, long) = (5, Q8_MOST + 7);
+    let n = short + long;
+    let x: Vec<f32> = (0..n * cols)
+        .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + i as f32 * 1e-3))
+        .collect();
+    let alone = |m: &QMatrix, a: usize, k: usize| {
+        let mut y = vec![f32::NAN; k * rows];
+        m.matmul(&x[a * cols..(a + k) * cols], k, &mut y);
+        y
+    };
+    m.set_activations(Activations::Q8);
+    let mut y = vec![f32::NAN; n * rows];
+    m.matmul_parts(&x, &[(0, short), (short, long)], &mut y);
+    let (ys, yl) = (alone(&m, 0, short), alone(&m, short, long));
+    m.set_activations(Activations::F32);
+    let exact_long = alone(&m, short, long);
+    let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&y[..short * rows]), bits(&ys));
+    assert_eq!(bits(&y[short * rows..]), bits(&yl));
+    assert_eq!(bits(&yl), bits(&exact_long));
 }

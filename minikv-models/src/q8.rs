@@ -8,9 +8,9 @@
 //! `Q8_0 x Q8_0` dot products, and computes each block's dot product in
 //! integers: `d_w * d_x * sum(w_q * x_q)` (+ `m_w * s_x` for `Q4_1`). On AVX2
 //! that is `vpmaddubsw` + `vpmaddwd` on 32 weights at once. It applies to
-//! decode and to prefill products of at most 32 input rows (short prompts,
-//! where it is faster); longer prefill products keep the exact f32 matmul
-//! (`matrix_prefill.rs`, `Q8_MOST`). `Q5_0`, `Q4_K`
+//! decode and to prefill chunks of at most 32 tokens (short prompts, where
+//! it is faster; each sequence's chunk by its own length); longer chunks
+//! keep the exact f32 matmul (`matrix_prefill.rs`, `Q8_MOST`). `Q5_0`, `Q4_K`
 //! and `Q6_K` weights take the same input (`kquant_q8.rs` has how their
 //! blocks line up with it); other weight types keep the exact dot.
 //!

@@ -5,7 +5,7 @@
 
 use minikv_core::{CacheBuilder, KvCache, RunConfig};
 use minikv_models::{
-    LanguageModel, Logits, SeqStep, Tokenizer, Workspace, argmax, finish_prefill,
+    Activations, LanguageModel, Logits, SeqStep, Tokenizer, Workspace, argmax, finish_prefill,
     llama::PREFILL_CHUNK,
 };
 use minikv_policies as _;
@@ -121,7 +121,18 @@ fn batched(
 }
 
 fn check(model: &str, presets: &[PathBuf], lens: &[usize], steps_out: usize) {
-    let (m, tok) = load(model);
+    check_with(model, Activations::F32, presets, lens, steps_out);
+}
+
+fn check_with(
+    model: &str,
+    act: Activations,
+    presets: &[PathBuf],
+    lens: &[usize],
+    steps_out: usize,
+) {
+    let (mut m, tok) = load(model);
+    m.set_activations(act);
     let ps = prompts(&tok, lens);
     for cfg in presets {
         let b = batched(m.as_ref(), cfg, &ps, steps_out);
@@ -184,6 +195,23 @@ fn gemma3_batched_equals_alone() {
         "gemma-3-270m-q4_k_m.gguf",
         &[c("full.toml"), c("minikv.toml")],
         &[36, 61, 20],
+        4,
+    );
+}
+
+/// With `--activations q8` the invariant holds too: prompts of up to 32
+/// tokens (here 20 and 31) take 8-bit products, the 61-token one exact
+/// ones, while the others' decode steps run in 8 bits beside them. (Two
+/// prefill chunks of one step each going by its own length:
+/// `matrix::batch_tests::q8_parts_go_by_their_own_length`.)
+#[test]
+fn gemma3_batched_equals_alone_with_q8_activations() {
+    let c = |n: &str| root().join("configs").join(n);
+    check_with(
+        "gemma-3-270m-q4_k_m.gguf",
+        Activations::Q8,
+        &[c("full.toml")],
+        &[20, 61, 31],
         4,
     );
 }
