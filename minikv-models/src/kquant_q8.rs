@@ -25,7 +25,8 @@
 //! summed in index order at the end, plus, for `Q4_K`, the minimum terms
 //! `m s_x[u]` added in unit order. [`dot`] is that loop; the kernels on
 //! 512-bit registers with VNNI (`q8_x86_512.rs`, taking the units through
-//! this file's `x86` module) give its bits.
+//! this file's `x86` module) and the single-row AVX2 kernel (`x86::dot`,
+//! through [`dot_fast`], for CPUs without VNNI) give its bits.
 //!
 //! llama.cpp rounds the input to 8 bits per block of 256 (`Q8_K`) for these
 //! types; blocks of 32 keep more of the input, at one scale per 32 codes.
