@@ -130,8 +130,9 @@ pub(crate) fn dot_fast(ty: GgmlType, src: &[u8], a: &Q8Vec) -> f32 {
 ))]
 pub(crate) mod x86 {
     use crate::blocks::{h, scale_min_k4};
+    use crate::blocks_x86::scale_pair;
     use crate::q8::Q8Vec;
-    use crate::q8_x86_512::{Kind, Unit};
+    use crate::q8_x86_512::{Kind, Unit, nibble_codes};
     use std::arch::x86_64::*;
 
     /// `Q5_0` ([`super::unit`]'s codes `q - 16`, taken as `q` and `OFFSET` 16).
@@ -209,9 +210,6 @@ pub(crate) mod x86 {
         unsafe fn unit(blk: *const u8, _: usize) -> Unit {
             // SAFETY: the caller guarantees a whole block of 22 bytes.
             unsafe {
-                let qs = _mm_loadu_si128(blk.add(6) as *const __m128i);
-                let lo = _mm_and_si128(qs, _mm_set1_epi8(15));
-                let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(15));
                 let qh = (blk.add(2) as *const i32).read_unaligned();
                 // Byte `i` of `spread` is byte `i / 8` of `qh`; its bit `i % 8`
                 // is weight `i`'s fifth bit.
@@ -223,10 +221,10 @@ pub(crate) mod x86 {
                 let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
                 let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
                 let q = _mm256_or_si256(
-                    _mm256_set_m128i(hi, lo),
+                    nibble_codes(blk.add(6)),
                     _mm256_and_si256(set, _mm256_set1_epi8(16)),
                 );
-                let d = h(std::slice::from_raw_parts(blk, 2), 0);
+                let d = _mm_cvtss_f32(scale_pair(blk));
                 Unit {
                     w: q,
                     dw: [d, d],
@@ -249,11 +247,13 @@ pub(crate) mod x86 {
                 let b = std::slice::from_raw_parts(blk, 144);
                 let (sc, m) = scale_min_k4(j, b[4..16].try_into().expect("12 bytes"));
                 let q = _mm256_loadu_si256(blk.add(16 + 32 * (j / 2)) as *const __m256i);
-                let d = h(b, 0) * sc as f32;
+                // `d` and `dmin`, the block's leading fp16 pair.
+                let dm = scale_pair(blk);
+                let d = _mm_cvtss_f32(dm) * sc as f32;
                 Unit {
                     w: nibbles(q, j % 2 == 1),
                     dw: [d, d],
-                    m: -(h(b, 2) * m as f32),
+                    m: -(_mm_cvtss_f32(_mm_movehdup_ps(dm)) * m as f32),
                 }
             }
         }

@@ -73,6 +73,21 @@ pub(crate) trait Kind {
     unsafe fn unit(blk: *const u8, j: usize) -> Unit;
 }
 
+/// The 32 codes of 16 bytes of nibbles at `qs` (`Q4_1`, `Q5_0`): the low
+/// nibbles are codes 0-15, the high ones 16-31.
+///
+/// # Safety
+/// 16 bytes readable at `qs`.
+#[inline(always)]
+pub(crate) unsafe fn nibble_codes(qs: *const u8) -> __m256i {
+    // SAFETY: as the caller guarantees; AVX2 is compiled in (module cfg).
+    unsafe {
+        let (qs, mask) = (_mm_loadu_si128(qs as *const __m128i), _mm_set1_epi8(15));
+        let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+        _mm256_set_m128i(hi, _mm_and_si128(qs, mask))
+    }
+}
+
 /// `Q4_1`: unsigned codes `q`, scale `d`, minimum factor `m`.
 pub(crate) struct Q4_1;
 /// `Q8_0`: signed codes (`OFFSET` 128: the sign bit flipped), scale `d`.
@@ -88,14 +103,10 @@ impl Kind for Q4_1 {
     unsafe fn unit(blk: *const u8, _: usize) -> Unit {
         // SAFETY: the caller guarantees a whole block of 20 bytes.
         unsafe {
-            let mask = _mm_set1_epi8(15);
-            let qs = _mm_loadu_si128(blk.add(4) as *const __m128i);
-            let lo = _mm_and_si128(qs, mask);
-            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
             let dm = scale_pair(blk);
             let d = _mm_cvtss_f32(dm);
             Unit {
-                w: _mm256_set_m128i(hi, lo),
+                w: nibble_codes(blk.add(4)),
                 dw: [d, d],
                 m: _mm_cvtss_f32(_mm_movehdup_ps(dm)),
             }
@@ -484,7 +495,11 @@ unsafe fn dot_row_pairs<K: Kind, const P: usize>(src: &[u8], a: &Q8Vec, out: &mu
         // Lanes 0-3, 4-7, 8-11, 12-15 take scales 0, 1, 2, 3.
         let quarters = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
         let mut acc = [_mm512_setzero_ps(); P];
-        let mut macc = [[0.0f32; 2]; P];
+        // The rows' minimum terms, lanes 0 and 1 (2 and 3 stay zero: left
+        // to the compiler, the pair became a 128-bit product whose unused
+        // lanes held stale values, subnormal at times, and each such
+        // product took a microcode assist, 5x the kernel's time).
+        let mut macc = [_mm_setzero_ps(); P];
         for b in 0..nb {
             let xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(a.q.as_ptr().add(32 * b).cast()));
             let dx = _mm512_set1_ps(a.d[b]);
@@ -508,9 +523,8 @@ unsafe fn dot_row_pairs<K: Kind, const P: usize>(src: &[u8], a: &Q8Vec, out: &mu
                 let u = [K::unit(b0, j), K::unit(b1, j)];
                 let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(u[0].w), u[1].w);
                 if K::MIN {
-                    for e in 0..2 {
-                        macc[p][e] += u[e].m * a.s[b];
-                    }
+                    let m = _mm_setr_ps(u[0].m, u[1].m, 0.0, 0.0);
+                    macc[p] = _mm_add_ps(macc[p], _mm_mul_ps(m, _mm_set1_ps(a.s[b])));
                 }
                 let isum = _mm512_dpbusd_epi32(init, w, xq);
                 let dw = if K::HALVES {
@@ -527,11 +541,12 @@ unsafe fn dot_row_pairs<K: Kind, const P: usize>(src: &[u8], a: &Q8Vec, out: &mu
             }
         }
         for (p, &v) in acc.iter().enumerate() {
-            let mut l = [0.0f32; 16];
+            let (mut l, mut m) = ([0.0f32; 16], [0.0f32; 4]);
             _mm512_storeu_ps(l.as_mut_ptr(), v);
+            _mm_storeu_ps(m.as_mut_ptr(), macc[p]);
             for e in 0..2 {
                 let s = l[8 * e..8 * e + 8].iter().sum::<f32>();
-                out[2 * p + e] = if K::MIN { s + macc[p][e] } else { s };
+                out[2 * p + e] = if K::MIN { s + m[e] } else { s };
             }
         }
     }
