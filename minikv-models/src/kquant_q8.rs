@@ -132,7 +132,7 @@ pub(crate) mod x86 {
     use crate::blocks::{h, scale_min_k4};
     use crate::blocks_x86::scale_pair;
     use crate::q8::Q8Vec;
-    use crate::q8_x86_512::{Kind, Unit, nibble_codes};
+    use crate::q8_x86_512::{Kind, Unit};
     use std::arch::x86_64::*;
 
     /// `Q5_0` ([`super::unit`]'s codes `q - 16`, taken as `q` and `OFFSET` 16).
@@ -188,6 +188,21 @@ pub(crate) mod x86 {
         // SAFETY: AVX2 is available (this function's contract).
         let s = unsafe { lanes_sum(&[acc]) };
         if K::MIN { s + macc } else { s }
+    }
+
+    /// The 32 codes of 16 bytes of nibbles at `qs` (`Q4_1`, `Q5_0`): the low
+    /// nibbles are codes 0-15, the high ones 16-31.
+    ///
+    /// # Safety
+    /// 16 bytes readable at `qs`.
+    #[inline(always)]
+    pub(crate) unsafe fn nibble_codes(qs: *const u8) -> __m256i {
+        // SAFETY: as the caller guarantees; AVX2 is compiled in (module cfg).
+        unsafe {
+            let (qs, mask) = (_mm_loadu_si128(qs as *const __m128i), _mm_set1_epi8(15));
+            let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+            _mm256_set_m128i(hi, _mm_and_si128(qs, mask))
+        }
     }
 
     /// The low (`hi` false) or high nibbles of 32 bytes.

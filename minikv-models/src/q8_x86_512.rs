@@ -73,21 +73,6 @@ pub(crate) trait Kind {
     unsafe fn unit(blk: *const u8, j: usize) -> Unit;
 }
 
-/// The 32 codes of 16 bytes of nibbles at `qs` (`Q4_1`, `Q5_0`): the low
-/// nibbles are codes 0-15, the high ones 16-31.
-///
-/// # Safety
-/// 16 bytes readable at `qs`.
-#[inline(always)]
-pub(crate) unsafe fn nibble_codes(qs: *const u8) -> __m256i {
-    // SAFETY: as the caller guarantees; AVX2 is compiled in (module cfg).
-    unsafe {
-        let (qs, mask) = (_mm_loadu_si128(qs as *const __m128i), _mm_set1_epi8(15));
-        let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-        _mm256_set_m128i(hi, _mm_and_si128(qs, mask))
-    }
-}
-
 /// `Q4_1`: unsigned codes `q`, scale `d`, minimum factor `m`.
 pub(crate) struct Q4_1;
 /// `Q8_0`: signed codes (`OFFSET` 128: the sign bit flipped), scale `d`.
@@ -106,7 +91,7 @@ impl Kind for Q4_1 {
             let dm = scale_pair(blk);
             let d = _mm_cvtss_f32(dm);
             Unit {
-                w: nibble_codes(blk.add(4)),
+                w: kq::nibble_codes(blk.add(4)),
                 dw: [d, d],
                 m: _mm_cvtss_f32(_mm_movehdup_ps(dm)),
             }
@@ -495,10 +480,8 @@ unsafe fn dot_row_pairs<K: Kind, const P: usize>(src: &[u8], a: &Q8Vec, out: &mu
         // Lanes 0-3, 4-7, 8-11, 12-15 take scales 0, 1, 2, 3.
         let quarters = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
         let mut acc = [_mm512_setzero_ps(); P];
-        // The rows' minimum terms, lanes 0 and 1 (2 and 3 stay zero: left
-        // to the compiler, the pair became a 128-bit product whose unused
-        // lanes held stale values, subnormal at times, and each such
-        // product took a microcode assist, 5x the kernel's time).
+        // The rows' minimum terms in lanes 0-1, lanes 2-3 zero (stale ones
+        // were subnormal at times: a microcode assist per product).
         let mut macc = [_mm_setzero_ps(); P];
         for b in 0..nb {
             let xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(a.q.as_ptr().add(32 * b).cast()));
