@@ -495,6 +495,8 @@ where
 }
 
 fn on_pool(cli: Cli) -> Result<()> {
+    // An unknown `MINIKV_MAX_ISA` is refused before any kernel is chosen.
+    minikv_core::cpu::max_isa()?;
     // Run on a pool worker: the model's many short parallel loops then start
     // on the worker's own deque instead of being handed over from `main`.
     match rayon::ThreadPoolBuilder::new().build() {

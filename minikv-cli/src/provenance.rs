@@ -22,6 +22,10 @@ pub struct Provenance {
     /// Decode matvec activations when not the exact default (`q8`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub activations: Option<&'static str>,
+    /// `avx2` when `MINIKV_MAX_ISA` kept the 512-bit kernels out (some
+    /// sums, `gemm`'s among them, then round differently).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_isa: Option<&'static str>,
     /// Seed.
     pub seed: u64,
     /// Resolved config.
@@ -78,6 +82,10 @@ pub fn provenance(
             .copied()
             .filter(|a| *a != minikv_models::Activations::F32)
             .map(|a| a.name()),
+        max_isa: match minikv_core::cpu::max_isa()? {
+            minikv_core::cpu::MaxIsa::Avx2 => Some("avx2"),
+            minikv_core::cpu::MaxIsa::Native => None,
+        },
         seed,
         config,
     })

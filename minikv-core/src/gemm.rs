@@ -79,7 +79,7 @@ pub fn gemm(
     #[cfg(target_arch = "x86_64")]
     if csb == 1 && k > 0 && (beta == 0.0 || beta == 1.0) {
         // `matrixmultiply`'s own choice of kernel, whose sums these are.
-        let kernel: Option<Kernel> = if std::is_x86_feature_detected!("avx512f") {
+        let kernel: Option<Kernel> = if crate::cpu::avx512() {
             Some(x86::gemm512)
         } else if std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("avx2") {
             Some(x86::gemm256)

@@ -54,6 +54,7 @@ pub mod channels;
 pub mod compensate;
 pub mod components;
 pub mod config;
+pub mod cpu;
 mod error;
 #[cfg(all(
     target_arch = "x86_64",

@@ -125,7 +125,7 @@ pub fn exp_neg(x: f32) -> f32 {
 #[inline]
 pub fn exp_sub_sum(x: &mut [f32], m: f32) -> f32 {
     #[cfg(all(target_arch = "x86_64", target_feature = "fma"))]
-    if std::is_x86_feature_detected!("avx512f") {
+    if crate::cpu::avx512() {
         // SAFETY: the feature was detected.
         return unsafe { exp512::exp_sub_sum(x, m) };
     }

@@ -44,7 +44,7 @@ pub(crate) const PF: usize = 8;
 /// True when the CPU has AVX-512F and `ty` has a kernel here.
 #[inline]
 pub(crate) fn available(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) && std::is_x86_feature_detected!("avx512f")
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) && minikv_core::cpu::avx512()
 }
 
 /// 16 floats at `p` (unaligned). A load under an all-lanes mask rather

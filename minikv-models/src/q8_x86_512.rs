@@ -135,7 +135,7 @@ pub(crate) fn row_bytes<K: Kind>(nb: usize) -> usize {
 /// True when the CPU has what these kernels use: AVX-512F/BW/DQ and VNNI.
 #[inline]
 pub(crate) fn available() -> bool {
-    std::is_x86_feature_detected!("avx512f")
+    minikv_core::cpu::avx512()
         && std::is_x86_feature_detected!("avx512bw")
         && std::is_x86_feature_detected!("avx512dq")
         && std::is_x86_feature_detected!("avx512vnni")

@@ -106,7 +106,8 @@ impl Isa {
                 if std::is_x86_feature_detected!("avxvnni") {
                     v.push(Isa::AvxVnni);
                 }
-                if std::is_x86_feature_detected!("avx512vnni")
+                if minikv_core::cpu::avx512()
+                    && std::is_x86_feature_detected!("avx512vnni")
                     && std::is_x86_feature_detected!("avx512vl")
                 {
                     v.push(Isa::Avx512Vnni);

@@ -195,7 +195,10 @@ fn bank_sum<const NG: usize, const V: usize, const B: usize>(
 /// multiple of 16 tokens (keys) or channels (values), heads of a multiple of
 /// 16 channels.
 pub(crate) fn applies(bits: u32, group: usize, d: usize) -> bool {
-    matches!(bits, 2 | 4) && group.is_multiple_of(16) && d.is_multiple_of(16)
+    matches!(bits, 2 | 4)
+        && group.is_multiple_of(16)
+        && d.is_multiple_of(16)
+        && minikv_core::cpu::avx512()
 }
 
 /// 16-token vectors of key scores per rayon task.

@@ -42,7 +42,7 @@ const KEYS_MAX_D: usize = 256;
 
 /// True when this CPU runs the 512-bit kernels.
 pub(crate) fn detected() -> bool {
-    std::is_x86_feature_detected!("avx512f")
+    minikv_core::cpu::avx512()
         && std::is_x86_feature_detected!("avx512bw")
         && std::is_x86_feature_detected!("avx512vl")
         && std::is_x86_feature_detected!("avx512vnni")
