@@ -22,8 +22,8 @@ pub struct Provenance {
     /// Decode matvec activations when not the exact default (`q8`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub activations: Option<&'static str>,
-    /// `avx2` when `MINIKV_MAX_ISA` kept the 512-bit kernels out (some
-    /// sums, `gemm`'s among them, then round differently).
+    /// `avx2` when `MINIKV_MAX_ISA` kept minikv's 512-bit kernels out: the
+    /// result says which kernels produced it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_isa: Option<&'static str>,
     /// Seed.

@@ -36,12 +36,9 @@ pub fn parse_max_isa(v: &str) -> Result<MaxIsa> {
     match v.trim().to_ascii_lowercase().as_str() {
         "" | "native" => Ok(MaxIsa::Native),
         "avx2" => Ok(MaxIsa::Avx2),
-        other => Err(Error::Config {
-            field: MAX_ISA_VAR.into(),
-            reason: format!(
-                "{other:?} is not an instruction-set cap: expected \"native\" or \"avx2\""
-            ),
-        }),
+        other => Err(Error::Input(format!(
+            "environment variable {MAX_ISA_VAR}={other:?}: expected \"native\" or \"avx2\""
+        ))),
     }
 }
 

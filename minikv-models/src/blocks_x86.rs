@@ -40,9 +40,9 @@ pub(crate) unsafe fn lanes_sum(acc: &[__m256]) -> f32 {
 /// [`crate::blocks::dot_row`] for `Q4_1` and `Q8_0` rows on the widest
 /// kernel the CPU has (512-bit where AVX-512F is detected, else these AVX2
 /// ones), for `Q5_0`, `Q4_K` and `Q6_K` rows on the 512-bit kernels of
-/// `kquant_x86_512` where AVX-512F is detected; `None` otherwise (other
-/// types, or a row or sums too short, which the portable loops handle as
-/// they do).
+/// `kquant_x86_512` where AVX-512F is detected, else the 256-bit ones of
+/// `kquant_x86`; `None` otherwise (other types, or a row or sums too
+/// short, which the portable loops handle as they do).
 #[inline]
 pub(crate) fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> Option<f32> {
     use crate::blocks_x86_512 as wide;
@@ -60,7 +60,8 @@ pub(crate) fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> Opti
                 true => wide::dot_q8_0(src, x),
                 false => dot_q8_0(src, x),
             }),
-            _ => crate::kquant_x86_512::dot_row(ty, src, x, xsum),
+            _ => crate::kquant_x86_512::dot_row(ty, src, x, xsum)
+                .or_else(|| crate::kquant_x86::dot_row(ty, src, x, xsum)),
         }
     }
 }

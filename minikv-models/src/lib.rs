@@ -57,6 +57,13 @@ mod kquant_q8;
     target_feature = "fma",
     target_feature = "f16c"
 ))]
+mod kquant_x86;
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
 mod kquant_x86_512;
 #[cfg(all(
     target_arch = "x86_64",

@@ -195,11 +195,15 @@ impl QMatrix {
             target_feature = "fma",
             target_feature = "f16c"
         ))]
-        if crate::kquant_x86_512::available(ty) && x.len() == self.cols {
-            // SAFETY: AVX-512F and the rest are available for this type
-            // (checked); a task's rows are whole, `xs` holds the block sums.
+        if crate::kquant_x86::handles(ty) && x.len() == self.cols {
+            let wide = crate::kquant_x86_512::available(ty);
+            // SAFETY: AVX-512F where `wide` (checked), AVX2/FMA/F16C (cfg);
+            // a task's rows are whole, `xs` holds the block sums.
             let f = |w: &[u8], o: &mut [f32]| unsafe {
-                crate::kquant_x86_512::matvec(ty, w, x, &xs, o)
+                match wide {
+                    true => crate::kquant_x86_512::matvec(ty, w, x, &xs, o),
+                    false => crate::kquant_x86::matvec(ty, w, x, &xs, o),
+                }
             };
             return self.tasks_into(y, f);
         }
@@ -509,7 +513,7 @@ fn dots(
                 }
                 return;
             }
-            _ if crate::kquant_x86_512::available(ty) => {
+            _ if crate::kquant_x86::handles(ty) => {
                 let kb = cols / ty.block_size();
                 let whole = kb > 0
                     && cols == kb * ty.block_size()
@@ -530,18 +534,16 @@ fn dots(
                         });
                         let mut o = [0.0f32; 8];
                         let ns = if per == 0 { 0 } else { n };
-                        // SAFETY: AVX-512F detected with a kernel for `ty`;
-                        // `w` holds `kb` blocks, each input `cols` values and
-                        // (for `Q4_K`) `per >= 8 kb` sums (checked above).
+                        let (xs, ss, o) = (&xs[..n], &ss[..ns], &mut o[..n]);
+                        // SAFETY: a kernel for `ty` (AVX-512F where detected,
+                        // else AVX2, enabled by cfg); `w` holds `kb` blocks,
+                        // each input `cols` values and (for `Q4_K`) `per >= 8
+                        // kb` sums (checked above).
                         unsafe {
-                            crate::kquant_x86_512::row_dots(
-                                ty,
-                                w,
-                                kb,
-                                &xs[..n],
-                                &ss[..ns],
-                                &mut o[..n],
-                            )
+                            match crate::kquant_x86_512::available(ty) {
+                                true => crate::kquant_x86_512::row_dots(ty, w, kb, xs, ss, o),
+                                false => crate::kquant_x86::row_dots(ty, w, kb, xs, ss, o),
+                            }
                         };
                         o[..n].iter().enumerate().for_each(|(t, &v)| out(j0 + t, v));
                     }

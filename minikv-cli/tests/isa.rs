@@ -1,0 +1,89 @@
+//! `MINIKV_MAX_ISA`: the 256-bit kernels a CPU without AVX-512 runs give
+//! the real model's results bitwise (on a CPU with AVX-512 this is the one
+//! end-to-end run of those kernels), and an unknown cap is refused.
+
+use minikv_test_support::root;
+
+/// Runs the binary with `MINIKV_MAX_ISA` set to `cap` (unset for `None`);
+/// returns (exit code, stdout, stderr).
+fn run(cap: Option<&str>, args: &[&str]) -> (i32, String, String) {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_minikv"));
+    c.args(args).current_dir(root());
+    match cap {
+        Some(v) => c.env("MINIKV_MAX_ISA", v),
+        None => c.env_remove("MINIKV_MAX_ISA"),
+    };
+    let o = c.output().expect("minikv starts");
+    let s = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (o.status.code().unwrap_or(-1), s(&o.stdout), s(&o.stderr))
+}
+
+/// The JSON result without what differs between runs by design.
+fn result(cap: Option<&str>, args: &[&str]) -> (serde_json::Value, Option<String>) {
+    let (code, out, err) = run(cap, args);
+    assert_eq!(code, 0, "minikv {args:?} (cap {cap:?}): {err}");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let p = v["provenance"].as_object_mut().expect("a provenance");
+    let isa = p.remove("max_isa").map(|s| s.as_str().unwrap().to_string());
+    p.remove("git_rev");
+    let o = v.as_object_mut().unwrap();
+    o.retain(|k, _| !k.ends_with("_s") && !k.ends_with("_per_s"));
+    (v, isa)
+}
+
+#[test]
+fn an_unknown_cap_is_refused_by_name() {
+    let (code, _, err) = run(Some("avx512"), &["components"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("MINIKV_MAX_ISA") && err.contains("avx512"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+/// Gemma 3 (`Q5_0`, `Q4_K`, `Q6_K` and `Q8_0` weights): perplexity with a
+/// 100-token prompt and 100 decode steps, exact and with 8-bit
+/// activations, and 24 greedy tokens, each the same bits capped at AVX2 as
+/// on every kernel the CPU has; the capped result says so in its
+/// provenance.
+#[test]
+fn gemma3_on_the_avx2_kernels_gives_the_native_bits() {
+    let ppl = |act: &'static str| {
+        let a = [
+            "perplexity",
+            "--model",
+            "gemma3-270m",
+            "--text",
+            "assets/paul_graham",
+            "--tokens",
+            "200",
+            "--prefill",
+            "100",
+            "--activations",
+            act,
+            "--json",
+        ];
+        a.map(str::to_string)
+    };
+    let greedy = [
+        "generate",
+        "--model",
+        "gemma3-270m",
+        "--prompt",
+        "The three laws of thermodynamics are",
+        "--max-tokens",
+        "24",
+        "--json",
+    ]
+    .map(str::to_string);
+    for args in [ppl("f32").to_vec(), ppl("q8").to_vec(), greedy.to_vec()] {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (native, none) = result(None, &args);
+        let (avx2, cap) = result(Some("avx2"), &args);
+        assert_eq!(none, None);
+        assert_eq!(cap.as_deref(), Some("avx2"));
+        assert_eq!(avx2, native, "minikv {args:?}");
+    }
+}
