@@ -120,6 +120,98 @@ pub(crate) fn dot_fast(ty: GgmlType, src: &[u8], a: &Q8Vec) -> f32 {
     dot(ty, src, a)
 }
 
+/// [`dot`] of one row of `ty` against each input of `a` (`out[j]`),
+/// bitwise: on AVX2 registers, each unit unpacked once for up to four
+/// inputs (batched decode on CPUs without AVX-512 VNNI).
+pub(crate) fn dots_fast(ty: GgmlType, src: &[u8], a: &[&Q8Vec], out: &mut [f32]) {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    {
+        let nb = a.first().map_or(0, |v| v.d.len());
+        let whole = |v: &&Q8Vec| v.d.len() == nb && v.q.len() == 32 * nb && v.s.len() >= nb;
+        if a.iter().all(whole) && src.len() >= ty.row_bytes(32 * nb) {
+            let mut j = 0;
+            while j < a.len() {
+                let n = if a.len() - j >= 4 { 4 } else { 1 };
+                let o = &mut out[j..j + n];
+                let r = [src.as_ptr()];
+                // SAFETY: AVX2/FMA/F16C compiled in (cfg); the row holds `nb`
+                // units and every input `nb` blocks (checked above).
+                unsafe {
+                    match (ty, n) {
+                        (GgmlType::Q5_0, 4) => x86::tile::<x86::Q5_0, 1, 4>(r, a4(a, j), o),
+                        (GgmlType::Q4_K, 4) => x86::tile::<x86::Q4K, 1, 4>(r, a4(a, j), o),
+                        (GgmlType::Q6_K, 4) => x86::tile::<x86::Q6K, 1, 4>(r, a4(a, j), o),
+                        _ => o[0] = dot_fast(ty, src, a[j]),
+                    }
+                }
+                j += n;
+            }
+            return;
+        }
+    }
+    for (o, v) in out.iter_mut().zip(a) {
+        *o = dot(ty, src, v);
+    }
+}
+
+/// Inputs `j .. j + 4` of `a`.
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma",
+    target_feature = "f16c"
+))]
+fn a4<'a>(a: &[&'a Q8Vec], j: usize) -> [&'a Q8Vec; 4] {
+    [a[j], a[j + 1], a[j + 2], a[j + 3]]
+}
+
+/// `out[r] = crate::q8::dot(ty, row r of w, a)` for the consecutive rows
+/// of `w` (one per output), bitwise: `Q5_0`, `Q4_K` and `Q6_K` rows four
+/// at a time on AVX2 registers (four independent chains), other types one
+/// by one. The single-input product of CPUs without AVX-512 VNNI.
+pub(crate) fn dot_rows(ty: GgmlType, w: &[u8], a: &Q8Vec, out: &mut [f32]) {
+    let rb = ty.row_bytes(32 * a.d.len());
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma",
+        target_feature = "f16c"
+    ))]
+    if matches!(ty, GgmlType::Q5_0 | GgmlType::Q4_K | GgmlType::Q6_K)
+        && a.q.len() == 32 * a.d.len()
+        && a.s.len() >= a.d.len()
+        && w.len() >= rb * out.len()
+    {
+        let mut r = 0;
+        while r < out.len() {
+            let n = if out.len() - r >= 4 { 4 } else { 1 };
+            let row = |k: usize| w[rb * (r + k)..].as_ptr();
+            let rows = [row(0), row(n / 4), row(2 * (n / 4)), row(3 * (n / 4))];
+            let o = &mut out[r..r + n];
+            // SAFETY: AVX2/FMA/F16C compiled in (cfg); rows `r .. r + n` lie
+            // in `w` and the input is whole (checked above).
+            unsafe {
+                match (ty, n) {
+                    (GgmlType::Q5_0, 4) => x86::tile::<x86::Q5_0, 4, 1>(rows, [a], o),
+                    (GgmlType::Q4_K, 4) => x86::tile::<x86::Q4K, 4, 1>(rows, [a], o),
+                    (GgmlType::Q6_K, 4) => x86::tile::<x86::Q6K, 4, 1>(rows, [a], o),
+                    _ => o[0] = dot_fast(ty, &w[rb * r..rb * (r + 1)], a),
+                }
+            }
+            r += n;
+        }
+        return;
+    }
+    for (row, o) in w.chunks_exact(rb).zip(out) {
+        *o = crate::q8::dot(ty, row, a);
+    }
+}
+
 /// The units of [`unit`] on AVX2 registers, as the 8-bit kernels of
 /// `q8_x86_512.rs` take them ([`crate::q8_x86_512::Kind`]).
 #[cfg(all(
@@ -142,52 +234,105 @@ pub(crate) mod x86 {
     /// `Q6_K` (codes `q - 32`, taken as `q` and `OFFSET` 32; a scale per half).
     pub(crate) struct Q6K;
 
-    /// [`super::dot`] of a row of kind `K` on AVX2: per unit, eight lanes
-    /// of four products (`vpmaddubsw` + `vpmaddwd`; the codes plus their
-    /// offset are below 64, so no pair of products saturates 16 bits) less
-    /// `OFFSET` times the lane's input codes, scaled and added by one fused
-    /// multiply-add; the lanes summed in index order.
+    /// [`super::dot`] of `R` rows of kind `K` against `N` inputs on AVX2
+    /// (`out[r N + n]`): per unit, pairs of products (`vpmaddubsw`; the
+    /// codes plus their offset are below 64, so no pair saturates 16 bits)
+    /// less `OFFSET` (a power of two up to 32) times the pair's input codes
+    /// (formed once per input and unit for the `R` rows; the difference
+    /// stays within 16 bits), summed into eight lanes of four products
+    /// (`vpmaddwd`), scaled and added by one fused multiply-add; the lanes
+    /// summed in index order. Each unit is unpacked once for the `N` inputs; the
+    /// `R x N` sums are independent chains. Every result is bitwise its
+    /// single dot's.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C available; each row holds `a[0].d.len()` units of
+    /// `K`, every input as many blocks (`q`: 32 codes each) and `out` at
+    /// least `R N` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn tile<K: Kind, const R: usize, const N: usize>(
+        rows: [*const u8; R],
+        a: [&Q8Vec; N],
+        out: &mut [f32],
+    ) {
+        const { assert!(K::OFFSET <= 32 && (K::OFFSET == 0 || K::OFFSET.is_power_of_two())) };
+        use crate::blocks_x86::{PREFETCH, lanes_sum};
+        use crate::q8_x86_512::{row_bytes, unit_at};
+        let nb = a[0].d.len();
+        assert!(out.len() >= R * N);
+        assert!(
+            a.iter()
+                .all(|a| a.d.len() == nb && a.q.len() >= 32 * nb && a.s.len() >= nb)
+        );
+        let (ones, ones8) = (_mm256_set1_epi16(1), _mm256_set1_epi8(1));
+        let shift = _mm_cvtsi32_si128(K::OFFSET.trailing_zeros() as i32);
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
+        let mut macc = [[0.0f32; N]; R];
+        // The inputs' arrays as raw pointers: plain loops over them (no
+        // closures, which would not inherit this function's features).
+        let (mut q, mut d, mut sx) = (
+            [std::ptr::null(); N],
+            [std::ptr::null(); N],
+            [std::ptr::null(); N],
+        );
+        for n in 0..N {
+            (q[n], d[n], sx[n]) = (a[n].q.as_ptr(), a[n].d.as_ptr(), a[n].s.as_ptr());
+        }
+        let (mut xq, mut off) = ([_mm256_setzero_si256(); N], [_mm256_setzero_si256(); N]);
+        for b in 0..nb {
+            for n in 0..N {
+                // SAFETY: block `b < nb` of each input (asserted above).
+                xq[n] = unsafe { _mm256_loadu_si256(q[n].add(32 * b) as *const __m256i) };
+                // `OFFSET` times each pair of input codes, in 16 bits (at
+                // most 32 x 256 in magnitude).
+                if K::OFFSET != 0 {
+                    off[n] = _mm256_sll_epi16(_mm256_maddubs_epi16(ones8, xq[n]), shift);
+                }
+            }
+            for r in 0..R {
+                let ahead = rows[r].wrapping_add(row_bytes::<K>(b) + PREFETCH);
+                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+                let (blk, j) = unit_at::<K>(rows[r], b);
+                // SAFETY: unit `b < nb` of the row, as the caller guarantees.
+                let u = unsafe { K::unit(blk, j) };
+                let dw = _mm256_set_m128(_mm_set1_ps(u.dw[1]), _mm_set1_ps(u.dw[0]));
+                for n in 0..N {
+                    let mut pairs = _mm256_maddubs_epi16(u.w, xq[n]);
+                    if K::OFFSET != 0 {
+                        pairs = _mm256_sub_epi16(pairs, off[n]);
+                    }
+                    let isum = _mm256_madd_epi16(pairs, ones);
+                    // SAFETY: block `b < nb` of each input (asserted above).
+                    let (dx, s) = unsafe { (*d[n].add(b), *sx[n].add(b)) };
+                    let dd = _mm256_mul_ps(dw, _mm256_set1_ps(dx));
+                    acc[r][n] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc[r][n]);
+                    if K::MIN {
+                        macc[r][n] += u.m * s;
+                    }
+                }
+            }
+        }
+        let all = acc.iter().flatten().zip(macc.iter().flatten());
+        for (o, (acc, m)) in out.iter_mut().zip(all) {
+            // SAFETY: AVX2 is available (this function's contract).
+            let s = unsafe { lanes_sum(&[*acc]) };
+            *o = if K::MIN { s + m } else { s };
+        }
+    }
+
+    /// [`super::dot`] of a row of kind `K` on AVX2 ([`tile`] of one row and
+    /// one input).
     ///
     /// # Safety
     /// AVX2/FMA/F16C available; `src` holds `a.d.len()` units of `K`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn dot<K: Kind>(src: &[u8], a: &Q8Vec) -> f32 {
-        const { assert!(K::OFFSET <= 32) };
-        use crate::blocks_x86::{PREFETCH, lanes_sum};
-        use crate::q8_x86_512::{row_bytes, unit_at};
         let nb = a.d.len();
-        assert!(src.len() >= row_bytes::<K>(nb) && a.q.len() >= 32 * nb);
-        let (ones, ones8) = (_mm256_set1_epi16(1), _mm256_set1_epi8(1));
-        let offset = _mm256_set1_epi32(K::OFFSET as i32);
-        let mut acc = _mm256_setzero_ps();
-        let mut macc = 0.0f32;
-        for b in 0..nb {
-            let ahead = src.as_ptr().wrapping_add(row_bytes::<K>(b) + PREFETCH);
-            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-            let (blk, j) = unit_at::<K>(src.as_ptr(), b);
-            // SAFETY: unit `b < nb` of the row and block `b` of the input
-            // (asserted above).
-            let (u, xq) = unsafe {
-                (
-                    K::unit(blk, j),
-                    _mm256_loadu_si256(a.q.as_ptr().add(32 * b) as *const __m256i),
-                )
-            };
-            let mut isum = _mm256_madd_epi16(_mm256_maddubs_epi16(u.w, xq), ones);
-            if K::OFFSET != 0 {
-                let xs = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, xq), ones);
-                isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(xs, offset));
-            }
-            let dw = _mm256_set_m128(_mm_set1_ps(u.dw[1]), _mm_set1_ps(u.dw[0]));
-            let dd = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[b]));
-            acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc);
-            if K::MIN {
-                macc += u.m * a.s[b];
-            }
-        }
-        // SAFETY: AVX2 is available (this function's contract).
-        let s = unsafe { lanes_sum(&[acc]) };
-        if K::MIN { s + macc } else { s }
+        assert!(src.len() >= crate::q8_x86_512::row_bytes::<K>(nb) && a.q.len() >= 32 * nb);
+        let mut o = [0.0f32];
+        // SAFETY: the row and the input are whole (asserted above).
+        unsafe { tile::<K, 1, 1>([src.as_ptr()], [a], &mut o) };
+        o[0]
     }
 
     /// The 32 codes of 16 bytes of nibbles at `qs` (`Q4_1`, `Q5_0`): the low
@@ -357,8 +502,9 @@ mod tests {
         }
     }
 
-    /// The AVX2 single-row dot (CPUs without AVX-512 VNNI, odd last rows)
-    /// is bitwise the defining loop.
+    /// The AVX2 dots (CPUs without AVX-512 VNNI, odd last rows) are
+    /// bitwise the defining loop: one row, one row against 1-9 inputs
+    /// (`dots_fast`), one input against 1-9 rows (`dot_rows`).
     #[test]
     fn fast_dots_are_bitwise_the_defining_loop() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(30);
@@ -368,12 +514,35 @@ mod tests {
             (GgmlType::Q6_K, 2048),
         ] {
             let rb = ty.row_bytes(cols);
-            let bytes = random_k_rows(&mut rng, ty, 5, cols / ty.block_size());
+            let bytes = random_k_rows(&mut rng, ty, 9, cols / ty.block_size());
+            let inputs: Vec<Q8Vec> = (0..9)
+                .map(|i| {
+                    let mut a = Q8Vec::default();
+                    a.quantize(&input(cols, i));
+                    a
+                })
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             for (r, row) in bytes.chunks_exact(rb).enumerate() {
-                let mut a = Q8Vec::default();
-                a.quantize(&input(cols, r));
-                let (got, want) = (dot_fast(ty, row, &a), dot(ty, row, &a));
+                let a = &inputs[r];
+                let (got, want) = (dot_fast(ty, row, a), dot(ty, row, a));
                 assert_eq!(got.to_bits(), want.to_bits(), "{ty:?} row {r}");
+                // One row against 1-9 inputs (tiles of four, then one).
+                let want: Vec<f32> = inputs.iter().map(|a| dot(ty, row, a)).collect();
+                for n in 1..=9 {
+                    let refs: Vec<&Q8Vec> = inputs[..n].iter().collect();
+                    let mut got = vec![f32::NAN; n];
+                    dots_fast(ty, row, &refs, &mut got);
+                    assert_eq!(bits(&got), bits(&want[..n]), "{ty:?} row {r}, {n} inputs");
+                }
+            }
+            // One input against 1-9 rows (groups of four, then one).
+            let a = &inputs[0];
+            let want: Vec<f32> = bytes.chunks_exact(rb).map(|row| dot(ty, row, a)).collect();
+            for rows in 1..=9 {
+                let mut got = vec![f32::NAN; rows];
+                dot_rows(ty, &bytes, a, &mut got);
+                assert_eq!(bits(&got), bits(&want[..rows]), "{ty:?} {rows} rows");
             }
         }
     }

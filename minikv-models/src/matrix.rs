@@ -216,7 +216,7 @@ impl QMatrix {
     /// [`Self::matvec`] with the input rounded to 8 bits per block of 32.
     fn matvec_q8(&self, x: &[f32], a: &mut Q8Vec, y: &mut [f32]) {
         a.quantize(x);
-        let (a, ty, rb) = (&*a, self.dtype, self.dtype.row_bytes(self.cols));
+        let (a, ty) = (&*a, self.dtype);
         #[cfg(all(
             target_arch = "x86_64",
             target_feature = "avx2",
@@ -229,11 +229,7 @@ impl QMatrix {
             let f = |w: &[u8], o: &mut [f32]| unsafe { crate::q8_x86_512::matvec(ty, w, a, o) };
             return self.tasks_into(y, f);
         }
-        self.tasks_into(y, |w, o| {
-            w.chunks_exact(rb)
-                .zip(o)
-                .for_each(|(row, o)| *o = crate::q8::dot(ty, row, a));
-        });
+        self.tasks_into(y, |w, o| crate::kquant_q8::dot_rows(ty, w, a, o));
     }
 
     /// Runs `f(rows' bytes, their outputs)` over consecutive rows, split
