@@ -75,6 +75,7 @@ mod lanes_x86_512;
 pub mod llama;
 pub mod matrix;
 pub mod q8;
+mod q8_avx2;
 pub use q8::Activations;
 #[cfg(all(
     target_arch = "x86_64",

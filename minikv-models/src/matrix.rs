@@ -229,7 +229,7 @@ impl QMatrix {
             let f = |w: &[u8], o: &mut [f32]| unsafe { crate::q8_x86_512::matvec(ty, w, a, o) };
             return self.tasks_into(y, f);
         }
-        self.tasks_into(y, |w, o| crate::kquant_q8::dot_rows(ty, w, a, o));
+        self.tasks_into(y, |w, o| crate::q8_avx2::dot_rows(ty, w, a, o));
     }
 
     /// Runs `f(rows' bytes, their outputs)` over consecutive rows, split
