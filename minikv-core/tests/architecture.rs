@@ -284,6 +284,32 @@ fn src_files() -> Vec<(PathBuf, String)> {
     files
 }
 
+/// The 512-bit kernels are chosen through `minikv_core::cpu::avx512()`
+/// alone, so `MINIKV_MAX_ISA=avx2` keeps every one of them out: no source
+/// outside `cpu.rs` asks the CPU for AVX-512F itself (unit tests may).
+#[test]
+fn avx512_is_chosen_only_through_the_cap() {
+    let mut crates = Vec::new();
+    for e in std::fs::read_dir(root()).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("minikv-") && p.join("src").is_dir() {
+            crates.push(name);
+        }
+    }
+    let mut found = Vec::new();
+    for krate in &crates {
+        for (file, line) in non_test_lines(krate) {
+            let asks = line.contains("is_x86_feature_detected!(\"avx512f\")");
+            if asks && !file.ends_with("minikv-core/src/cpu.rs") {
+                found.push(format!("{}: {}", file.display(), line.trim()));
+            }
+        }
+    }
+    assert!(crates.len() >= 9, "found only {crates:?}");
+    assert!(found.is_empty(), "AVX-512F detected past the cap: {found:?}");
+}
+
 /// No source file under a crate's `src/` exceeds 600 lines (a file that grows
 /// past it is split by concern; unit tests live in their own file).
 #[test]
