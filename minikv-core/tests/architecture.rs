@@ -307,7 +307,10 @@ fn avx512_is_chosen_only_through_the_cap() {
         }
     }
     assert!(crates.len() >= 9, "found only {crates:?}");
-    assert!(found.is_empty(), "AVX-512F detected past the cap: {found:?}");
+    assert!(
+        found.is_empty(),
+        "AVX-512F detected past the cap: {found:?}"
+    );
 }
 
 /// No source file under a crate's `src/` exceeds 600 lines (a file that grows
