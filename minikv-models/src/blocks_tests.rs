@@ -418,12 +418,6 @@ fn x86_512_dequantization_is_bitwise_the_portable_loops() {
 /// `rows` random rows of `nb` blocks of `ty` (`Q5_0`, `Q4_K` or `Q6_K`):
 /// random codes, scales and minimums (fp16 values over many magnitudes, of
 /// both signs).
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
 pub(crate) fn random_k_rows(
     rng: &mut rand::rngs::StdRng,
     ty: GgmlType,
