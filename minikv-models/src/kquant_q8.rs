@@ -211,11 +211,12 @@ pub(crate) mod x86 {
                     }
                     let isum = _mm256_madd_epi16(pairs, ones);
                     // SAFETY: block `b < nb` of each input (asserted above).
-                    let (dx, s) = unsafe { (*d[n].add(b), *sx[n].add(b)) };
+                    let dx = unsafe { *d[n].add(b) };
                     let dd = _mm256_mul_ps(dw, _mm256_set1_ps(dx));
                     acc[r][n] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc[r][n]);
                     if K::MIN {
-                        macc[r][n] += u.m * s;
+                        // SAFETY: as above.
+                        macc[r][n] += u.m * unsafe { *sx[n].add(b) };
                     }
                 }
             }

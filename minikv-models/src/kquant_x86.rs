@@ -31,7 +31,7 @@ const TILE_Q4_K: usize = 2;
 /// True when `ty` has a kernel here.
 #[inline]
 pub(crate) fn handles(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q5_0 | GgmlType::Q4_K | GgmlType::Q6_K)
+    crate::kquant_q8::takes(ty)
 }
 
 /// Eight bytes at `p` widened to 32-bit lanes.

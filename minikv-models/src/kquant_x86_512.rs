@@ -32,7 +32,7 @@ use std::arch::x86_64::*;
 /// True when the CPU has AVX-512F and `ty` has a kernel here.
 #[inline]
 pub(crate) fn available(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q5_0 | GgmlType::Q4_K | GgmlType::Q6_K) && minikv_core::cpu::avx512()
+    crate::kquant_q8::takes(ty) && minikv_core::cpu::avx512()
 }
 
 /// Prefetches, for the block of `bytes` bytes at `b`, the cache lines that

@@ -510,6 +510,7 @@ fn dots(
                 return;
             }
             _ if crate::kquant_x86::handles(ty) => {
+                let wide = crate::kquant_x86_512::available(ty);
                 let kb = cols / ty.block_size();
                 let whole = kb > 0
                     && cols == kb * ty.block_size()
@@ -536,7 +537,7 @@ fn dots(
                         // each input `cols` values and (for `Q4_K`) `per >= 8
                         // kb` sums (checked above).
                         unsafe {
-                            match crate::kquant_x86_512::available(ty) {
+                            match wide {
                                 true => crate::kquant_x86_512::row_dots(ty, w, kb, xs, ss, o),
                                 false => crate::kquant_x86::row_dots(ty, w, kb, xs, ss, o),
                             }

@@ -409,7 +409,7 @@ pub(crate) fn dot_many(src: &[u8], ty: GgmlType, a: &[&Q8Vec], out: &mut [f32]) 
             return;
         }
     }
-    if matches!(ty, GgmlType::Q5_0 | GgmlType::Q4_K | GgmlType::Q6_K) {
+    if crate::kquant_q8::takes(ty) {
         return crate::q8_avx2::dots(ty, src, a, out);
     }
     for (o, v) in out.iter_mut().zip(a) {

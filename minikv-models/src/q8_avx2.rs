@@ -80,28 +80,28 @@ pub(crate) fn dot_rows(ty: GgmlType, w: &[u8], a: &Q8Vec, out: &mut [f32]) {
         target_feature = "fma",
         target_feature = "f16c"
     ))]
-    if matches!(ty, GgmlType::Q5_0 | GgmlType::Q4_K | GgmlType::Q6_K)
+    if crate::kquant_q8::takes(ty)
         && a.q.len() == 32 * a.d.len()
         && a.s.len() >= a.d.len()
         && w.len() >= rb * out.len()
     {
         let mut r = 0;
-        while r < out.len() {
-            let n = if out.len() - r >= 4 { 4 } else { 1 };
-            let row = |k: usize| w[rb * (r + k)..].as_ptr();
-            let rows = [row(0), row(n / 4), row(2 * (n / 4)), row(3 * (n / 4))];
-            let o = &mut out[r..r + n];
-            // SAFETY: AVX2/FMA/F16C compiled in (cfg); rows `r .. r + n` lie
+        while out.len() - r >= 4 {
+            let rows: [*const u8; 4] = std::array::from_fn(|k| w[rb * (r + k)..].as_ptr());
+            let o = &mut out[r..r + 4];
+            // SAFETY: AVX2/FMA/F16C compiled in (cfg); rows `r .. r + 4` lie
             // in `w` and the input is whole (checked above).
             unsafe {
-                match (ty, n) {
-                    (GgmlType::Q5_0, 4) => kq::tile::<kq::Q5_0, 4, 1>(rows, [a], o),
-                    (GgmlType::Q4_K, 4) => kq::tile::<kq::Q4K, 4, 1>(rows, [a], o),
-                    (GgmlType::Q6_K, 4) => kq::tile::<kq::Q6K, 4, 1>(rows, [a], o),
-                    _ => o[0] = crate::kquant_q8::dot_fast(ty, &w[rb * r..rb * (r + 1)], a),
+                match ty {
+                    GgmlType::Q5_0 => kq::tile::<kq::Q5_0, 4, 1>(rows, [a], o),
+                    GgmlType::Q4_K => kq::tile::<kq::Q4K, 4, 1>(rows, [a], o),
+                    _ => kq::tile::<kq::Q6K, 4, 1>(rows, [a], o),
                 }
             }
-            r += n;
+            r += 4;
+        }
+        for (k, o) in out[r..].iter_mut().enumerate() {
+            *o = crate::kquant_q8::dot_fast(ty, &w[rb * (r + k)..rb * (r + k + 1)], a);
         }
         return;
     }
