@@ -316,10 +316,10 @@ fn x86_512_dots_are_bitwise_equal_to_the_portable_loops() {
     }
 }
 
-/// The single-input matvec on 512-bit registers (four rows side by side,
-/// then one at a time) gives each row bitwise the portable loop's dot:
-/// row counts 1-13 (every split into fours and a remainder), rows of 1-48
-/// blocks.
+/// The single-input matvecs on 256-bit and (where the CPU has AVX-512F)
+/// 512-bit registers, four rows side by side, then one at a time, give each
+/// row bitwise the portable loop's dot: row counts 1-13 (every split into
+/// fours and a remainder), rows of 1-48 blocks.
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
@@ -327,12 +327,11 @@ fn x86_512_dots_are_bitwise_equal_to_the_portable_loops() {
     target_feature = "f16c"
 ))]
 #[test]
-fn x86_512_row_groups_are_bitwise_equal_to_the_portable_loops() {
-    use crate::blocks_x86_512 as k;
+fn x86_row_groups_are_bitwise_equal_to_the_portable_loops() {
     use rand::{Rng, SeedableRng};
-    if !k::available(GgmlType::Q4_1) {
+    let wide = crate::blocks_x86_512::available(GgmlType::Q4_1);
+    if !wide {
         eprintln!("no AVX-512F on this CPU: the 512-bit kernels are not compared");
-        return;
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(12);
     for &nb in &[1usize, 2, 5, 18, 48] {
@@ -355,12 +354,23 @@ fn x86_512_row_groups_are_bitwise_equal_to_the_portable_loops() {
                         .to_bits()
                     })
                     .collect();
-                let mut got = vec![f32::NAN; rows];
-                // SAFETY: AVX-512F detected; `w` holds `rows` rows of `nb`
-                // blocks, `xs` the input's block sums.
-                unsafe { k::matvec(ty, w, &x, &xs, &mut got) };
-                let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
-                assert_eq!(got, want, "{ty:?} nb={nb} rows={rows}");
+                for k512 in [false, true] {
+                    if k512 && !wide {
+                        continue;
+                    }
+                    let mut got = vec![f32::NAN; rows];
+                    // SAFETY: AVX2/FMA/F16C (cfg), AVX-512F where `k512`
+                    // (detected); `w` holds `rows` rows of `nb` blocks, `xs`
+                    // the input's block sums.
+                    unsafe {
+                        match k512 {
+                            true => crate::blocks_x86_512::matvec(ty, w, &x, &xs, &mut got),
+                            false => crate::blocks_x86::matvec(ty, w, &x, &xs, &mut got),
+                        }
+                    };
+                    let got: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got, want, "{ty:?} nb={nb} rows={rows} 512-bit={k512}");
+                }
             }
         }
     }

@@ -195,6 +195,19 @@ impl QMatrix {
             target_feature = "fma",
             target_feature = "f16c"
         ))]
+        if matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) && x.len() == self.cols {
+            // SAFETY: AVX2/FMA/F16C (cfg); a task's rows are whole, `xs`
+            // holds the block sums.
+            let f =
+                |w: &[u8], o: &mut [f32]| unsafe { crate::blocks_x86::matvec(ty, w, x, &xs, o) };
+            return self.tasks_into(y, f);
+        }
+        #[cfg(all(
+            target_arch = "x86_64",
+            target_feature = "avx2",
+            target_feature = "fma",
+            target_feature = "f16c"
+        ))]
         if crate::kquant_x86::handles(ty) && x.len() == self.cols {
             let wide = crate::kquant_x86_512::available(ty);
             // SAFETY: AVX-512F where `wide` (checked), AVX2/FMA/F16C (cfg);
