@@ -13,7 +13,8 @@
 # Knobs (env): MODEL (the fetched SmolLM2 GGUF),
 # THREADS (nproc), NPP (1024), NTG (64), NPL (1,4,16), OUT
 # (results/bench-batched), CONFIGS (configs/full.toml configs/minikv.toml),
-# Q8 (1: also minikv with `--activations q8`).
+# Q8 (1: also minikv with `--activations q8`), ISA (native; avx2: both
+# sides without AVX-512, as in scripts/bench-llamacpp.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-assets/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -24,14 +25,15 @@ NPL=${NPL:-1,4,16}
 OUT=${OUT:-results/bench-batched}
 CONFIGS=${CONFIGS:-configs/full.toml configs/minikv.toml}
 Q8=${Q8:-1}
+ISA=${ISA:-native}
 if grep -q amx_int8 /proc/cpuinfo 2>/dev/null; then REPACK=${REPACK:-0}; else REPACK=${REPACK:-1}; fi
 NR=()
 [ "$REPACK" = 0 ] && NR=(-nr)
 mkdir -p "$OUT"
 [ -f "$MODEL" ] || ./scripts/fetch-assets.sh >&2
-BIN=$(./scripts/build-llamacpp.sh)
-cargo build --release -q -p minikv-cli
-MK=target/release/minikv
+BIN=$(ISA=$ISA ./scripts/build-llamacpp.sh)
+MK=$(ISA=$ISA ./scripts/build-minikv.sh)
+[ "$ISA" = avx2 ] && export MINIKV_MAX_ISA=avx2
 maxpl=$(echo "$NPL" | tr ',' '\n' | sort -n | tail -1)
 CTX=$(( maxpl * (NPP + NTG) ))
 # Result files are kept: a rerun measures only what is missing.

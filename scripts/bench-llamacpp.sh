@@ -12,7 +12,10 @@
 # THREADS (nproc), DEPTHS (0,4096,8192), N (64), REPS (3), PROMPTS (4096,8000),
 # OUT (results/bench-llamacpp), CONFIGS (configs/minikv.toml configs/kivi-2bit.toml),
 # Q8 (1: also time the full cache and CONFIGS with `--activations q8`,
-# llama.cpp's 8-bit activation arithmetic; 0: skip).
+# llama.cpp's 8-bit activation arithmetic; 0: skip), ISA (native; avx2:
+# both sides without AVX-512 on this machine: llama.cpp's AVX2-only build
+# and minikv's (scripts/build-minikv.sh) run under MINIKV_MAX_ISA=avx2:
+# the figures of a CPU without AVX-512).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-assets/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -24,11 +27,12 @@ PROMPTS=${PROMPTS:-4096,8000}
 OUT=${OUT:-results/bench-llamacpp}
 CONFIGS=${CONFIGS:-configs/minikv.toml configs/kivi-2bit.toml}
 Q8=${Q8:-1}
+ISA=${ISA:-native}
 mkdir -p "$OUT"
 [ -f "$MODEL" ] || ./scripts/fetch-assets.sh >&2
-BIN=$(./scripts/build-llamacpp.sh)
-cargo build --release -q -p minikv-cli
-MK=target/release/minikv
+BIN=$(ISA=$ISA ./scripts/build-llamacpp.sh)
+MK=$(ISA=$ISA ./scripts/build-minikv.sh)
+[ "$ISA" = avx2 ] && export MINIKV_MAX_ISA=avx2
 CFG_ARGS=()
 for c in $CONFIGS; do CFG_ARGS+=(--config "$c"); done
 # Each result file is kept: a rerun measures only what is missing (delete
@@ -61,7 +65,7 @@ fi
 echo "bench-llamacpp: minikv prefill" >&2
 RAYON_NUM_THREADS=$THREADS $MK bench prefill --model "$MODEL" --config configs/full.toml --config configs/minikv.toml \
   --tokens "$PROMPTS" --runs "$REPS" --json > "$OUT/minikv-prefill.json"
-python3 - "$OUT" "$THREADS" "$Q8" <<'PY'
+python3 - "$OUT" "$THREADS" "$Q8" "$ISA" <<'PY'
 import json, sys, os
 out, threads = sys.argv[1], sys.argv[2]
 class Best(dict):
@@ -99,7 +103,8 @@ if sys.argv[3] == "1" and os.path.exists(q8):
         if c not in cfgs: cfgs.append(c)
         dec[(c, r["depth"])] = r
 lowered = sorted({(r["depth"], r["depth_used"]) for r in mk["results"] if r["depth"] > 0 and r.get("depth_used", r["depth"]) != r["depth"]})
-print(f"Decode tokens/s ({threads} threads, {mk['model']}, minikv {mk['git_rev']}; median of runs, minikv spread in brackets; llama.cpp at the faster of flash attention off and on per cell, `fa` says which; ratio = minikv / llama.cpp f16 at its fastest):\n")
+isa = "" if sys.argv[4] == "native" else f", both sides without AVX-512 (ISA={sys.argv[4]})"
+print(f"Decode tokens/s ({threads} threads{isa}, {mk['model']}, minikv {mk['git_rev']}; median of runs, minikv spread in brackets; llama.cpp at the faster of flash attention off and on per cell, `fa` says which; ratio = minikv / llama.cpp f16 at its fastest):\n")
 print("| depth | llama.cpp f16 KV | llama.cpp q4_0 KV | " + " | ".join(f"minikv {c}" for c in cfgs) + " |")
 print("|---|---|---|" + "---|" * len(cfgs))
 # Every depth either side measured: a side that failed leaves "-" cells and
