@@ -255,32 +255,43 @@ pub(crate) unsafe fn matvec(ty: GgmlType, w: &[u8], x: &[f32], xsum: &[f32], out
     let nb = x.len() / 32;
     let rb = ty.row_bytes(32 * nb);
     assert!(w.len() >= out.len() * rb && (ty != GgmlType::Q4_1 || xsum.len() >= nb));
+    // SAFETY: AVX2/FMA/F16C (the caller); `w` holds the `left` remaining
+    // rows (asserted above), `xsum` the block sums for `Q4_1`.
+    in_groups(rb, w, out, |w, o, left| unsafe {
+        match (ty, left) {
+            (GgmlType::Q4_1, 4..) => {
+                dot_q4_1_rows::<4>(w, nb, x, xsum, o);
+                4
+            }
+            (GgmlType::Q4_1, _) => {
+                dot_q4_1_rows::<1>(w, nb, x, xsum, o);
+                1
+            }
+            (_, 2..) => {
+                dot_q8_0_rows::<2>(w, nb, x, o);
+                2
+            }
+            _ => {
+                dot_q8_0_rows::<1>(w, nb, x, o);
+                1
+            }
+        }
+    });
+}
+
+/// Walks `out` (one output per row of `w`, `rb` bytes a row) in groups:
+/// `group(the rows from r on, their outputs, rows left)` takes the first
+/// rows of what it is given and returns how many.
+pub(crate) fn in_groups(
+    rb: usize,
+    w: &[u8],
+    out: &mut [f32],
+    mut group: impl FnMut(&[u8], &mut [f32], usize) -> usize,
+) {
     let mut r = 0;
     while r < out.len() {
         let left = out.len() - r;
-        let (w, o) = (&w[r * rb..], &mut out[r..]);
-        // SAFETY: AVX2/FMA/F16C (the caller); `w` holds the `left` remaining
-        // rows (asserted above), `xsum` the block sums for `Q4_1`.
-        r += unsafe {
-            match (ty, left) {
-                (GgmlType::Q4_1, 4..) => {
-                    dot_q4_1_rows::<4>(w, nb, x, xsum, o);
-                    4
-                }
-                (GgmlType::Q4_1, _) => {
-                    dot_q4_1_rows::<1>(w, nb, x, xsum, o);
-                    1
-                }
-                (_, 2..) => {
-                    dot_q8_0_rows::<2>(w, nb, x, o);
-                    2
-                }
-                _ => {
-                    dot_q8_0_rows::<1>(w, nb, x, o);
-                    1
-                }
-            }
-        };
+        r += group(&w[r * rb..], &mut out[r..], left);
     }
 }
 

@@ -351,33 +351,28 @@ pub(crate) unsafe fn matvec(ty: GgmlType, w: &[u8], x: &[f32], xsum: &[f32], out
     let nb = x.len() / 32;
     let rb = ty.row_bytes(32 * nb);
     assert!(w.len() >= out.len() * rb && (ty != GgmlType::Q4_1 || xsum.len() >= nb));
-    let mut r = 0;
-    while r < out.len() {
-        let left = out.len() - r;
-        let (w, o) = (&w[r * rb..], &mut out[r..]);
-        // SAFETY: AVX-512F and the rest (the caller checked `available`);
-        // `w` holds the `left` remaining rows (asserted above).
-        r += unsafe {
-            match (ty, left) {
-                (GgmlType::Q4_1, 4..) => {
-                    dot_q4_1_rows::<4>(w, nb, x, xsum, o);
-                    4
-                }
-                (GgmlType::Q4_1, _) => {
-                    dot_q4_1_rows::<1>(w, nb, x, xsum, o);
-                    1
-                }
-                (_, 4..) => {
-                    dot_q8_0_rows::<4>(w, nb, x, o);
-                    4
-                }
-                _ => {
-                    dot_q8_0_rows::<1>(w, nb, x, o);
-                    1
-                }
+    // SAFETY: AVX-512F and the rest (the caller checked `available`); `w`
+    // holds the `left` remaining rows (asserted above).
+    crate::blocks_x86::in_groups(rb, w, out, |w, o, left| unsafe {
+        match (ty, left) {
+            (GgmlType::Q4_1, 4..) => {
+                dot_q4_1_rows::<4>(w, nb, x, xsum, o);
+                4
             }
-        };
-    }
+            (GgmlType::Q4_1, _) => {
+                dot_q4_1_rows::<1>(w, nb, x, xsum, o);
+                1
+            }
+            (_, 4..) => {
+                dot_q8_0_rows::<4>(w, nb, x, o);
+                4
+            }
+            _ => {
+                dot_q8_0_rows::<1>(w, nb, x, o);
+                1
+            }
+        }
+    });
 }
 
 /// `Q4_1` row dot one input ([`dot_q4_1_tile`] with `R = N = 1`).

@@ -181,41 +181,24 @@ impl QMatrix {
             target_feature = "fma",
             target_feature = "f16c"
         ))]
-        if crate::blocks_x86_512::available(ty) && x.len() == self.cols {
-            // SAFETY: AVX-512F and the rest are available for this type
-            // (checked); a task's rows are whole, `xs` holds the block sums.
-            let f = |w: &[u8], o: &mut [f32]| unsafe {
-                crate::blocks_x86_512::matvec(ty, w, x, &xs, o)
+        if (matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) || crate::kquant_x86::handles(ty))
+            && x.len() == self.cols
+        {
+            // `Q4_1` / `Q8_0` or a k-quant, on 512-bit registers where the
+            // CPU has AVX-512F (and the cap allows it), else on 256-bit ones.
+            let blocks = matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0);
+            let wide = match blocks {
+                true => crate::blocks_x86_512::available(ty),
+                false => crate::kquant_x86_512::available(ty),
             };
-            return self.tasks_into(y, f);
-        }
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma",
-            target_feature = "f16c"
-        ))]
-        if matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) && x.len() == self.cols {
-            // SAFETY: AVX2/FMA/F16C (cfg); a task's rows are whole, `xs`
-            // holds the block sums.
-            let f =
-                |w: &[u8], o: &mut [f32]| unsafe { crate::blocks_x86::matvec(ty, w, x, &xs, o) };
-            return self.tasks_into(y, f);
-        }
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma",
-            target_feature = "f16c"
-        ))]
-        if crate::kquant_x86::handles(ty) && x.len() == self.cols {
-            let wide = crate::kquant_x86_512::available(ty);
             // SAFETY: AVX-512F where `wide` (checked), AVX2/FMA/F16C (cfg);
             // a task's rows are whole, `xs` holds the block sums.
             let f = |w: &[u8], o: &mut [f32]| unsafe {
-                match wide {
-                    true => crate::kquant_x86_512::matvec(ty, w, x, &xs, o),
-                    false => crate::kquant_x86::matvec(ty, w, x, &xs, o),
+                match (blocks, wide) {
+                    (true, true) => crate::blocks_x86_512::matvec(ty, w, x, &xs, o),
+                    (true, false) => crate::blocks_x86::matvec(ty, w, x, &xs, o),
+                    (false, true) => crate::kquant_x86_512::matvec(ty, w, x, &xs, o),
+                    (false, false) => crate::kquant_x86::matvec(ty, w, x, &xs, o),
                 }
             };
             return self.tasks_into(y, f);
