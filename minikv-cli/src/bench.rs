@@ -273,7 +273,7 @@ pub fn attention(a: &AttentionArgs) -> Result<()> {
             rows.push(json!({"cache": format!("fused {b}-bit {an} (G=16, keys per channel, values per token)"), "bits": b, "arithmetic": an, "seconds_per_token": tq, "bytes_read_per_token": hb, "speedup_vs_fp16": tf / tq, "bytes_ratio_vs_fp16": full_bytes as f64 / hb as f64}));
         }
     }
-    let v = json!({"backend": name, "tokens": a.tokens, "layers": a.layers, "head_dim": a.head_dim, "q_heads": a.q_heads, "kv_heads": a.kv_heads, "threads": rayon_threads(), "results": rows});
+    let v = json!({"backend": name, "tokens": a.tokens, "layers": a.layers, "head_dim": a.head_dim, "q_heads": a.q_heads, "kv_heads": a.kv_heads, "threads": rayon_threads(), "max_isa": crate::provenance::max_isa_name(), "results": rows});
     if a.json {
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));
     } else {
@@ -316,6 +316,7 @@ fn emit(
         let v = json!({
             "bench": bench, "model": l.path.file_name().map(|f| f.to_string_lossy().into_owned()),
             "model_sha256": l.sha256()?, "threads": rayon::current_num_threads(),
+            "max_isa": crate::provenance::max_isa_name(),
             "git_rev": crate::provenance::git_rev(), "results": rows,
         });
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));

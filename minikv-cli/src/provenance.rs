@@ -91,6 +91,16 @@ pub fn provenance(
     })
 }
 
+/// The kernels a timing ran on, for the benches' JSON: `avx2` when
+/// `MINIKV_MAX_ISA` kept minikv's 512-bit kernels out, else `native` (the
+/// cap was checked when the process started).
+pub fn max_isa_name() -> &'static str {
+    match minikv_core::cpu::max_isa() {
+        Ok(minikv_core::cpu::MaxIsa::Avx2) => "avx2",
+        _ => "native",
+    }
+}
+
 /// Models `scripts/fetch-assets.sh` fetches, by the short names `--model` accepts.
 pub const KNOWN_MODELS: [(&str, &str); 2] = [
     ("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf"),

@@ -174,6 +174,7 @@ pub fn run(a: &ThroughputArgs) -> Result<()> {
             "model": l.path.file_name().map(|f| f.to_string_lossy().into_owned()),
             "model_sha256": l.sha256()?, "threads": rayon::current_num_threads(),
             "activations": a.model.activations.name(),
+            "max_isa": crate::provenance::max_isa_name(),
             "git_rev": crate::provenance::git_rev(), "results": rows,
         });
         println!("{}", serde_json::to_string_pretty(&v).expect("json"));

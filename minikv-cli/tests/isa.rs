@@ -87,3 +87,45 @@ fn gemma3_on_the_avx2_kernels_gives_the_native_bits() {
         assert_eq!(avx2, native, "minikv {args:?}");
     }
 }
+
+/// SmolLM2 (`Q4_1` weights, the `Q8_0` head: on AVX2 their rows go four /
+/// two at a time against one input): perplexity with a full cache and with
+/// MiniKV, exact, the same bits capped at AVX2 as on every kernel the CPU
+/// has.
+#[test]
+fn smollm2_on_the_avx2_kernels_gives_the_native_bits() {
+    for cfg in ["configs/full.toml", "configs/minikv.toml"] {
+        let args = [
+            "perplexity",
+            "--text",
+            "assets/paul_graham",
+            "--tokens",
+            "200",
+            "--prefill",
+            "100",
+            "--config",
+            cfg,
+            "--json",
+        ];
+        let (native, _) = result(None, &args);
+        let (avx2, cap) = result(Some("avx2"), &args);
+        assert_eq!(cap.as_deref(), Some("avx2"));
+        assert_eq!(avx2, native, "minikv {args:?}");
+    }
+}
+
+/// A timing says which kernels it ran on: `bench decode`'s JSON carries
+/// `max_isa`, `avx2` under the cap and `native` without it.
+#[test]
+fn bench_results_name_the_kernels_they_timed() {
+    let args = [
+        "bench", "decode", "--depth", "0", "--tokens", "2", "--runs", "1", "--json",
+    ];
+    for (cap, want) in [(None, "native"), (Some("avx2"), "avx2")] {
+        let (code, out, err) = run(cap, &args);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+        assert_eq!(v["max_isa"], want, "{out}");
+    }
+}
