@@ -281,7 +281,7 @@ pub(crate) unsafe fn matvec(ty: GgmlType, w: &[u8], x: &[f32], xsum: &[f32], out
 
 /// Walks `out` (one output per row of `w`, `rb` bytes a row) in groups:
 /// `group(the rows from r on, their outputs, rows left)` takes the first
-/// rows of what it is given and returns how many.
+/// rows of what it is given and returns how many (at least one).
 pub(crate) fn in_groups(
     rb: usize,
     w: &[u8],
@@ -295,11 +295,11 @@ pub(crate) fn in_groups(
     }
 }
 
-/// How far ahead [`matvec`]'s row groups prefetch, in rows: block `i` of
-/// row `r` asks for block `i` of row `r + PF_ROWS`, two groups of four
-/// ahead (a fixed distance in bytes would reach, from inside a group of
-/// four short rows, only into the group itself).
-const PF_ROWS: usize = 8;
+/// How far ahead the AVX2 row groups prefetch, in rows: block `i` of row
+/// `r` asks for block `i` of row `r + PF_ROWS` (two groups of four `Q4_1`
+/// rows, four pairs of `Q8_0` rows; a fixed distance in bytes would reach,
+/// from inside a group of short rows, only into the group itself).
+pub(crate) const PF_ROWS: usize = 8;
 
 /// `R` consecutive `Q4_1` rows (`nb` blocks each) dot one input: `out[r]`
 /// is bitwise [`dot_q4_1`] of row `r` (its own two accumulators and

@@ -148,7 +148,7 @@ pub(crate) fn dot_rows(ty: GgmlType, w: &[u8], a: &Q8Vec, out: &mut [f32]) {
 ))]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q8_0_rows<const R: usize>(src: &[u8], a: &Q8Vec, out: &mut [f32]) {
-    use crate::blocks_x86::{lanes_sum, scale_pair};
+    use crate::blocks_x86::{PF_ROWS, lanes_sum, scale_pair};
     use std::arch::x86_64::*;
     let nb = a.d.len();
     let rb = 34 * nb;
@@ -163,7 +163,7 @@ unsafe fn dot_q8_0_rows<const R: usize>(src: &[u8], a: &Q8Vec, out: &mut [f32]) 
             let dx = *a.d.get_unchecked(b);
             for (r, acc) in acc.iter_mut().enumerate() {
                 let blk = src.as_ptr().add(r * rb + 34 * b);
-                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(8 * rb) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PF_ROWS * rb) as *const i8);
                 let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
                 let p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
                 let isum = _mm256_madd_epi16(p, ones);
