@@ -86,24 +86,23 @@ pub(crate) fn dot_rows(ty: GgmlType, w: &[u8], a: &Q8Vec, out: &mut [f32]) {
         && a.s.len() >= a.d.len()
         && w.len() >= rb * out.len()
     {
-        let mut r = 0;
-        while out.len() - r >= 4 {
-            let rows: [*const u8; 4] = std::array::from_fn(|k| w[rb * (r + k)..].as_ptr());
-            let o = &mut out[r..r + 4];
-            // SAFETY: AVX2/FMA/F16C compiled in (cfg); rows `r .. r + 4` lie
-            // in `w` and the input is whole (checked above).
+        crate::blocks_x86::in_groups(rb, w, out, |w, o, left| {
+            if left < 4 {
+                o[0] = crate::kquant_q8::dot_fast(ty, &w[..rb], a);
+                return 1;
+            }
+            let rows: [*const u8; 4] = std::array::from_fn(|k| w[rb * k..].as_ptr());
+            // SAFETY: AVX2/FMA/F16C compiled in (cfg); the four rows lie in
+            // `w` and the input is whole (checked above).
             unsafe {
                 match ty {
-                    GgmlType::Q5_0 => kq::tile::<kq::Q5_0, 4, 1>(rows, [a], o),
-                    GgmlType::Q4_K => kq::tile::<kq::Q4K, 4, 1>(rows, [a], o),
-                    _ => kq::tile::<kq::Q6K, 4, 1>(rows, [a], o),
+                    GgmlType::Q5_0 => kq::tile::<kq::Q5_0, 4, 1>(rows, [a], &mut o[..4]),
+                    GgmlType::Q4_K => kq::tile::<kq::Q4K, 4, 1>(rows, [a], &mut o[..4]),
+                    _ => kq::tile::<kq::Q6K, 4, 1>(rows, [a], &mut o[..4]),
                 }
             }
-            r += 4;
-        }
-        for (k, o) in out[r..].iter_mut().enumerate() {
-            *o = crate::kquant_q8::dot_fast(ty, &w[rb * (r + k)..rb * (r + k + 1)], a);
-        }
+            4
+        });
         return;
     }
     #[cfg(all(
