@@ -299,48 +299,34 @@ impl Gemma3 {
         })
     }
 
-    /// Bytes of all weights as stored.
-    pub fn weight_bytes(&self) -> usize {
-        let m = |q: &QMatrix| q.bytes().len();
-        m(&self.embed)
-            + self.lm_head.as_ref().map_or(0, m)
-            + self
-                .blocks
-                .iter()
-                .map(|b| {
-                    let qkv = match &b.qkv {
-                        Qkv::Fused(w) => m(w),
-                        Qkv::Split(a, c, d) => m(a) + m(c) + m(d),
-                    };
-                    let gu = match &b.gate_up {
-                        GateUp::Fused(w) => m(w),
-                        GateUp::Split(a, c) => m(a) + m(c),
-                    };
-                    qkv + gu + m(&b.wo) + m(&b.w_down)
-                })
-                .sum::<usize>()
-    }
-
-    fn weight_types(&self) -> String {
-        let mut t = std::collections::BTreeMap::<String, usize>::new();
-        let mut add = |q: &QMatrix| *t.entry(format!("{:?}", q.dtype)).or_default() += 1;
-        add(&self.embed);
+    /// Every weight matrix as held: the embedding, the output head when
+    /// untied, and each block's (a stack where its parts were fused).
+    fn matrices(&self) -> Vec<&QMatrix> {
+        let mut ms: Vec<&QMatrix> = vec![&self.embed];
+        ms.extend(self.lm_head.as_ref());
         for b in &self.blocks {
             match &b.qkv {
-                Qkv::Fused(w) => add(w),
-                Qkv::Split(a, c, d) => [a, c, d].into_iter().for_each(&mut add),
+                Qkv::Fused(w) => ms.push(w),
+                Qkv::Split(a, c, d) => ms.extend([a, c, d]),
             }
             match &b.gate_up {
-                GateUp::Fused(w) => add(w),
-                GateUp::Split(a, c) => [a, c].into_iter().for_each(&mut add),
+                GateUp::Fused(w) => ms.push(w),
+                GateUp::Split(a, c) => ms.extend([a, c]),
             }
-            add(&b.wo);
-            add(&b.w_down);
+            ms.extend([&b.wo, &b.w_down]);
         }
-        t.iter()
-            .map(|(k, v)| format!("{k} x{v}"))
-            .collect::<Vec<_>>()
-            .join(", ")
+        ms
+    }
+
+    /// Bytes of all weights as stored.
+    pub fn weight_bytes(&self) -> usize {
+        self.matrices().iter().map(|m| m.bytes().len()).sum()
+    }
+
+    /// Heap bytes holding weights beyond the memory-mapped file (the
+    /// stacked projections that had to be copied; see [`QMatrix::heap_bytes`]).
+    pub fn weight_heap_bytes(&self) -> usize {
+        QMatrix::heap_bytes(self.matrices())
     }
 
     /// The block's feed-forward half on `n` rows of `ws.x`: norm, GELU-gated
@@ -538,8 +524,9 @@ impl LanguageModel for Gemma3 {
         serde_json::json!({
             "architecture": "gemma3",
             "config": &self.cfg,
-            "weight_types": self.weight_types(),
+            "weight_types": QMatrix::type_counts(self.matrices()),
             "weight_bytes": self.weight_bytes(),
+            "weight_heap_bytes": self.weight_heap_bytes(),
         })
     }
 

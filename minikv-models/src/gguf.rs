@@ -127,6 +127,51 @@ impl Blob {
     pub fn bytes(&self) -> &[u8] {
         &self.data[self.start..self.start + self.len]
     }
+
+    /// The heap buffer under this blob, as (address, bytes of the whole
+    /// buffer): `None` when it is the memory-mapped file. Blobs of one buffer
+    /// give one address, so a sum over distinct addresses counts each
+    /// allocation once.
+    pub fn heap_buffer(&self) -> Option<(usize, usize)> {
+        match &*self.data {
+            Bytes::Mmap(_) => None,
+            Bytes::Owned(v) => Some((v.as_ptr() as usize, v.capacity())),
+        }
+    }
+
+    /// Bytes `start .. start + len` of this blob, sharing them (no copy).
+    /// Panics past the end.
+    pub fn slice(&self, start: usize, len: usize) -> Self {
+        assert!(
+            start.checked_add(len).is_some_and(|e| e <= self.len),
+            "Blob::slice: {start} + {len} is past {} bytes",
+            self.len
+        );
+        Self {
+            data: self.data.clone(),
+            start: self.start + start,
+            len,
+        }
+    }
+
+    /// The blobs one after another as one blob without a copy, when each
+    /// starts where the one before ends in the same bytes (tensors stored
+    /// back to back in one file); `None` otherwise.
+    pub fn adjacent(parts: &[&Blob]) -> Option<Self> {
+        let first = parts.first()?;
+        let mut end = first.start + first.len;
+        for b in &parts[1..] {
+            if !Arc::ptr_eq(&b.data, &first.data) || b.start != end {
+                return None;
+            }
+            end += b.len;
+        }
+        Some(Self {
+            data: first.data.clone(),
+            start: first.start,
+            len: end - first.start,
+        })
+    }
 }
 
 const MAX_DIMS: u32 = 4;

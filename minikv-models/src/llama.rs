@@ -215,11 +215,27 @@ impl Llama {
         let inv_freq = (0..half)
             .map(|i| cfg.rope_base.powf(-2.0 * i as f64 / cfg.head_dim as f64))
             .collect();
+        // The forward pass reads the stacks. A stack is a view of the file
+        // where its parts lie back to back there (no copy), else one copy;
+        // the block's own matrices then become views of it, so every
+        // reader of a weight reads the same bytes.
+        let mut blocks = blocks;
         let fused = blocks
-            .iter()
-            .map(|b| Fused {
-                qkv: QMatrix::concat_rows(&[&b.wq, &b.wk, &b.wv]).ok(),
-                gate_up: QMatrix::concat_rows(&[&b.w_gate, &b.w_up]).ok(),
+            .iter_mut()
+            .map(|b| {
+                let qkv = QMatrix::concat_rows(&[&b.wq, &b.wk, &b.wv]).ok();
+                if let Some(m) = &qkv {
+                    let (q, k) = (b.wq.rows, b.wk.rows);
+                    b.wq = m.row_view(0, q);
+                    b.wk = m.row_view(q, k);
+                    b.wv = m.row_view(q + k, b.wv.rows);
+                }
+                let gate_up = QMatrix::concat_rows(&[&b.w_gate, &b.w_up]).ok();
+                if let Some(m) = &gate_up {
+                    b.w_gate = m.row_view(0, b.w_gate.rows);
+                    b.w_up = m.row_view(b.w_gate.rows, b.w_up.rows);
+                }
+                Fused { qkv, gate_up }
             })
             .collect();
         let pairs = match cfg.rope {
@@ -238,35 +254,37 @@ impl Llama {
         }
     }
 
-    /// Bytes of all weights as stored.
+    /// Every weight matrix as the file names them: the embedding, the
+    /// output head when untied, and each block's seven (views of the
+    /// stacks where fused).
+    fn matrices(&self) -> impl Iterator<Item = &QMatrix> {
+        let blocks = self
+            .blocks
+            .iter()
+            .flat_map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.w_gate, &b.w_up, &b.w_down]);
+        [&self.embed].into_iter().chain(&self.lm_head).chain(blocks)
+    }
+
+    /// Bytes of all weights as stored (the norms' f32 vectors included).
     pub fn weight_bytes(&self) -> usize {
-        let b = &self.blocks;
-        self.embed.bytes().len()
-            + self.lm_head.as_ref().map_or(0, |m| m.bytes().len())
-            + b.iter()
-                .map(|b| {
-                    [&b.wq, &b.wk, &b.wv, &b.wo, &b.w_gate, &b.w_up, &b.w_down]
-                        .iter()
-                        .map(|m| m.bytes().len())
-                        .sum::<usize>()
-                        + 8 * b.attn_norm.len()
-                })
-                .sum::<usize>()
+        let norms = self.blocks.iter().map(|b| 8 * b.attn_norm.len());
+        self.matrices().map(|m| m.bytes().len()).sum::<usize>() + norms.sum::<usize>()
+    }
+
+    /// Heap bytes holding weights beyond the memory-mapped file (the
+    /// stacked projections that had to be copied; see [`QMatrix::heap_bytes`]).
+    pub fn weight_heap_bytes(&self) -> usize {
+        let fused = self
+            .fused
+            .iter()
+            .flat_map(|f| [&f.qkv, &f.gate_up])
+            .flatten();
+        QMatrix::heap_bytes(self.matrices().chain(fused))
     }
 
     /// Weight storage types, for reports (e.g. `Q4_1 x210, Q8_0 x1`).
     pub fn weight_types(&self) -> String {
-        let mut m = std::collections::BTreeMap::<String, usize>::new();
-        for b in &self.blocks {
-            for w in [&b.wq, &b.wk, &b.wv, &b.wo, &b.w_gate, &b.w_up, &b.w_down] {
-                *m.entry(format!("{:?}", w.dtype)).or_default() += 1;
-            }
-        }
-        *m.entry(format!("{:?}", self.embed.dtype)).or_default() += 1;
-        m.iter()
-            .map(|(k, v)| format!("{k} x{v}"))
-            .collect::<Vec<_>>()
-            .join(", ")
+        QMatrix::type_counts(self.matrices())
     }
 
     fn rope(&self, x: &mut [f32], n_heads: usize, cos: &[f32], sin: &[f32]) {
@@ -530,6 +548,7 @@ impl LanguageModel for Llama {
             "config": &self.cfg,
             "weight_types": self.weight_types(),
             "weight_bytes": self.weight_bytes(),
+            "weight_heap_bytes": self.weight_heap_bytes(),
         })
     }
 

@@ -89,7 +89,9 @@ impl QMatrix {
     }
 
     /// Stacks matrices with the same type and columns (one parallel region
-    /// instead of several in decode).
+    /// instead of several in decode): without a copy when their bytes lie
+    /// back to back in one file (as `ffn_gate` and `ffn_up` often do),
+    /// else into one new buffer.
     pub fn concat_rows(ms: &[&QMatrix]) -> Result<Self> {
         let first = ms
             .first()
@@ -102,17 +104,63 @@ impl QMatrix {
                 "concat of matrices with different types or widths".into(),
             ));
         }
-        let mut bytes = Vec::with_capacity(ms.iter().map(|m| m.bytes().len()).sum());
-        for m in ms {
-            bytes.extend_from_slice(m.bytes());
-        }
+        let parts: Vec<&Blob> = ms.iter().map(|m| &m.data).collect();
+        let data = Blob::adjacent(&parts).unwrap_or_else(|| {
+            let mut bytes = Vec::with_capacity(ms.iter().map(|m| m.bytes().len()).sum());
+            for m in ms {
+                bytes.extend_from_slice(m.bytes());
+            }
+            Blob::owned(bytes)
+        });
         Ok(Self {
             dtype: first.dtype,
             rows: ms.iter().map(|m| m.rows).sum(),
             cols: first.cols,
-            data: Blob::owned(bytes),
+            data,
             act: first.act,
         })
+    }
+
+    /// Heap bytes holding the weights of `ms` beyond the memory-mapped
+    /// file: each distinct buffer once (a copied [`Self::concat_rows`] stack
+    /// and the [`Self::row_view`]s of it count once; a model read into
+    /// memory counts whole).
+    pub fn heap_bytes<'a>(ms: impl IntoIterator<Item = &'a QMatrix>) -> usize {
+        let mut seen = std::collections::BTreeMap::new();
+        for (at, n) in ms.into_iter().filter_map(|m| m.data.heap_buffer()) {
+            seen.insert(at, n);
+        }
+        seen.values().sum()
+    }
+
+    /// Storage types of `ms` with their counts, for reports (e.g. `Q4_1
+    /// x210, Q8_0 x1`).
+    pub fn type_counts<'a>(ms: impl IntoIterator<Item = &'a QMatrix>) -> String {
+        let mut t = std::collections::BTreeMap::<String, usize>::new();
+        for m in ms {
+            *t.entry(format!("{:?}", m.dtype)).or_default() += 1;
+        }
+        let counts: Vec<String> = t.iter().map(|(k, v)| format!("{k} x{v}")).collect();
+        counts.join(", ")
+    }
+
+    /// Rows `r0 .. r0 + n` as a matrix sharing these bytes (no copy): the
+    /// parts of a [`Self::concat_rows`] stack, held without a second copy.
+    /// Panics past the last row.
+    pub fn row_view(&self, r0: usize, n: usize) -> Self {
+        assert!(
+            r0 + n <= self.rows,
+            "row_view: rows {r0} + {n} past {}",
+            self.rows
+        );
+        let rb = self.dtype.row_bytes(self.cols);
+        Self {
+            dtype: self.dtype,
+            rows: n,
+            cols: self.cols,
+            data: self.data.slice(r0 * rb, n * rb),
+            act: self.act,
+        }
     }
 
     /// An f32 matrix from values.
@@ -393,45 +441,9 @@ impl QMatrix {
     }
 }
 
-/// How a batch's rows split into sequences, for [`QMatrix::matmul_segments`]:
-/// the rows of short segments (at most two rows: decode steps) are computed
-/// together, longer ones (prefill chunks) each by its own matrix product
-/// against weights dequantized once for all of them.
-#[derive(Debug, Default, Clone)]
-pub struct Segments {
-    /// Rows of the segments of at most two rows.
-    small: Vec<usize>,
-    /// `(first row, rows)` of the longer segments.
-    big: Vec<(usize, usize)>,
-    /// Total rows.
-    rows: usize,
-}
-
-impl Segments {
-    /// Segments of the given lengths, consecutive from row 0 (reuses the buffers).
-    pub fn set(&mut self, lens: impl IntoIterator<Item = usize>) {
-        self.small.clear();
-        self.big.clear();
-        let mut a = 0;
-        for n in lens {
-            match n {
-                0 => {}
-                1 | 2 => self.small.extend(a..a + n),
-                _ => self.big.push((a, n)),
-            }
-            a += n;
-        }
-        self.rows = a;
-    }
-
-    /// Total rows.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-}
-
 #[path = "matrix_prefill.rs"]
 mod prefill;
+pub use prefill::Segments;
 
 /// Dot products of one weight row `w` with the inputs `sel` of `x`, each
 /// result handed to `out(j, value)`; bitwise equal to [`dot_row`] per input.

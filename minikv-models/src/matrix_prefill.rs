@@ -8,7 +8,8 @@
 //! place, against the inputs transposed once per call: `matrixmultiply`
 //! would copy the whole tile into its panels for a few multiply-adds per
 //! weight. Long ones go through `sgemm` (the `matrixmultiply` crate) per
-//! part of the inputs, whose copies are then a small share.
+//! part of the inputs, whose copies are then a small share. [`Segments`]
+//! says which rows of a batch go which way.
 
 use super::{QMatrix, SendPtr};
 use rayon::prelude::*;
@@ -265,5 +266,42 @@ mod tests {
                 }
             }
         }
+    }
+}
+
+/// How a batch's rows split into sequences, for [`QMatrix::matmul_segments`]:
+/// the rows of short segments (at most two rows: decode steps) are computed
+/// together, longer ones (prefill chunks) each by its own matrix product
+/// against weights dequantized once for all of them.
+#[derive(Debug, Default, Clone)]
+pub struct Segments {
+    /// Rows of the segments of at most two rows.
+    pub(super) small: Vec<usize>,
+    /// `(first row, rows)` of the longer segments.
+    pub(super) big: Vec<(usize, usize)>,
+    /// Total rows.
+    rows: usize,
+}
+
+impl Segments {
+    /// Segments of the given lengths, consecutive from row 0 (reuses the buffers).
+    pub fn set(&mut self, lens: impl IntoIterator<Item = usize>) {
+        self.small.clear();
+        self.big.clear();
+        let mut a = 0;
+        for n in lens {
+            match n {
+                0 => {}
+                1 | 2 => self.small.extend(a..a + n),
+                _ => self.big.push((a, n)),
+            }
+            a += n;
+        }
+        self.rows = a;
+    }
+
+    /// Total rows.
+    pub fn rows(&self) -> usize {
+        self.rows
     }
 }

@@ -289,3 +289,41 @@ fn q8_parts_go_by_their_own_length() {
     assert_eq!(bits(&y[short * rows..]), bits(&yl));
     assert_eq!(bits(&yl), bits(&exact_long));
 }
+
+#[test]
+fn stacks_of_back_to_back_bytes_are_views_and_others_copies() {
+    let (rows, cols) = (24, 64);
+    let a = random_matrix(GgmlType::Q4_1, 2 * rows, cols, 7);
+    let rb = a.dtype.row_bytes(cols);
+    let part = |r0: usize, n: usize| {
+        QMatrix::new("p", a.dtype, n, cols, a.data.slice(r0 * rb, n * rb)).unwrap()
+    };
+    let (top, bottom) = (part(0, rows), part(rows, rows));
+    let alone = random_matrix(GgmlType::Q4_1, rows, cols, 8);
+    let one_buffer = a.rows * rb;
+    assert_eq!(QMatrix::heap_bytes([&top, &bottom]), one_buffer);
+
+    // Back to back in one buffer: the stack is that buffer again.
+    let s = QMatrix::concat_rows(&[&top, &bottom]).unwrap();
+    assert_eq!((s.rows, s.bytes()), (2 * rows, a.bytes()));
+    assert_eq!(s.bytes().as_ptr(), a.bytes().as_ptr());
+    assert_eq!(QMatrix::heap_bytes([&top, &bottom, &s]), one_buffer);
+    // Out of order, or from two buffers: a copy of the rows in stack order.
+    for (ms, other) in [([&bottom, &top], 0), ([&top, &alone], rows * rb)] {
+        let c = QMatrix::concat_rows(&ms).unwrap();
+        assert_eq!(c.bytes(), [ms[0].bytes(), ms[1].bytes()].concat());
+        assert_ne!(c.bytes().as_ptr(), a.bytes().as_ptr());
+        let held = QMatrix::heap_bytes([ms[0], ms[1], &c]);
+        assert_eq!(held, one_buffer + other + 2 * rows * rb);
+    }
+    // A view of a stack's rows is the part: same bytes, same products.
+    let c = QMatrix::concat_rows(&[&alone, &top]).unwrap();
+    let v = c.row_view(rows, rows);
+    assert_eq!(v.bytes(), top.bytes());
+    let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+    let (mut y1, mut y2) = (vec![0.0; rows], vec![0.0; rows]);
+    top.matvec(&x, &mut y1);
+    v.matvec(&x, &mut y2);
+    assert_eq!(y1, y2);
+    assert_eq!(QMatrix::heap_bytes([&c, &v]), 2 * rows * rb);
+}

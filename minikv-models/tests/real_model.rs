@@ -17,6 +17,33 @@ fn reference() -> serde_json::Value {
     .unwrap()
 }
 
+/// The forward pass reads `[q; k; v]` and `[gate; up]` as one matrix each:
+/// where the file holds the parts back to back the stack is a view of the
+/// mapped file, else one copy (SmolLM2's tensors are in name order, so
+/// `ffn_gate` and `ffn_up` are adjacent and `attn_k`, `attn_output`,
+/// `attn_q`, `attn_v` are not), never more.
+#[test]
+fn stacked_projections_copy_only_what_the_file_keeps_apart() {
+    let g = minikv_models::gguf::Gguf::open(&model_path()).unwrap();
+    let mut want = 0;
+    for i in 0..30 {
+        for group in [&["attn_q", "attn_k", "attn_v"][..], &["ffn_gate", "ffn_up"]] {
+            let t: Vec<_> = group
+                .iter()
+                .map(|s| g.tensor(&format!("blk.{i}.{s}.weight")).unwrap())
+                .collect();
+            if !t.windows(2).all(|w| w[0].offset + w[0].size == w[1].offset) {
+                want += t.iter().map(|t| t.size).sum::<usize>();
+            }
+        }
+    }
+    // 30 stacks of 576 + 192 + 192 rows of 576 Q4_1 weights (360 bytes a row).
+    assert_eq!(want, 30 * 960 * 360);
+    let (m, _) = model();
+    let m = m.as_any().downcast_ref::<Llama>().expect("a llama model");
+    assert_eq!(m.weight_heap_bytes(), want);
+}
+
 #[test]
 fn loads_with_the_documented_shape() {
     let (m, t) = model();

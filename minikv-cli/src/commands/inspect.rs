@@ -139,6 +139,7 @@ pub fn info(m: &ModelArg) -> Result<()> {
         "spec": l.model.spec(),
         "weight_types": d["weight_types"],
         "weight_bytes": d["weight_bytes"],
+        "weight_heap_bytes": d["weight_heap_bytes"],
         "vocab": l.tok.vocab_size(),
         "add_bos": l.tok.add_bos,
         "kv_bytes_per_token_fp16": l.model.spec().full_fp16_bytes(1),
