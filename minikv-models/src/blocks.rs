@@ -115,12 +115,7 @@ pub(crate) fn h(b: &[u8], i: usize) -> f32 {
 
 /// Dequantizes one row (`out.len()` elements) from its bytes.
 pub fn dequantize_row(ty: GgmlType, src: &[u8], out: &mut [f32]) {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     if crate::dequant_x86_512::available(ty)
         && src.len() >= out.len() / ty.block_size() * ty.block_bytes()
     {
@@ -323,12 +318,7 @@ pub(crate) fn dot_q8_0_portable(src: &[u8], x: &[f32]) -> f32 {
 /// (for `Q4_1` and `Q4_K`: their minimums multiply sums of 32 inputs).
 #[inline]
 pub fn dot_row(ty: GgmlType, src: &[u8], x: &[f32], xsum: &[f32]) -> f32 {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     if let Some(v) = crate::blocks_x86::dot_row(ty, src, x, xsum) {
         return v;
     }

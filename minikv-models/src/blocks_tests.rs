@@ -160,12 +160,7 @@ fn dot_equals_dequantized_dot() {
 
 /// A random `Q4_1` row and a random `Q8_0` row of `nb` blocks each (random
 /// scales, minimums and codes).
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 pub(crate) fn random_rows(rng: &mut rand::rngs::StdRng, nb: usize) -> (Vec<u8>, Vec<u8>) {
     use rand::Rng;
     let mut q41 = Vec::new();
@@ -181,12 +176,7 @@ pub(crate) fn random_rows(rng: &mut rand::rngs::StdRng, nb: usize) -> (Vec<u8>, 
 }
 
 /// `rows` consecutive rows of [`random_rows`] (`Q4_1`, `Q8_0`).
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 fn random_row_set(rng: &mut rand::rngs::StdRng, rows: usize, nb: usize) -> (Vec<u8>, Vec<u8>) {
     let (mut q41, mut q80) = (Vec::new(), Vec::new());
     for _ in 0..rows {
@@ -200,12 +190,7 @@ fn random_row_set(rng: &mut rand::rngs::StdRng, rows: usize, nb: usize) -> (Vec<
 /// The AVX2 `Q4_1` and `Q8_0` dots are bitwise equal to the portable loops
 /// on random rows (random scales, minimums, codes and inputs, including
 /// rows of one block and of SmolLM2's 18 and 48 blocks).
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 #[test]
 fn x86_dots_are_bitwise_equal_to_the_portable_loops() {
     use rand::{Rng, SeedableRng};
@@ -233,12 +218,7 @@ fn x86_dots_are_bitwise_equal_to_the_portable_loops() {
 /// rows for small batches and the rows left over, inputs in any order),
 /// against the portable loops, bit for bit. On a CPU without
 /// AVX-512F there is nothing to compare (the kernels never run there).
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 #[test]
 fn x86_512_dots_are_bitwise_equal_to_the_portable_loops() {
     use crate::blocks_x86_512 as k;
@@ -320,12 +300,7 @@ fn x86_512_dots_are_bitwise_equal_to_the_portable_loops() {
 /// 512-bit registers, four rows side by side, then one at a time, give each
 /// row bitwise the portable loop's dot: row counts 1-13 (every split into
 /// fours and a remainder), rows of 1-48 blocks.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 #[test]
 fn x86_row_groups_are_bitwise_equal_to_the_portable_loops() {
     use rand::{Rng, SeedableRng};
@@ -380,12 +355,7 @@ fn x86_row_groups_are_bitwise_equal_to_the_portable_loops() {
 /// blocks (scales and minimums of both signs over many magnitudes) and row
 /// lengths of one block to SmolLM2's 48, with a short tail ignored as the
 /// portable loop ignores it.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 #[test]
 fn x86_512_dequantization_is_bitwise_the_portable_loops() {
     use rand::{Rng, SeedableRng};
@@ -456,12 +426,7 @@ pub(crate) fn random_k_rows(
 /// portable loop's dot: row counts 1-9 (groups of four and rows left
 /// over), rows of one block to Gemma 3's widths (640 columns of `Q5_0`,
 /// 1024 and 2048 of the k-quants), and through `dot_row`.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 #[test]
 fn x86_512_k_quant_dots_are_bitwise_equal_to_the_portable_loops() {
     use crate::kquant_x86_512 as k;
@@ -507,12 +472,7 @@ fn x86_512_k_quant_dots_are_bitwise_equal_to_the_portable_loops() {
 /// portable loops' bits (random codes, scales and minimums; rows of one
 /// block to Gemma 3's widths, with a short tail left alone as the portable
 /// loop leaves it).
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 #[test]
 fn x86_512_k_quant_dequantization_is_bitwise_the_portable_loops() {
     use rand::SeedableRng;

@@ -99,12 +99,7 @@ pub(crate) fn dot(ty: GgmlType, src: &[u8], a: &Q8Vec) -> f32 {
 /// [`dot`] on AVX2 registers where they are compiled in (bitwise equal),
 /// else [`dot`] itself: the single-row dot of CPUs without AVX-512 VNNI.
 pub(crate) fn dot_fast(ty: GgmlType, src: &[u8], a: &Q8Vec) -> f32 {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     if a.q.len() == 32 * a.d.len() && src.len() >= ty.row_bytes(32 * a.d.len()) {
         // SAFETY: AVX2/FMA/F16C are compiled in (cfg); `src` holds the
         // row of `a.d.len()` units (checked).
@@ -122,12 +117,7 @@ pub(crate) fn dot_fast(ty: GgmlType, src: &[u8], a: &Q8Vec) -> f32 {
 
 /// The units of [`unit`] on AVX2 registers, as the 8-bit kernels of
 /// `q8_x86_512.rs` take them ([`crate::q8_x86_512::Kind`]).
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 pub(crate) mod x86 {
     use crate::blocks::{h, scale_min_k4};
     use crate::blocks_x86::scale_pair;

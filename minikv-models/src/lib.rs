@@ -25,64 +25,29 @@
 
 pub mod batch;
 pub mod blocks;
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 mod blocks_x86;
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 mod blocks_x86_512;
 pub mod chat;
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 mod dequant_x86_512;
 pub mod gemma3;
 mod generate;
 pub mod gguf;
 mod kquant_q8;
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 mod kquant_x86;
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 mod kquant_x86_512;
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 mod lanes_x86_512;
 pub mod llama;
 pub mod matrix;
 pub mod q8;
 mod q8_avx2;
 pub use q8::Activations;
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 mod q8_x86_512;
 mod safetensors;
 mod sampling;

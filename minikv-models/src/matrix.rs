@@ -27,12 +27,7 @@ thread_local! {
     static Q8_INPUT: RefCell<Q8Vec> = RefCell::new(Q8Vec::default());
     /// The 8-bit inputs of a batched [`Activations::Q8`] product, laid out
     /// for the AVX-512 VNNI kernels (reused).
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     static PAIRS: RefCell<crate::q8_x86_512::Pairs> = RefCell::new(Default::default());
 }
 
@@ -223,12 +218,7 @@ impl QMatrix {
             block_sums(x, &mut xs);
         }
         let (ty, rb) = (self.dtype, self.dtype.row_bytes(self.cols));
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma",
-            target_feature = "f16c"
-        ))]
+        #[cfg(x86_kernels)]
         if (matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) || crate::kquant_x86::handles(ty))
             && x.len() == self.cols
         {
@@ -261,12 +251,7 @@ impl QMatrix {
     fn matvec_q8(&self, x: &[f32], a: &mut Q8Vec, y: &mut [f32]) {
         a.quantize(x);
         let (a, ty) = (&*a, self.dtype);
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma",
-            target_feature = "f16c"
-        ))]
+        #[cfg(x86_kernels)]
         if crate::q8_x86_512::available() && 32 * a.d.len() == self.cols {
             // SAFETY: AVX-512 VNNI and the rest are available (checked); a
             // task's rows are whole rows of the input's block count.
@@ -314,12 +299,7 @@ impl QMatrix {
         if self.act == Activations::Q8 && crate::q8::applies(self.dtype) {
             return self.matvec_rows_q8(x, y, sel);
         }
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma",
-            target_feature = "f16c"
-        ))]
+        #[cfg(x86_kernels)]
         if crate::blocks_x86_512::available(self.dtype) {
             return self.matvec_rows_512(x, y, sel);
         }
@@ -393,12 +373,7 @@ impl QMatrix {
     /// (as [`Self::matvec`] does under [`Activations::Q8`]).
     fn matvec_rows_q8(&self, x: &[f32], y: &mut [f32], sel: &[usize]) {
         let cols = self.cols;
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma",
-            target_feature = "f16c"
-        ))]
+        #[cfg(x86_kernels)]
         if crate::q8_x86_512::available() {
             // A nested call on this thread (rayon work-stealing) gets its own buffer.
             return PAIRS.with(|cell| match cell.try_borrow_mut() {
@@ -462,12 +437,7 @@ fn dots(
 ) {
     let xrow = |j: usize| &x[sel[j] * cols..(sel[j] + 1) * cols];
     let srow = |j: usize| &sums[j * per..(j + 1) * per];
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     {
         use crate::blocks_x86::{dot_q4_1_n, dot_q8_0_n};
         match ty {
@@ -565,12 +535,7 @@ fn dots(
     }
 }
 
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 #[path = "matrix_x86.rs"]
 mod x86;
 

@@ -177,12 +177,7 @@ fn matvec_rows_are_bitwise_equal_to_single_row_dots() {
 /// up to eight inputs on 512-bit registers where the CPU has AVX-512F)
 /// give every input bitwise the portable loop's dot, for batches of 2 to
 /// 23 inputs taken out of order (every tile size and remainder).
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 #[test]
 fn k_quant_batches_are_bitwise_the_portable_dots() {
     use crate::blocks::{dot_q4_k_portable, dot_q5_0_portable, dot_q6_k_portable};

@@ -95,12 +95,7 @@ type FastBlock = fn(&[f32], &mut [i8]) -> Option<(f32, i32)>;
 
 /// The [`FastBlock`] of this CPU, detected at run time.
 fn fast_quantizer() -> Option<FastBlock> {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     if crate::q8_x86_512::available() {
         // SAFETY: the features were just detected; the kernel asserts that
         // it has 32 values and 32 codes.
@@ -143,12 +138,7 @@ pub(crate) fn dot(ty: GgmlType, src: &[u8], a: &Q8Vec) -> f32 {
 /// `Q4_1` row dot a quantized input: per block `d_w d_x sum(w_q x_q) + m_w s_x`,
 /// the blocks' terms added in order.
 pub fn dot_q4_1(src: &[u8], a: &Q8Vec) -> f32 {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     if src.len() >= a.d.len() * 20 {
         // SAFETY: AVX2/FMA are enabled (cfg); `src` holds `a.d.len()` blocks.
         return unsafe { x86::dot_q4_1(src, a) };
@@ -177,12 +167,7 @@ fn dot_q4_1_portable(src: &[u8], a: &Q8Vec) -> f32 {
 
 /// `Q8_0` row dot a quantized input: per block `d_w d_x sum(w_q x_q)`.
 pub fn dot_q8_0(src: &[u8], a: &Q8Vec) -> f32 {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     if src.len() >= a.d.len() * 34 {
         // SAFETY: AVX2/FMA are enabled (cfg); `src` holds `a.d.len()` blocks.
         return unsafe { x86::dot_q8_0(src, a) };
@@ -205,12 +190,7 @@ fn dot_q8_0_portable(src: &[u8], a: &Q8Vec) -> f32 {
     acc.iter().sum::<f32>()
 }
 
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 mod x86 {
     use super::Q8Vec;
     use crate::blocks_x86::{PREFETCH, lanes_sum, scale_pair};
@@ -371,12 +351,7 @@ mod x86 {
 /// bitwise equal to [`dot`] per input, with each `Q4_1` / `Q8_0` weight
 /// block widened once per group of four inputs on AVX2.
 pub(crate) fn dot_many(src: &[u8], ty: GgmlType, a: &[&Q8Vec], out: &mut [f32]) {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     {
         let q4 = ty == GgmlType::Q4_1;
         let bb = if q4 { 20 } else { 34 };
@@ -504,12 +479,7 @@ mod tests {
     /// ties (max 127, so `x / d = x`: 2.5 -> 2, -3.5 -> -4, 0.5 -> 0), a
     /// zero block, and values one ulp past the clamp; it declines blocks
     /// with an infinity or a NaN.
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     #[test]
     fn x86_512_quantize_equals_portable_bitwise() {
         if !crate::q8_x86_512::available() {
@@ -558,12 +528,7 @@ mod tests {
     }
 
     /// The AVX2 kernels are bitwise equal to the portable loops.
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     #[test]
     fn x86_equals_portable_bitwise() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);

@@ -7,12 +7,7 @@
 //! ([`crate::kquant_q8::dot`]).
 
 use crate::blocks::GgmlType;
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 use crate::kquant_q8::x86 as kq;
 use crate::q8::Q8Vec;
 
@@ -21,12 +16,7 @@ use crate::q8::Q8Vec;
 /// bitwise: on AVX2 registers, each unit unpacked once for up to four
 /// inputs (batched decode on CPUs without AVX-512 VNNI).
 pub(crate) fn dots(ty: GgmlType, src: &[u8], a: &[&Q8Vec], out: &mut [f32]) {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     {
         let nb = a.first().map_or(0, |v| v.d.len());
         let whole = |v: &&Q8Vec| v.d.len() == nb && v.q.len() == 32 * nb && v.s.len() >= nb;
@@ -57,12 +47,7 @@ pub(crate) fn dots(ty: GgmlType, src: &[u8], a: &[&Q8Vec], out: &mut [f32]) {
 }
 
 /// Inputs `j .. j + 4` of `a`.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 fn a4<'a>(a: &[&'a Q8Vec], j: usize) -> [&'a Q8Vec; 4] {
     [a[j], a[j + 1], a[j + 2], a[j + 3]]
 }
@@ -75,12 +60,7 @@ fn a4<'a>(a: &[&'a Q8Vec], j: usize) -> [&'a Q8Vec; 4] {
 /// single-input product of CPUs without AVX-512 VNNI.
 pub(crate) fn dot_rows(ty: GgmlType, w: &[u8], a: &Q8Vec, out: &mut [f32]) {
     let rb = ty.row_bytes(32 * a.d.len());
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     if crate::kquant_q8::takes(ty)
         && a.q.len() == 32 * a.d.len()
         && a.s.len() >= a.d.len()
@@ -105,12 +85,7 @@ pub(crate) fn dot_rows(ty: GgmlType, w: &[u8], a: &Q8Vec, out: &mut [f32]) {
         });
         return;
     }
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma",
-        target_feature = "f16c"
-    ))]
+    #[cfg(x86_kernels)]
     if ty == GgmlType::Q8_0 && a.q.len() == 32 * a.d.len() && w.len() >= rb * out.len() {
         crate::blocks_x86::in_groups(rb, w, out, |w, o, left| {
             let pair = left >= 2;
@@ -139,12 +114,7 @@ pub(crate) fn dot_rows(ty: GgmlType, w: &[u8], a: &Q8Vec, out: &mut [f32]) {
 /// # Safety
 /// AVX2, FMA and F16C available; `src` holds `R` rows of `a.d.len()` blocks
 /// and `a.q` `32 a.d.len()` codes.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(x86_kernels)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q8_0_rows<const R: usize>(src: &[u8], a: &Q8Vec, out: &mut [f32]) {
     use crate::blocks_x86::{PF_ROWS, lanes_sum, scale_pair};
@@ -176,13 +146,7 @@ unsafe fn dot_q8_0_rows<const R: usize>(src: &[u8], a: &Q8Vec, out: &mut [f32]) 
     }
 }
 
-#[cfg(all(
-    test,
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma",
-    target_feature = "f16c"
-))]
+#[cfg(all(test, x86_kernels))]
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
