@@ -61,29 +61,17 @@ impl Gemma3Config {
     }
 
     fn validate(&self) -> Result<()> {
-        for (k, v) in [
-            ("n_layers", self.n_layers),
-            ("hidden", self.hidden),
-            ("ffn", self.ffn),
-            ("n_heads", self.n_heads),
-            ("n_kv_heads", self.n_kv_heads),
-            ("head_dim", self.head_dim),
-            ("max_seq_len", self.max_seq_len),
-            ("vocab", self.vocab),
-            ("sliding_window", self.sliding_window),
-        ] {
-            if v == 0 || v > 1 << 24 {
-                return Err(Error::Format(format!(
-                    "model config `{k}` = {v} is out of range"
-                )));
-            }
-        }
-        if !self.n_heads.is_multiple_of(self.n_kv_heads) || !self.head_dim.is_multiple_of(2) {
-            return Err(Error::Format(format!(
-                "model config: {} heads / {} KV heads / head dim {} is not a valid GQA layout",
-                self.n_heads, self.n_kv_heads, self.head_dim
-            )));
-        }
+        crate::check_shape(
+            &[
+                ("n_layers", self.n_layers),
+                ("hidden", self.hidden),
+                ("ffn", self.ffn),
+                ("max_seq_len", self.max_seq_len),
+                ("vocab", self.vocab),
+                ("sliding_window", self.sliding_window),
+            ],
+            (self.n_heads, self.n_kv_heads, self.head_dim),
+        )?;
         let ok = self.rope_base > 1.0
             && self.rope_base_local > 1.0
             && self.rms_eps > 0.0

@@ -345,3 +345,31 @@ pub fn finish_prefill(
     }
     cache.end_prefill()
 }
+
+/// Checks a model's sizes before any tensor is read: every one of `dims`
+/// and of the attention layout `(heads, KV heads, head dim)` in
+/// `1..=2^24`, the heads a whole number of groups per KV head, and the
+/// head dimension even (RoPE rotates pairs).
+pub(crate) fn check_shape(
+    dims: &[(&str, usize)],
+    (n_heads, n_kv_heads, head_dim): (usize, usize, usize),
+) -> Result<()> {
+    let layout = [
+        ("n_heads", n_heads),
+        ("n_kv_heads", n_kv_heads),
+        ("head_dim", head_dim),
+    ];
+    for &(k, v) in dims.iter().chain(&layout) {
+        if v == 0 || v > 1 << 24 {
+            return Err(Error::Format(format!(
+                "model config `{k}` = {v} is out of range"
+            )));
+        }
+    }
+    if !n_heads.is_multiple_of(n_kv_heads) || !head_dim.is_multiple_of(2) {
+        return Err(Error::Format(format!(
+            "model config: {n_heads} heads / {n_kv_heads} KV heads / head dim {head_dim} is not a valid GQA layout"
+        )));
+    }
+    Ok(())
+}

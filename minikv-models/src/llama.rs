@@ -48,28 +48,16 @@ pub struct LlamaConfig {
 impl LlamaConfig {
     /// Checks the numbers before any tensor is read.
     pub fn validate(&self) -> Result<()> {
-        for (k, v) in [
-            ("n_layers", self.n_layers),
-            ("hidden", self.hidden),
-            ("ffn", self.ffn),
-            ("n_heads", self.n_heads),
-            ("n_kv_heads", self.n_kv_heads),
-            ("head_dim", self.head_dim),
-            ("max_seq_len", self.max_seq_len),
-            ("vocab", self.vocab),
-        ] {
-            if v == 0 || v > 1 << 24 {
-                return Err(Error::Format(format!(
-                    "model config `{k}` = {v} is out of range"
-                )));
-            }
-        }
-        if !self.n_heads.is_multiple_of(self.n_kv_heads) || !self.head_dim.is_multiple_of(2) {
-            return Err(Error::Format(format!(
-                "model config: {} heads / {} KV heads / head dim {} is not a valid GQA layout",
-                self.n_heads, self.n_kv_heads, self.head_dim
-            )));
-        }
+        crate::check_shape(
+            &[
+                ("n_layers", self.n_layers),
+                ("hidden", self.hidden),
+                ("ffn", self.ffn),
+                ("max_seq_len", self.max_seq_len),
+                ("vocab", self.vocab),
+            ],
+            (self.n_heads, self.n_kv_heads, self.head_dim),
+        )?;
         if self.rope_base.is_nan()
             || self.rope_base <= 1.0
             || self.rms_eps.is_nan()

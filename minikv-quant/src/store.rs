@@ -73,6 +73,32 @@ pub(crate) const MAX_D: usize = 512;
 /// Largest GQA group the fused kernels keep on the stack.
 pub(crate) const MAX_G: usize = 16;
 
+/// Returns `$s.$m::<P, G, { banks(P, G) }>(args)` where the codes per
+/// word `p` and the query group `g` are a pair the fast kernels are
+/// instantiated for (P in 16, 8, 4; G in 1, 2, 3, 4, 6, 8), and falls
+/// through otherwise.
+macro_rules! fast_kernel {
+    ($s:ident . $m:ident ($($a:expr),*); $p:expr, $g:expr) => {
+        match $p {
+            16 => fast_kernel!(@g 16, $s.$m($($a),*), $g),
+            8 => fast_kernel!(@g 8, $s.$m($($a),*), $g),
+            4 => fast_kernel!(@g 4, $s.$m($($a),*), $g),
+            _ => {}
+        }
+    };
+    (@g $p:literal, $s:ident . $m:ident ($($a:expr),*), $g:expr) => {
+        match $g {
+            1 => return $s.$m::<$p, 1, { banks($p, 1) }>($($a),*),
+            2 => return $s.$m::<$p, 2, { banks($p, 2) }>($($a),*),
+            3 => return $s.$m::<$p, 3, { banks($p, 3) }>($($a),*),
+            4 => return $s.$m::<$p, 4, { banks($p, 4) }>($($a),*),
+            6 => return $s.$m::<$p, 6, { banks($p, 6) }>($($a),*),
+            8 => return $s.$m::<$p, 8, { banks($p, 8) }>($($a),*),
+            _ => {}
+        }
+    };
+}
+
 /// Accumulator banks of the fused kernels for `p` codes per word and `ng`
 /// query heads: about 6 independent 8-lane FMA chains, 1 to 4 banks (more
 /// accumulators than that spill to the stack with 16 vector registers).
@@ -325,43 +351,7 @@ impl QuantStore for MinMaxStore {
         let d = self.d;
         let p = self.per_word();
         if self.q.axis == Axis::Channel && self.q.group.is_multiple_of(p) && self.fast_ok(g) {
-            macro_rules! go {
-                ($p:literal) => {
-                    match g {
-                        1 => {
-                            return self
-                                .scores_channel_fast::<$p, 1, { banks($p, 1) }>(q, out, stride)
-                        }
-                        2 => {
-                            return self
-                                .scores_channel_fast::<$p, 2, { banks($p, 2) }>(q, out, stride)
-                        }
-                        3 => {
-                            return self
-                                .scores_channel_fast::<$p, 3, { banks($p, 3) }>(q, out, stride)
-                        }
-                        4 => {
-                            return self
-                                .scores_channel_fast::<$p, 4, { banks($p, 4) }>(q, out, stride)
-                        }
-                        6 => {
-                            return self
-                                .scores_channel_fast::<$p, 6, { banks($p, 6) }>(q, out, stride)
-                        }
-                        8 => {
-                            return self
-                                .scores_channel_fast::<$p, 8, { banks($p, 8) }>(q, out, stride)
-                        }
-                        _ => {}
-                    }
-                };
-            }
-            match p {
-                16 => go!(16),
-                8 => go!(8),
-                4 => go!(4),
-                _ => {}
-            }
+            fast_kernel!(self.scores_channel_fast(q, out, stride); p, g);
         }
         if self.q.axis == Axis::Token && self.fast_ok(g) {
             // score_t = sum_groups s * (q . codes) + m * sum(q) over the group.
@@ -473,43 +463,7 @@ impl QuantStore for MinMaxStore {
             && self.q.group.is_multiple_of(self.per_word())
             && self.fast_ok(g)
         {
-            macro_rules! go {
-                ($p:literal) => {
-                    match g {
-                        1 => {
-                            return self
-                                .accumulate_token_fast::<$p, 1, { banks($p, 1) }>(p, stride, out)
-                        }
-                        2 => {
-                            return self
-                                .accumulate_token_fast::<$p, 2, { banks($p, 2) }>(p, stride, out)
-                        }
-                        3 => {
-                            return self
-                                .accumulate_token_fast::<$p, 3, { banks($p, 3) }>(p, stride, out)
-                        }
-                        4 => {
-                            return self
-                                .accumulate_token_fast::<$p, 4, { banks($p, 4) }>(p, stride, out)
-                        }
-                        6 => {
-                            return self
-                                .accumulate_token_fast::<$p, 6, { banks($p, 6) }>(p, stride, out)
-                        }
-                        8 => {
-                            return self
-                                .accumulate_token_fast::<$p, 8, { banks($p, 8) }>(p, stride, out)
-                        }
-                        _ => {}
-                    }
-                };
-            }
-            match self.per_word() {
-                16 => go!(16),
-                8 => go!(8),
-                4 => go!(4),
-                _ => {}
-            }
+            fast_kernel!(self.accumulate_token_fast(p, stride, out); self.per_word(), g);
         }
         let blk = self.per_word();
         let mut tile = vec![0.0f32; blk * d];
