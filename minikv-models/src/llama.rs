@@ -260,14 +260,10 @@ impl Llama {
     }
 
     /// Heap bytes holding weights beyond the memory-mapped file (the
-    /// stacked projections that had to be copied; see [`QMatrix::heap_bytes`]).
+    /// stacked projections that had to be copied, which the blocks' own
+    /// matrices view; see [`QMatrix::heap_bytes`]).
     pub fn weight_heap_bytes(&self) -> usize {
-        let fused = self
-            .fused
-            .iter()
-            .flat_map(|f| [&f.qkv, &f.gate_up])
-            .flatten();
-        QMatrix::heap_bytes(self.matrices().chain(fused))
+        QMatrix::heap_bytes(self.matrices())
     }
 
     /// Weight storage types, for reports (e.g. `Q4_1 x210, Q8_0 x1`).
