@@ -308,11 +308,12 @@ impl Gemma3 {
 
     /// Bytes of all weights as stored.
     pub fn weight_bytes(&self) -> usize {
-        self.matrices().iter().map(|m| m.bytes().len()).sum()
+        self.matrices().iter().map(|m| m.byte_len()).sum()
     }
 
-    /// Heap bytes holding weights beyond the memory-mapped file (the
-    /// stacked projections that had to be copied; see [`QMatrix::heap_bytes`]).
+    /// Heap bytes holding weights beyond the memory-mapped file: none for
+    /// a mapped GGUF (the stacks read their parts in place); see
+    /// [`QMatrix::heap_bytes`].
     pub fn weight_heap_bytes(&self) -> usize {
         QMatrix::heap_bytes(self.matrices())
     }

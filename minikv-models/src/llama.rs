@@ -203,27 +203,14 @@ impl Llama {
         let inv_freq = (0..half)
             .map(|i| cfg.rope_base.powf(-2.0 * i as f64 / cfg.head_dim as f64))
             .collect();
-        // The forward pass reads the stacks. A stack is a view of the file
-        // where its parts lie back to back there (no copy), else one copy;
-        // the block's own matrices then become views of it, so every
-        // reader of a weight reads the same bytes.
-        let mut blocks = blocks;
+        // The forward pass reads the stacks, which read their parts where
+        // the file holds them (no copy): the blocks' own matrices and the
+        // stacks share the same bytes.
         let fused = blocks
-            .iter_mut()
-            .map(|b| {
-                let qkv = QMatrix::concat_rows(&[&b.wq, &b.wk, &b.wv]).ok();
-                if let Some(m) = &qkv {
-                    let (q, k) = (b.wq.rows, b.wk.rows);
-                    b.wq = m.row_view(0, q);
-                    b.wk = m.row_view(q, k);
-                    b.wv = m.row_view(q + k, b.wv.rows);
-                }
-                let gate_up = QMatrix::concat_rows(&[&b.w_gate, &b.w_up]).ok();
-                if let Some(m) = &gate_up {
-                    b.w_gate = m.row_view(0, b.w_gate.rows);
-                    b.w_up = m.row_view(b.w_gate.rows, b.w_up.rows);
-                }
-                Fused { qkv, gate_up }
+            .iter()
+            .map(|b| Fused {
+                qkv: QMatrix::concat_rows(&[&b.wq, &b.wk, &b.wv]).ok(),
+                gate_up: QMatrix::concat_rows(&[&b.w_gate, &b.w_up]).ok(),
             })
             .collect();
         let pairs = match cfg.rope {
@@ -256,12 +243,12 @@ impl Llama {
     /// Bytes of all weights as stored (the norms' f32 vectors included).
     pub fn weight_bytes(&self) -> usize {
         let norms = self.blocks.iter().map(|b| 8 * b.attn_norm.len());
-        self.matrices().map(|m| m.bytes().len()).sum::<usize>() + norms.sum::<usize>()
+        self.matrices().map(|m| m.byte_len()).sum::<usize>() + norms.sum::<usize>()
     }
 
-    /// Heap bytes holding weights beyond the memory-mapped file (the
-    /// stacked projections that had to be copied, which the blocks' own
-    /// matrices view; see [`QMatrix::heap_bytes`]).
+    /// Heap bytes holding weights beyond the memory-mapped file: none for
+    /// a mapped GGUF (the stacks read their parts in place), the weights
+    /// converted on load otherwise; see [`QMatrix::heap_bytes`].
     pub fn weight_heap_bytes(&self) -> usize {
         QMatrix::heap_bytes(self.matrices())
     }

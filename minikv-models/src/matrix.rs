@@ -17,7 +17,7 @@ pub struct QMatrix {
     pub rows: usize,
     /// Input features.
     pub cols: usize,
-    data: Blob,
+    data: Runs,
     /// How decode matvecs treat the input ([`Activations::F32`] unless set).
     act: Activations,
 }
@@ -66,7 +66,7 @@ impl QMatrix {
             dtype,
             rows,
             cols,
-            data,
+            data: Runs::one(dtype.row_bytes(cols), rows, data),
             act: Activations::F32,
         })
     }
@@ -84,9 +84,9 @@ impl QMatrix {
     }
 
     /// Stacks matrices with the same type and columns (one parallel region
-    /// instead of several in decode): without a copy when their bytes lie
-    /// back to back in one file (as `ffn_gate` and `ffn_up` often do),
-    /// else into one new buffer.
+    /// instead of several in decode) without copying them: the stack reads
+    /// each part where it lies (one run of rows where the parts lie back to
+    /// back in one file, as `ffn_gate` and `ffn_up` often do).
     pub fn concat_rows(ms: &[&QMatrix]) -> Result<Self> {
         let first = ms
             .first()
@@ -99,30 +99,22 @@ impl QMatrix {
                 "concat of matrices with different types or widths".into(),
             ));
         }
-        let parts: Vec<&Blob> = ms.iter().map(|m| &m.data).collect();
-        let data = Blob::adjacent(&parts).unwrap_or_else(|| {
-            let mut bytes = Vec::with_capacity(ms.iter().map(|m| m.bytes().len()).sum());
-            for m in ms {
-                bytes.extend_from_slice(m.bytes());
-            }
-            Blob::owned(bytes)
-        });
+        let parts: Vec<&Runs> = ms.iter().map(|m| &m.data).collect();
         Ok(Self {
             dtype: first.dtype,
             rows: ms.iter().map(|m| m.rows).sum(),
             cols: first.cols,
-            data,
+            data: Runs::concat(first.dtype.row_bytes(first.cols), &parts),
             act: first.act,
         })
     }
 
     /// Heap bytes holding the weights of `ms` beyond the memory-mapped
-    /// file: each distinct buffer once (a copied [`Self::concat_rows`] stack
-    /// and the [`Self::row_view`]s of it count once; a model read into
-    /// memory counts whole).
+    /// file: each distinct buffer once (matrices, their stacks and views of
+    /// one buffer count once; a model read into memory counts whole).
     pub fn heap_bytes<'a>(ms: impl IntoIterator<Item = &'a QMatrix>) -> usize {
         let mut seen = std::collections::BTreeMap::new();
-        for (at, n) in ms.into_iter().filter_map(|m| m.data.heap_buffer()) {
+        for (at, n) in ms.into_iter().flat_map(|m| m.data.heap_buffers()) {
             seen.insert(at, n);
         }
         seen.values().sum()
@@ -139,21 +131,19 @@ impl QMatrix {
         counts.join(", ")
     }
 
-    /// Rows `r0 .. r0 + n` as a matrix sharing these bytes (no copy): the
-    /// parts of a [`Self::concat_rows`] stack, held without a second copy.
-    /// Panics past the last row.
+    /// Rows `r0 .. r0 + n` as a matrix sharing these bytes (no copy), such
+    /// as a part of a [`Self::concat_rows`] stack. Panics past the last row.
     pub fn row_view(&self, r0: usize, n: usize) -> Self {
         assert!(
             r0 + n <= self.rows,
             "row_view: rows {r0} + {n} past {}",
             self.rows
         );
-        let rb = self.dtype.row_bytes(self.cols);
         Self {
             dtype: self.dtype,
             rows: n,
             cols: self.cols,
-            data: self.data.slice(r0 * rb, n * rb),
+            data: self.data.slice(r0, n),
             act: self.act,
         }
     }
@@ -165,7 +155,7 @@ impl QMatrix {
             dtype: GgmlType::F32,
             rows,
             cols,
-            data: Blob::owned(bytes),
+            data: Runs::one(4 * cols, rows, Blob::owned(bytes)),
             act: Activations::F32,
         }
     }
@@ -182,14 +172,19 @@ impl QMatrix {
         self.act
     }
 
-    /// Bytes of the weights.
-    pub fn bytes(&self) -> &[u8] {
-        self.data.bytes()
+    /// Bytes of the weights, in their storage format.
+    pub fn byte_len(&self) -> usize {
+        self.data.byte_len()
+    }
+
+    /// The weights' bytes as held, in row order: one slice per run of
+    /// rows (a stack of parts that lie apart in the file has several).
+    pub fn byte_runs(&self) -> impl Iterator<Item = &[u8]> {
+        self.data.slices()
     }
 
     fn row(&self, r: usize) -> &[u8] {
-        let rb = self.dtype.row_bytes(self.cols);
-        &self.bytes()[r * rb..(r + 1) * rb]
+        self.data.row(r)
     }
 
     /// Rows per decode task: two tasks per thread (few, large tasks: decode
@@ -263,11 +258,14 @@ impl QMatrix {
 
     /// Runs `f(rows' bytes, their outputs)` over consecutive rows, split
     /// between rayon tasks of [`Self::chunk_rows`] rows (`y` has one output
-    /// per row).
+    /// per row), a task's rows cut where runs of rows meet.
     fn tasks_into(&self, y: &mut [f32], f: impl Fn(&[u8], &mut [f32]) + Sync) {
-        let (c, rb) = (self.chunk_rows(), self.dtype.row_bytes(self.cols));
+        let c = self.chunk_rows();
         y.par_chunks_mut(c).enumerate().for_each(|(i, o)| {
-            f(&self.bytes()[i * c * rb..(i * c + o.len()) * rb], o);
+            let r0 = i * c;
+            self.data.pieces(r0, r0 + o.len(), |a, b, w| {
+                f(w, &mut o[a - r0..b - r0]);
+            });
         });
     }
 
@@ -337,7 +335,7 @@ impl QMatrix {
     /// `f(rows' bytes, k rows, out)` for each group of `k <= g` rows starting
     /// at row `r`, where `out(i, j, v)` stores `v[t]` as output `r + i` of
     /// input `sel[j + t]` (a row's results for a run of inputs in one call).
-    /// A group never spans two rayon tasks.
+    /// A group never spans two rayon tasks, nor two runs of rows.
     pub(super) fn row_groups_into(
         &self,
         y: &mut [f32],
@@ -351,21 +349,23 @@ impl QMatrix {
         let yp = &yp;
         (0..rows.div_ceil(c)).into_par_iter().for_each(|t| {
             let end = ((t + 1) * c).min(rows);
-            for r in (t * c..end).step_by(g.max(1)) {
-                let k = g.max(1).min(end - r);
-                let mut out = |i: usize, j: usize, v: &[f32]| {
-                    // A row outside the group could be another task's.
-                    assert!(i < k, "row {i} of a group of {k}");
-                    for (&s, &v) in sel[j..j + v.len()].iter().zip(v) {
-                        // SAFETY: output (s, r + i) is written by this task
-                        // only (rows are split between tasks, and `i < k`
-                        // keeps it in this group); in bounds (the caller
-                        // checked every selected row).
-                        unsafe { *yp.0.add(s * rows + r + i) = v }
-                    }
-                };
-                f(&self.bytes()[r * rb..(r + k) * rb], k, &mut out);
-            }
+            self.data.pieces(t * c, end, |a, b, w| {
+                for r in (a..b).step_by(g.max(1)) {
+                    let k = g.max(1).min(b - r);
+                    let mut out = |i: usize, j: usize, v: &[f32]| {
+                        // A row outside the group could be another task's.
+                        assert!(i < k, "row {i} of a group of {k}");
+                        for (&s, &v) in sel[j..j + v.len()].iter().zip(v) {
+                            // SAFETY: output (s, r + i) is written by this
+                            // task only (rows are split between tasks, and
+                            // `i < k` keeps it in this group); in bounds (the
+                            // caller checked every selected row).
+                            unsafe { *yp.0.add(s * rows + r + i) = v }
+                        }
+                    };
+                    f(&w[(r - a) * rb..(r - a + k) * rb], k, &mut out);
+                }
+            });
         });
     }
 
@@ -418,7 +418,10 @@ impl QMatrix {
 
 #[path = "matrix_prefill.rs"]
 mod prefill;
+#[path = "matrix_runs.rs"]
+mod runs;
 pub use prefill::Segments;
+use runs::Runs;
 
 /// Dot products of one weight row `w` with the inputs `sel` of `x`, each
 /// result handed to `out(j, value)`; bitwise equal to [`dot_row`] per input.

@@ -285,40 +285,124 @@ fn q8_parts_go_by_their_own_length() {
     assert_eq!(bits(&yl), bits(&exact_long));
 }
 
+/// A stack reads its parts where they lie (no copy, whatever their
+/// order or buffers), and every product of it is, bit for bit, the parts'
+/// products one after another: with rayon's tasks cut where the parts meet,
+/// for decode (one input, several, 8-bit inputs) and prefill (both routes).
 #[test]
-fn stacks_of_back_to_back_bytes_are_views_and_others_copies() {
-    let (rows, cols) = (24, 64);
-    let a = random_matrix(GgmlType::Q4_1, 2 * rows, cols, 7);
-    let rb = a.dtype.row_bytes(cols);
-    let part = |r0: usize, n: usize| {
-        QMatrix::new("p", a.dtype, n, cols, a.data.slice(r0 * rb, n * rb)).unwrap()
-    };
-    let (top, bottom) = (part(0, rows), part(rows, rows));
-    let alone = random_matrix(GgmlType::Q4_1, rows, cols, 8);
-    let one_buffer = a.rows * rb;
-    assert_eq!(QMatrix::heap_bytes([&top, &bottom]), one_buffer);
+fn stacks_read_their_parts_in_place_with_the_parts_products() {
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+    let threads = [1usize, 2, 3].map(|n| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build()
+            .unwrap()
+    });
+    for (ty, cols) in [
+        (GgmlType::Q4_1, 64),
+        (GgmlType::Q8_0, 64),
+        (GgmlType::Q4_K, 256),
+        (GgmlType::Q6_K, 256),
+    ] {
+        let rb = ty.row_bytes(cols);
+        let mut matrix = |rows: usize, seed: u32| match ty {
+            GgmlType::Q4_1 | GgmlType::Q8_0 => random_matrix(ty, rows, cols, seed),
+            _ => {
+                let bytes = crate::blocks::tests::random_k_rows(&mut rng, ty, rows, cols / 256);
+                QMatrix::new("t", ty, rows, cols, crate::gguf::Blob::owned(bytes)).unwrap()
+            }
+        };
+        let a = matrix(48, 7);
+        let (top, bottom) = (a.row_view(0, 24), a.row_view(24, 24));
+        let (alone, odd) = (matrix(24, 8), matrix(37, 9));
+        let ptrs = |m: &QMatrix| {
+            m.byte_runs()
+                .map(|r| (r.as_ptr(), r.len()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(QMatrix::heap_bytes([&top, &bottom]), 48 * rb);
 
-    // Back to back in one buffer: the stack is that buffer again.
-    let s = QMatrix::concat_rows(&[&top, &bottom]).unwrap();
-    assert_eq!((s.rows, s.bytes()), (2 * rows, a.bytes()));
-    assert_eq!(s.bytes().as_ptr(), a.bytes().as_ptr());
-    assert_eq!(QMatrix::heap_bytes([&top, &bottom, &s]), one_buffer);
-    // Out of order, or from two buffers: a copy of the rows in stack order.
-    for (ms, other) in [([&bottom, &top], 0), ([&top, &alone], rows * rb)] {
-        let c = QMatrix::concat_rows(&ms).unwrap();
-        assert_eq!(c.bytes(), [ms[0].bytes(), ms[1].bytes()].concat());
-        assert_ne!(c.bytes().as_ptr(), a.bytes().as_ptr());
-        let held = QMatrix::heap_bytes([ms[0], ms[1], &c]);
-        assert_eq!(held, one_buffer + other + 2 * rows * rb);
+        // Back to back in one buffer: one run, that buffer again.
+        let s = QMatrix::concat_rows(&[&top, &bottom]).unwrap();
+        assert_eq!((s.rows, ptrs(&s)), (48, ptrs(&a)));
+        for ms in [
+            vec![&bottom, &top],
+            vec![&top, &alone],
+            vec![&odd, &top, &bottom, &alone],
+        ] {
+            let c = QMatrix::concat_rows(&ms).unwrap();
+            let parts = || ms.iter().copied();
+            // In place: no new buffer, each part's bytes where they were
+            // (top and bottom joined where they follow each other).
+            assert_eq!(
+                QMatrix::heap_bytes(parts().chain([&c])),
+                QMatrix::heap_bytes(parts())
+            );
+            let mut want: Vec<(*const u8, usize)> = Vec::new();
+            for p in parts().flat_map(&ptrs) {
+                match want.last_mut() {
+                    Some(l) if l.0.wrapping_add(l.1) == p.0 => l.1 += p.1,
+                    _ => want.push(p),
+                }
+            }
+            assert_eq!(ptrs(&c), want);
+            assert_eq!(c.byte_len(), parts().map(|p| p.byte_len()).sum::<usize>());
+
+            // Products against the parts' own, on 1-3 threads.
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            for (pool, act) in threads
+                .iter()
+                .flat_map(|p| [(p, Activations::F32), (p, Activations::Q8)])
+            {
+                let (mut c, n) = (c.clone(), 40);
+                c.set_activations(act);
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0)
+                    .collect();
+                let run = |m: &QMatrix, k: usize| {
+                    let mut y = vec![f32::NAN; k * m.rows];
+                    pool.install(|| match k {
+                        1 => m.matvec(&x[..cols], &mut y),
+                        3 => m.matvec_rows(&x, &mut y, &[2, 0, 1]),
+                        _ => m.matmul(&x[..k * cols], k, &mut y),
+                    });
+                    y
+                };
+                for k in [1, 3, 5, 40] {
+                    let got = run(&c, k);
+                    let mut parts_y: Vec<Vec<f32>> = Vec::new();
+                    for p in parts() {
+                        let mut p = p.clone();
+                        p.set_activations(act);
+                        parts_y.push(run(&p, k));
+                    }
+                    for i in 0..k {
+                        let want: Vec<f32> = ms
+                            .iter()
+                            .zip(&parts_y)
+                            .flat_map(|(p, y)| y[i * p.rows..(i + 1) * p.rows].to_vec())
+                            .collect();
+                        let (ty, act) = (ty, act);
+                        assert_eq!(
+                            bits(&got[i * c.rows..(i + 1) * c.rows]),
+                            bits(&want),
+                            "{ty:?} {act:?} {} parts, {} threads, {k} inputs, input {i}",
+                            ms.len(),
+                            pool.current_num_threads()
+                        );
+                    }
+                }
+            }
+            // A view across a seam is the rows of the parts.
+            let v = c.row_view(ms[0].rows - 3, 6);
+            let (mut r, mut w) = (vec![0.0; cols], vec![0.0; cols]);
+            for i in 0..6 {
+                v.dequantize_row(i, &mut r);
+                c.dequantize_row(ms[0].rows - 3 + i, &mut w);
+                assert_eq!(bits(&r), bits(&w));
+            }
+            assert_eq!(v.byte_runs().count(), 2.min(ptrs(&c).len()));
+        }
     }
-    // A view of a stack's rows is the part: same bytes, same products.
-    let c = QMatrix::concat_rows(&[&alone, &top]).unwrap();
-    let v = c.row_view(rows, rows);
-    assert_eq!(v.bytes(), top.bytes());
-    let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
-    let (mut y1, mut y2) = (vec![0.0; rows], vec![0.0; rows]);
-    top.matvec(&x, &mut y1);
-    v.matvec(&x, &mut y2);
-    assert_eq!(y1, y2);
-    assert_eq!(QMatrix::heap_bytes([&c, &v]), 2 * rows * rb);
 }
