@@ -57,6 +57,18 @@ pub fn load_model(m: &ModelArg) -> Result<Loaded> {
         None => default_model()?,
     };
     let (mut model, tok) = minikv_models::load(&path)?;
+    // Building the tokenizer allocates far more than it keeps (Gemma 3's
+    // 262,144 pieces: every split of every piece as a pair of strings, about
+    // 118 MB at the peak); glibc keeps the freed small blocks mapped, so a
+    // run would carry them for its whole life. Hand them back once, here.
+    // Measured on Gemma 3 270M during `generate` (docs/performance.md):
+    // 128.8 MB of anonymous memory before, 89.7 MB after.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `malloc_trim` only returns free heap pages to the system; no
+    // live allocation moves.
+    unsafe {
+        libc::malloc_trim(0);
+    }
     model.set_activations(m.activations);
     crate::provenance::set_activations(m.activations);
     Ok(Loaded {
