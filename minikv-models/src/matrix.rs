@@ -301,6 +301,15 @@ impl QMatrix {
         if crate::blocks_x86_512::available(self.dtype) {
             return self.matvec_rows_512(x, y, sel);
         }
+        self.matvec_rows_dots(x, y, sel);
+    }
+
+    /// [`Self::matvec_rows`] a weight row at a time against the inputs
+    /// ([`dots`]): `Q4_1` and `Q8_0` on AVX2 (as on a CPU without AVX-512;
+    /// a test runs it on any x86 CPU), the k-quants on their own kernels,
+    /// other types by the portable dots.
+    fn matvec_rows_dots(&self, x: &[f32], y: &mut [f32], sel: &[usize]) {
+        let cols = self.cols;
         let nb = cols / 32;
         let mut sums = Vec::new();
         if crate::blocks::needs_block_sums(self.dtype) {
@@ -445,24 +454,37 @@ fn dots(
         use crate::blocks_x86::{dot_q4_1_n, dot_q8_0_n};
         match ty {
             GgmlType::Q4_1 if w.len() >= nb * 20 && per >= nb && cols == 32 * nb => {
-                let mut j = 0;
-                while j < sel.len() {
-                    let left = sel.len() - j;
-                    // SAFETY: features enabled (cfg); `w` holds nb blocks, each
-                    // input `32 nb` values and `nb` sums (checked above).
+                // Groups of four inputs, the last one of what is left (one
+                // unpacking of each block for all of a group's inputs).
+                //
+                // SAFETY (callers): `w` holds nb blocks, each input `32 nb`
+                // values and `nb` sums.
+                unsafe fn group<const N: usize>(
+                    j: usize,
+                    w: &[u8],
+                    nb: usize,
+                    xrow: impl Fn(usize) -> *const f32,
+                    srow: impl Fn(usize) -> *const f32,
+                    out: &mut impl FnMut(usize, f32),
+                ) {
+                    let mut o = [0.0; N];
+                    let xs = std::array::from_fn(|k| xrow(j + k));
+                    let ss = std::array::from_fn(|k| srow(j + k));
+                    // SAFETY: features enabled (cfg); the sizes as the
+                    // caller guarantees.
+                    unsafe { dot_q4_1_n::<N>(w, nb, xs, ss, &mut o) };
+                    o.iter().enumerate().for_each(|(k, &v)| out(j + k, v));
+                }
+                let (xp, sp) = (|j| xrow(j).as_ptr(), |j| srow(j).as_ptr());
+                for j in (0..sel.len()).step_by(4) {
+                    // SAFETY: `w` holds nb blocks, each input `32 nb` values
+                    // and `nb` sums (checked above).
                     unsafe {
-                        if left >= 4 {
-                            let mut o = [0.0; 4];
-                            let xs = std::array::from_fn(|k| xrow(j + k).as_ptr());
-                            let ss = std::array::from_fn(|k| srow(j + k).as_ptr());
-                            dot_q4_1_n::<4>(w, nb, xs, ss, &mut o);
-                            o.iter().enumerate().for_each(|(k, &v)| out(j + k, v));
-                            j += 4;
-                        } else {
-                            let mut o = [0.0; 1];
-                            dot_q4_1_n::<1>(w, nb, [xrow(j).as_ptr()], [srow(j).as_ptr()], &mut o);
-                            out(j, o[0]);
-                            j += 1;
+                        match sel.len() - j {
+                            1 => group::<1>(j, w, nb, xp, sp, &mut out),
+                            2 => group::<2>(j, w, nb, xp, sp, &mut out),
+                            3 => group::<3>(j, w, nb, xp, sp, &mut out),
+                            _ => group::<4>(j, w, nb, xp, sp, &mut out),
                         }
                     }
                 }

@@ -173,6 +173,40 @@ fn matvec_rows_are_bitwise_equal_to_single_row_dots() {
     }
 }
 
+/// The batched `Q4_1` and `Q8_0` products a weight row at a time (on AVX2
+/// groups of up to four / two inputs: the route of a CPU without AVX-512,
+/// run here whatever the CPU has) give every input bitwise its single-row
+/// dot, for 1 to 11 inputs taken out of order (every group and remainder).
+#[test]
+fn row_at_a_time_batches_are_bitwise_the_single_row_dots() {
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        let (rows, cols) = (19, 192);
+        let m = random_matrix(ty, rows, cols, 11);
+        for n in 1..=11usize {
+            let x: Vec<f32> = (0..(n + 1) * cols)
+                .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + i as f32 * 1e-3))
+                .collect();
+            let sel: Vec<usize> = (1..=n).rev().collect();
+            let mut y = vec![f32::NAN; (n + 1) * rows];
+            m.matvec_rows_dots(&x, &mut y, &sel);
+            let mut xs = Vec::new();
+            for &i in &sel {
+                let xi = &x[i * cols..(i + 1) * cols];
+                block_sums(xi, &mut xs);
+                for r in 0..rows {
+                    let want = dot_row(ty, m.row(r), xi, &xs);
+                    let got = y[i * rows + r];
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{ty:?} n={n} input {i} row {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Batched decode products of `Q5_0`, `Q4_K` and `Q6_K` matrices (tiles of
 /// up to eight inputs on 512-bit registers where the CPU has AVX-512F)
 /// give every input bitwise the portable loop's dot, for batches of 2 to
