@@ -349,7 +349,7 @@ mod x86 {
 
 /// A row of `ty` (one [`applies`] to) dot every input of `a`, into `out`:
 /// bitwise equal to [`dot`] per input, with each `Q4_1` / `Q8_0` weight
-/// block widened once per group of four inputs on AVX2.
+/// block widened once per group of up to four inputs on AVX2.
 pub(crate) fn dot_many(src: &[u8], ty: GgmlType, a: &[&Q8Vec], out: &mut [f32]) {
     #[cfg(x86_kernels)]
     {
@@ -358,26 +358,31 @@ pub(crate) fn dot_many(src: &[u8], ty: GgmlType, a: &[&Q8Vec], out: &mut [f32]) 
         let nb = a.first().map_or(0, |v| v.d.len());
         let grouped = matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0);
         if grouped && a.iter().all(|v| v.d.len() == nb) && src.len() >= nb * bb {
-            let mut j = 0;
-            while j < a.len() {
-                // SAFETY: AVX2/FMA enabled (cfg); `src` holds `nb` blocks and
-                // every input `nb` blocks (checked above).
+            // Groups of four inputs, the last one of what is left.
+            //
+            // SAFETY (callers): AVX2/FMA enabled (cfg); `src` holds `nb`
+            // blocks and every input `nb` blocks.
+            unsafe fn group<const N: usize>(src: &[u8], q4: bool, g: &[&Q8Vec], out: &mut [f32]) {
+                let (g, mut o) = (std::array::from_fn(|k| g[k]), [0.0; N]);
+                // SAFETY: as the caller guarantees.
                 unsafe {
-                    if a.len() - j >= 4 {
-                        let mut o = [0.0; 4];
-                        let g = [a[j], a[j + 1], a[j + 2], a[j + 3]];
-                        match q4 {
-                            true => x86::dot_q4_1_n::<4>(src, g, &mut o),
-                            false => x86::dot_q8_0_n::<4>(src, g, &mut o),
-                        }
-                        out[j..j + 4].copy_from_slice(&o);
-                        j += 4;
-                    } else {
-                        out[j] = match q4 {
-                            true => x86::dot_q4_1(src, a[j]),
-                            false => x86::dot_q8_0(src, a[j]),
-                        };
-                        j += 1;
+                    match q4 {
+                        true => x86::dot_q4_1_n::<N>(src, g, &mut o),
+                        false => x86::dot_q8_0_n::<N>(src, g, &mut o),
+                    }
+                }
+                out[..N].copy_from_slice(&o);
+            }
+            for j in (0..a.len()).step_by(4) {
+                let (g, o) = (&a[j..], &mut out[j..]);
+                // SAFETY: `src` holds `nb` blocks and every input `nb`
+                // blocks (checked above).
+                unsafe {
+                    match a.len() - j {
+                        1 => group::<1>(src, q4, g, o),
+                        2 => group::<2>(src, q4, g, o),
+                        3 => group::<3>(src, q4, g, o),
+                        _ => group::<4>(src, q4, g, o),
                     }
                 }
             }
@@ -524,6 +529,37 @@ mod tests {
             xb[17] = bad;
             // SAFETY: as above.
             assert!(unsafe { crate::q8_x86_512::quantize_block(&xb, &mut [0; 32]) }.is_none());
+        }
+    }
+
+    /// A row against 1 to 11 inputs at once (AVX2 groups of up to four) is
+    /// bitwise each input's own dot.
+    #[test]
+    fn many_inputs_are_bitwise_the_single_dots() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let nb = 18;
+        let (q41, q80) = crate::blocks::tests::random_rows(&mut rng, nb);
+        for n in 1..=11 {
+            let a: Vec<Q8Vec> = (0..n)
+                .map(|_| {
+                    let x: Vec<f32> = (0..32 * nb).map(|_| rng.random_range(-4.0..4.0)).collect();
+                    let mut a = Q8Vec::default();
+                    a.quantize(&x);
+                    a
+                })
+                .collect();
+            let refs: Vec<&Q8Vec> = a.iter().collect();
+            for (ty, row) in [(GgmlType::Q4_1, &q41), (GgmlType::Q8_0, &q80)] {
+                let mut out = vec![f32::NAN; n];
+                dot_many(row, ty, &refs, &mut out);
+                for (j, v) in a.iter().enumerate() {
+                    assert_eq!(
+                        out[j].to_bits(),
+                        dot(ty, row, v).to_bits(),
+                        "{ty:?} n={n} input {j}"
+                    );
+                }
+            }
         }
     }
 
