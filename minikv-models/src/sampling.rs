@@ -84,8 +84,14 @@ impl Sampler {
         if self.cfg.temperature == 0.0 || logits.len() < 2 {
             return Ok(argmax(logits));
         }
+        let best = argmax(logits);
+        let m = logits[best as usize];
+        if !m.is_finite() {
+            // An infinite logit takes all the mass (all `-inf`: none has
+            // any, the argmax's rule picks).
+            return Ok(best);
+        }
         let inv_t = 1.0 / self.cfg.temperature;
-        let m = logits[argmax(logits) as usize];
         let p = &mut self.p;
         p.clear();
         p.extend(logits.iter().map(|x| ((x - m) * inv_t).exp()));
@@ -101,7 +107,7 @@ impl Sampler {
                     return Ok(i as u32);
                 }
             }
-            return Ok(argmax(logits));
+            return Ok(best);
         }
         p.iter_mut().for_each(|x| *x /= z);
         let (cut, mass) = nucleus(p, &mut self.idx, self.cfg.top_p);
@@ -323,6 +329,11 @@ mod tests {
                 w[i] / z
             );
         }
+        // An infinite logit is the token (the argmax's rule when all are -inf).
+        let mut inf = [0.5f32; 7];
+        inf[4] = f32::INFINITY;
+        assert_eq!(s.sample(&inf).unwrap(), 4);
+        assert_eq!(s.sample(&[f32::NEG_INFINITY; 5]).unwrap(), 0);
         // The same seed, the same draws.
         let mut again = Sampler::new(cfg).unwrap();
         let mut s = Sampler::new(cfg).unwrap();
