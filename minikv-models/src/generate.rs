@@ -65,7 +65,7 @@ pub fn generate(
     let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut out: Vec<u32> = Vec::new();
-    let mut shown = 0usize;
+    let mut detok = crate::Detokenizer::default();
     let mut stop = StopReason::MaxTokens;
     while out.len() < max_tokens {
         let next = sampler.sample(&logits)?;
@@ -74,10 +74,9 @@ pub fn generate(
             break;
         }
         out.push(next);
-        let text = tok.decode(&out)?;
-        if text.len() > shown && text.is_char_boundary(shown) && !text.ends_with('\u{FFFD}') {
-            on_text(&text[shown..]);
-            shown = text.len();
+        let delta = detok.push(tok, next)?;
+        if !delta.is_empty() {
+            on_text(&delta);
         }
         if out.len() >= max_tokens {
             break;
@@ -88,10 +87,11 @@ pub fn generate(
         }
         logits = model.forward(&[next], cache, &mut ws, Logits::Last)?;
     }
-    let text = tok.decode(&out)?;
-    if text.len() > shown {
-        on_text(&text[shown.min(text.len())..]);
+    let tail = detok.flush(tok)?;
+    if !tail.is_empty() {
+        on_text(&tail);
     }
+    let text = tok.decode(&out)?;
     Ok(Generation {
         prompt_tokens: prompt.len(),
         tokens: out,

@@ -32,6 +32,7 @@ mod blocks_x86_512;
 pub mod chat;
 #[cfg(x86_kernels)]
 mod dequant_x86_512;
+mod detok;
 pub mod gemma3;
 mod generate;
 pub mod gguf;
@@ -55,6 +56,7 @@ mod tokenizer;
 
 pub use batch::SeqStep;
 pub use chat::{ChatMessage, ChatTemplate};
+pub use detok::Detokenizer;
 pub use gemma3::{Gemma3, Gemma3Config};
 pub use generate::{
     ChunkedPerplexity, Generation, Perplexity, StopReason, generate, nll_of, perplexity,

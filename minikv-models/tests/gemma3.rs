@@ -261,3 +261,21 @@ fn sliding_layers_are_rings_and_compression_governs_global_layers() {
         assert_eq!(mem.full_fp16_bytes, 2 * 2 * 256 * (15 * 512 + 3 * 901));
     }
 }
+
+/// Streamed text is the whole decode for Gemma's byte-fallback pieces too
+/// (characters outside the vocabulary arrive as `<0xXX>` bytes over several
+/// tokens).
+#[test]
+fn streamed_deltas_are_the_whole_decode() {
+    let (_, t) = model();
+    let text = "Ünïcödé 🦀🧬 ꙮ 𓂀 漢字 \t\n  x";
+    let ids = t.encode(text).unwrap();
+    let mut d = minikv_models::Detokenizer::default();
+    let mut streamed = String::new();
+    for &id in &ids {
+        streamed.push_str(&d.push(t, id).unwrap());
+    }
+    streamed.push_str(&d.flush(t).unwrap());
+    assert!(!streamed.contains('\u{FFFD}'), "{streamed:?}");
+    assert_eq!(streamed, t.decode(&ids).unwrap());
+}

@@ -376,3 +376,23 @@ fn safetensors_export_loads_to_the_same_logits() {
     std::fs::remove_dir_all(&dir).ok();
     assert!(worst < 1e-3, "max abs logit difference {worst}");
 }
+
+/// Streamed text is the whole decode: the detokenizer's deltas, token by
+/// token, concatenate to `decode(all)`, through multi-byte characters split
+/// over tokens (emoji, CJK), digits, newlines and runs of spaces.
+#[test]
+fn streamed_deltas_are_the_whole_decode() {
+    let (_, t) = model();
+    let text = "Hello   wörld 🦀🎉 漢字かな 12345\n\n\tend. «quoted» — done";
+    let ids = t.encode(text).unwrap();
+    let mut d = minikv_models::Detokenizer::default();
+    let mut streamed = String::new();
+    for &id in &ids {
+        let delta = d.push(t, id).unwrap();
+        assert!(!delta.contains('\u{FFFD}'), "{delta:?}");
+        streamed.push_str(&delta);
+    }
+    streamed.push_str(&d.flush(t).unwrap());
+    assert_eq!(streamed, t.decode(&ids).unwrap());
+    assert!(streamed.contains("🦀🎉 漢字かな"), "{streamed:?}");
+}

@@ -5,7 +5,7 @@ use crate::App;
 use crate::api;
 use crate::error::ApiError;
 use crate::job::{Job, Kind, chat_job, completion_job};
-use crate::text::{Detokenizer, StopText};
+use crate::text::StopText;
 use crate::worker::{Cmd, Out};
 use axum::body::Body;
 use axum::extract::State;
@@ -14,6 +14,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream;
 use minikv_engine::{Finish, Finished, Request, TokenLogprob};
+use minikv_models::Detokenizer;
 use serde_json::{Value, json};
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -67,7 +68,7 @@ struct Gen {
 impl Gen {
     fn new(app: &Arc<App>, stops: Vec<String>, chars: usize) -> Self {
         Self {
-            detok: Detokenizer::new(app.tok.clone()),
+            detok: Detokenizer::default(),
             stop: StopText::new(stops),
             app: app.clone(),
             tokens: 0,
@@ -89,7 +90,7 @@ impl Gen {
         let offset = self.chars;
         let delta = self
             .detok
-            .push(token)
+            .push(&self.app.tok, token)
             .map_err(|e| ApiError::internal(e.to_string()))?;
         let r = self.stop.push(&delta);
         self.stopped = r.stopped;
@@ -109,7 +110,7 @@ impl Gen {
         if self.stopped {
             return String::new();
         }
-        let tail = self.detok.flush().unwrap_or_default();
+        let tail = self.detok.flush(&self.app.tok).unwrap_or_default();
         let mut r = self.stop.push(&tail);
         if r.stopped {
             self.stopped = true;
