@@ -23,6 +23,8 @@ pub struct QMatrix {
 }
 
 thread_local! {
+    /// The block sums of an f32 matvec's input (reused: no allocation per call).
+    static SUMS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// The 8-bit input of a [`Activations::Q8`] matvec (reused: no allocation per call).
     static Q8_INPUT: RefCell<Q8Vec> = RefCell::new(Q8Vec::default());
     /// The 8-bit inputs of a batched [`Activations::Q8`] product, laid out
@@ -208,10 +210,22 @@ impl QMatrix {
                 Err(_) => self.matvec_q8(x, &mut Q8Vec::default(), y),
             });
         }
-        let mut xs = Vec::new();
+        // The input's block sums in a reused buffer (none allocated per
+        // call); a nested call on this thread gets its own.
+        SUMS.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut s) => self.matvec_f32(x, &mut s, y),
+            Err(_) => self.matvec_f32(x, &mut Vec::new(), y),
+        })
+    }
+
+    /// [`Self::matvec`] with f32 activations, `xs` a buffer for the
+    /// input's block sums.
+    fn matvec_f32(&self, x: &[f32], xs: &mut Vec<f32>, y: &mut [f32]) {
+        xs.clear();
         if crate::blocks::needs_block_sums(self.dtype) {
-            block_sums(x, &mut xs);
+            block_sums(x, xs);
         }
+        let xs: &[f32] = xs;
         let (ty, rb) = (self.dtype, self.dtype.row_bytes(self.cols));
         #[cfg(x86_kernels)]
         if (matches!(ty, GgmlType::Q4_1 | GgmlType::Q8_0) || crate::kquant_x86::handles(ty))
@@ -228,17 +242,17 @@ impl QMatrix {
             // a task's rows are whole, `xs` holds the block sums.
             let f = |w: &[u8], o: &mut [f32]| unsafe {
                 match (blocks, wide) {
-                    (true, true) => crate::blocks_x86_512::matvec(ty, w, x, &xs, o),
-                    (true, false) => crate::blocks_x86::matvec(ty, w, x, &xs, o),
-                    (false, true) => crate::kquant_x86_512::matvec(ty, w, x, &xs, o),
-                    (false, false) => crate::kquant_x86::matvec(ty, w, x, &xs, o),
+                    (true, true) => crate::blocks_x86_512::matvec(ty, w, x, xs, o),
+                    (true, false) => crate::blocks_x86::matvec(ty, w, x, xs, o),
+                    (false, true) => crate::kquant_x86_512::matvec(ty, w, x, xs, o),
+                    (false, false) => crate::kquant_x86::matvec(ty, w, x, xs, o),
                 }
             };
             return self.tasks_into(y, f);
         }
         self.tasks_into(y, |w, o| {
             let rows = w.chunks_exact(rb).zip(o);
-            rows.for_each(|(row, o)| *o = dot_row(ty, row, x, &xs));
+            rows.for_each(|(row, o)| *o = dot_row(ty, row, x, xs));
         });
     }
 
