@@ -384,15 +384,7 @@ fn safetensors_export_loads_to_the_same_logits() {
 fn streamed_deltas_are_the_whole_decode() {
     let (_, t) = model();
     let text = "Hello   wörld 🦀🎉 漢字かな 12345\n\n\tend. «quoted» — done";
-    let ids = t.encode(text).unwrap();
-    let mut d = minikv_models::Detokenizer::default();
-    let mut streamed = String::new();
-    for &id in &ids {
-        let delta = d.push(t, id).unwrap();
-        assert!(!delta.contains('\u{FFFD}'), "{delta:?}");
-        streamed.push_str(&delta);
-    }
-    streamed.push_str(&d.flush(t).unwrap());
-    assert_eq!(streamed, t.decode(&ids).unwrap());
+    let (streamed, whole) = minikv_test_support::streamed_and_whole(t, text);
+    assert_eq!(streamed, whole);
     assert!(streamed.contains("🦀🎉 漢字かな"), "{streamed:?}");
 }

@@ -125,3 +125,19 @@ pub fn tmp_dir(tag: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display()));
     d
 }
+
+/// `text` encoded, then streamed back token by token through a
+/// [`minikv_models::Detokenizer`]: (the concatenated deltas, the decode of
+/// all the tokens at once). Panics if a delta holds a partial character.
+pub fn streamed_and_whole(tok: &Tokenizer, text: &str) -> (String, String) {
+    let ids = tok.encode(text).expect("encodes");
+    let mut d = minikv_models::Detokenizer::default();
+    let mut streamed = String::new();
+    for &id in &ids {
+        let delta = d.push(tok, id).expect("decodes");
+        assert!(!delta.contains('\u{FFFD}'), "{delta:?}");
+        streamed.push_str(&delta);
+    }
+    streamed.push_str(&d.flush(tok).expect("decodes"));
+    (streamed, tok.decode(&ids).expect("decodes"))
+}
