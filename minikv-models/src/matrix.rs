@@ -446,6 +446,29 @@ mod runs;
 pub use prefill::Segments;
 use runs::Runs;
 
+/// One `Q4_1` weight row against inputs `j .. j + N` (each block unpacked
+/// once for the group), handed to `out` as [`dots`] does.
+///
+/// # Safety
+/// AVX2/FMA/F16C (cfg); `w` holds `nb` blocks, each input `32 nb` values
+/// and `nb` sums.
+#[cfg(x86_kernels)]
+unsafe fn q4_1_group<const N: usize>(
+    j: usize,
+    w: &[u8],
+    nb: usize,
+    xrow: impl Fn(usize) -> *const f32,
+    srow: impl Fn(usize) -> *const f32,
+    out: &mut impl FnMut(usize, f32),
+) {
+    let mut o = [0.0; N];
+    let xs = std::array::from_fn(|k| xrow(j + k));
+    let ss = std::array::from_fn(|k| srow(j + k));
+    // SAFETY: as the caller guarantees.
+    unsafe { crate::blocks_x86::dot_q4_1_n::<N>(w, nb, xs, ss, &mut o) };
+    o.iter().enumerate().for_each(|(k, &v)| out(j + k, v));
+}
+
 /// Dot products of one weight row `w` with the inputs `sel` of `x`, each
 /// result handed to `out(j, value)`; bitwise equal to [`dot_row`] per input.
 #[allow(clippy::too_many_arguments)]
@@ -465,40 +488,20 @@ fn dots(
     let srow = |j: usize| &sums[j * per..(j + 1) * per];
     #[cfg(x86_kernels)]
     {
-        use crate::blocks_x86::{dot_q4_1_n, dot_q8_0_n};
+        use crate::blocks_x86::dot_q8_0_n;
         match ty {
             GgmlType::Q4_1 if w.len() >= nb * 20 && per >= nb && cols == 32 * nb => {
-                // Groups of four inputs, the last one of what is left (one
-                // unpacking of each block for all of a group's inputs).
-                //
-                // SAFETY (callers): `w` holds nb blocks, each input `32 nb`
-                // values and `nb` sums.
-                unsafe fn group<const N: usize>(
-                    j: usize,
-                    w: &[u8],
-                    nb: usize,
-                    xrow: impl Fn(usize) -> *const f32,
-                    srow: impl Fn(usize) -> *const f32,
-                    out: &mut impl FnMut(usize, f32),
-                ) {
-                    let mut o = [0.0; N];
-                    let xs = std::array::from_fn(|k| xrow(j + k));
-                    let ss = std::array::from_fn(|k| srow(j + k));
-                    // SAFETY: features enabled (cfg); the sizes as the
-                    // caller guarantees.
-                    unsafe { dot_q4_1_n::<N>(w, nb, xs, ss, &mut o) };
-                    o.iter().enumerate().for_each(|(k, &v)| out(j + k, v));
-                }
+                // Groups of four inputs, the last one of what is left.
                 let (xp, sp) = (|j| xrow(j).as_ptr(), |j| srow(j).as_ptr());
                 for j in (0..sel.len()).step_by(4) {
                     // SAFETY: `w` holds nb blocks, each input `32 nb` values
                     // and `nb` sums (checked above).
                     unsafe {
                         match sel.len() - j {
-                            1 => group::<1>(j, w, nb, xp, sp, &mut out),
-                            2 => group::<2>(j, w, nb, xp, sp, &mut out),
-                            3 => group::<3>(j, w, nb, xp, sp, &mut out),
-                            _ => group::<4>(j, w, nb, xp, sp, &mut out),
+                            1 => q4_1_group::<1>(j, w, nb, xp, sp, &mut out),
+                            2 => q4_1_group::<2>(j, w, nb, xp, sp, &mut out),
+                            3 => q4_1_group::<3>(j, w, nb, xp, sp, &mut out),
+                            _ => q4_1_group::<4>(j, w, nb, xp, sp, &mut out),
                         }
                     }
                 }
