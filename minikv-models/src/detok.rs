@@ -35,10 +35,7 @@ impl Detokenizer {
         let prev = tok.decode(&self.ids[self.prefix..self.read])?;
         let now = tok.decode(&self.ids[self.prefix..])?;
         if now.len() > prev.len() && !now.ends_with('\u{FFFD}') {
-            let delta = match now.strip_prefix(prev.as_str()) {
-                Some(d) => d.to_owned(),
-                None => now.chars().skip(prev.chars().count()).collect(),
-            };
+            let delta = after(&prev, &now);
             self.prefix = self.read;
             self.read = self.ids.len();
             return Ok(delta);
@@ -55,9 +52,15 @@ impl Detokenizer {
         let now = tok.decode(&self.ids[self.prefix..])?;
         self.prefix = self.ids.len();
         self.read = self.ids.len();
-        Ok(match now.strip_prefix(prev.as_str()) {
-            Some(d) => d.to_owned(),
-            None => now.chars().skip(prev.chars().count()).collect(),
-        })
+        Ok(after(&prev, &now))
+    }
+}
+
+/// What `now` adds to `prev`: the rest of `now` after `prev`, or after as
+/// many characters when the decode of the longer window rewrote them.
+fn after(prev: &str, now: &str) -> String {
+    match now.strip_prefix(prev) {
+        Some(d) => d.to_owned(),
+        None => now.chars().skip(prev.chars().count()).collect(),
     }
 }

@@ -62,7 +62,7 @@ pub fn load_model(m: &ModelArg) -> Result<Loaded> {
     // 118 MB at the peak); glibc keeps the freed small blocks mapped, so a
     // run would carry them for its whole life. Hand them back once, here.
     // Measured on Gemma 3 270M during `generate` (docs/performance.md):
-    // 128.8 MB of anonymous memory before, 89.7 MB after.
+    // 128.8 MB of anonymous memory before, 89.4-89.8 MB after.
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: `malloc_trim` only returns free heap pages to the system; no
     // live allocation moves.
